@@ -1,0 +1,38 @@
+"""tritoff's Triton kernels (shipped as ``tritoff.kernels``), each with its PyTorch reference beside it."""
+
+from .backend import has_triton, interpreting, native_fp8, triton_runs_on
+from .quantize import pow2_exponents, quantize, quantize_reference
+from .upcast import (
+    BLOCK,
+    BLOCK_ZERO_COPY,
+    KIND_CAST_BF16,
+    KIND_CAST_FP16,
+    KIND_COPY,
+    KIND_FP8,
+    TABLE_COLUMNS,
+    chunk_starts,
+    upcast_pack,
+    upcast_pack_reference,
+    upcast_pack_zero_copy,
+)
+
+__all__ = [
+    "BLOCK",
+    "BLOCK_ZERO_COPY",
+    "KIND_CAST_BF16",
+    "KIND_CAST_FP16",
+    "KIND_COPY",
+    "KIND_FP8",
+    "TABLE_COLUMNS",
+    "chunk_starts",
+    "has_triton",
+    "interpreting",
+    "native_fp8",
+    "pow2_exponents",
+    "quantize",
+    "quantize_reference",
+    "triton_runs_on",
+    "upcast_pack",
+    "upcast_pack_reference",
+    "upcast_pack_zero_copy",
+]

@@ -1,0 +1,70 @@
+"""Where the Triton kernels can run, decided in one place.
+
+Importing this module never touches the GPU: every question is answered lazily, on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU in its interpreter (``TRITON_INTERPRET=1`` before triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def has_triton() -> bool:
+    """True when the ``triton`` package can be imported."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_runs_on(device: torch.device | str) -> bool:
+    """True when a Triton kernel can run on tensors of ``device``: CUDA with Triton, or any device when interpreting."""
+    if not has_triton():
+        return False
+    if interpreting():
+        return torch.device(device).type == "cpu"
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+def native_fp8(device: torch.device | str) -> bool:
+    """Whether kernels may use the hardware fp8 conversions on ``device``.
+
+    Compute capability >= 8.9 converts e4m3/e5m2 natively. Older GPUs have no e4m3 conversion, so the kernels decode and
+    encode from the uint8 bits. The interpreter's fp32->fp8 cast does not carry a rounding overflow into the exponent
+    (31.75 became 16.0 in e4m3; 22 of 4096 random values differed from PyTorch), so it takes the bit path too.
+    """
+    if interpreting() or torch.device(device).type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(torch.device(device)) >= (8, 9)
+
+
+def register_op(name: str, mutates_args: tuple[str, ...]):
+    """Register a Triton launcher as the torch custom op ``tritoff::<name>``.
+
+    Compiled Triton goes through ``triton_op`` + ``wrap_triton`` so torch.compile traces into the kernel. The interpreter
+    cannot run under fake tensors, so there the launcher becomes an opaque ``custom_op`` whose fake mutates nothing.
+    """
+
+    def decorate(launcher):
+        if interpreting():
+            op = torch.library.custom_op(f"tritoff::{name}", mutates_args=mutates_args)(launcher)
+            op.register_fake(lambda *args, **kwargs: None)
+            return op
+        return torch.library.triton_op(f"tritoff::{name}", mutates_args=mutates_args)(launcher)
+
+    return decorate
+
+
+def launch(kernel):
+    """Wrap a ``@triton.jit`` kernel for launching from a registered op (``wrap_triton`` unless interpreting)."""
+    if interpreting():
+        return kernel
+    from torch.library import wrap_triton
+
+    return wrap_triton(kernel)

@@ -1,0 +1,216 @@
+"""Turn a whole pack into the tensors a block computes with, in one launch: Triton kernel, launchers, PyTorch reference.
+
+A pack is a byte buffer holding fp8 payloads, their fp32 scales and tensors kept as they are. Its *table* (int64,
+``TABLE_COLUMNS`` per tensor, on the kernel's device) says where each tensor is and where its output goes:
+
+    chunk_start  first program id of this tensor (programs are numbered tensor after tensor)
+    kind         KIND_COPY: copy 4-byte words; KIND_FP8: fp8 codes * per-row scale -> out dtype;
+                 KIND_CAST_BF16 / KIND_CAST_FP16: 16-bit floats widened to the out dtype (fp32)
+    src_offset   byte offset of the payload in the pack (256-byte aligned)
+    dst_offset   byte offset of the output in the destination buffer (256-byte aligned)
+    numel        elements (KIND_COPY: 4-byte words, the payload rounded up; padding is allocated on both sides)
+    row_len      elements per scale row (numel for a per-tensor scale)
+    scale_offset byte offset of the fp32 scales in the pack
+
+Two transports share the kernel. ``upcast_pack`` reads a GPU staging copy of the pack (its bytes arrive by one
+cudaMemcpyAsync on the copy engine). ``upcast_pack_zero_copy`` reads the page-locked host arena directly over PCIe, so
+copy and upcast are one pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tritoff.formats import StorageFormat
+
+from .backend import launch, native_fp8, register_op
+from .fp8_bits import decode_fp8_bits
+
+KIND_COPY, KIND_FP8, KIND_CAST_BF16, KIND_CAST_FP16 = 0, 1, 2, 3
+TABLE_COLUMNS = 8
+COL_CHUNK_START, COL_KIND, COL_SRC, COL_DST, COL_NUMEL, COL_ROW_LEN, COL_SCALE = range(7)
+
+# Elements per program. 4096 fp8 codes = 4 KiB read and 8 KiB of bf16 written per program: 32 elements a thread at
+# 4 warps, enough independent 16-byte accesses in flight; an ffn weight of Wan-14B (5120x13824) is ~17k programs.
+BLOCK = 4096
+# Zero-copy reads cross PCIe with ~1-2 us latency, so more bytes per program keeps more requests in flight.
+BLOCK_ZERO_COPY = 8192
+
+_OUT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_OUT_TL = (tl.bfloat16, tl.float16, tl.float32)
+
+
+def chunks_for(numel: int, block: int = BLOCK) -> int:
+    """Programs the kernel spends on a tensor of ``numel`` units."""
+    return -(-numel // block)
+
+
+def chunk_starts(numels: list[int], block: int = BLOCK) -> list[int]:
+    """The ``chunk_start`` column for tensors of ``numels`` units, and (last entry) the total number of programs."""
+    starts = [0]
+    for n in numels:
+        starts.append(starts[-1] + chunks_for(n, block))
+    return starts
+
+
+@triton.jit
+def _upcast_pack_kernel(
+    src_ptr,
+    dst_ptr,
+    table_ptr,
+    n_tensors,
+    OUT_DTYPE: tl.constexpr,
+    FP8_DTYPE: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    EXPONENT_BIAS: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+    MAX_TENSORS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    # Which tensor this program works on: count the chunk starts at or below pid (one vector load, no search loop).
+    t_idx = tl.arange(0, MAX_TENSORS)
+    starts = tl.load(table_ptr + t_idx * 8, mask=t_idx < n_tensors, other=2**62)
+    t = tl.sum((starts <= pid).to(tl.int32), axis=0) - 1
+    row = table_ptr + t * 8
+    chunk = pid - tl.load(row)
+    kind = tl.load(row + 1)
+    src = src_ptr + tl.load(row + 2)
+    dst = dst_ptr + tl.load(row + 3)
+    numel = tl.load(row + 4).to(tl.int32)
+    offs = chunk.to(tl.int32) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    out = dst.to(tl.pointer_type(OUT_DTYPE), bitcast=True)
+    if kind == 1:
+        bits = tl.load(src + offs, mask=mask, other=0)
+        if NATIVE_FP8:
+            x = bits.to(FP8_DTYPE, bitcast=True).to(tl.float32)
+        else:
+            x = decode_fp8_bits(bits, MANTISSA_BITS, EXPONENT_BIAS)
+        row_len = tl.load(row + 5).to(tl.int32)
+        scales = (src_ptr + tl.load(row + 6)).to(tl.pointer_type(tl.float32), bitcast=True)
+        s = tl.load(scales + offs // row_len, mask=mask, other=1.0)
+        # scale is a power of two: the product is exact, and so is the cast to the out dtype
+        tl.store(out + offs, (x * s).to(OUT_DTYPE), mask=mask)
+    elif kind == 2:
+        x = tl.load(src.to(tl.pointer_type(tl.bfloat16), bitcast=True) + offs, mask=mask, other=0.0)
+        tl.store(out + offs, x.to(OUT_DTYPE), mask=mask)
+    elif kind == 3:
+        x = tl.load(src.to(tl.pointer_type(tl.float16), bitcast=True) + offs, mask=mask, other=0.0)
+        tl.store(out + offs, x.to(OUT_DTYPE), mask=mask)
+    else:
+        words = tl.load(src.to(tl.pointer_type(tl.int32), bitcast=True) + offs, mask=mask, other=0)
+        tl.store(dst.to(tl.pointer_type(tl.int32), bitcast=True) + offs, words, mask=mask)
+
+
+def _max_tensors(n: int) -> int:
+    # a power of two >= 16, so packs of similar size share one compiled variant
+    return max(16, triton.next_power_of_2(n))
+
+
+@register_op("upcast_pack", mutates_args=("dst",))
+def _upcast_pack_op(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    table: torch.Tensor,
+    n_programs: int,
+    out_code: int,
+    fp8_e5m2: bool,
+    native: bool,
+    block: int,
+) -> None:
+    n_tensors = table.shape[0]
+    launch(_upcast_pack_kernel)[(n_programs,)](
+        src,
+        dst,
+        table,
+        n_tensors,
+        OUT_DTYPE=_OUT_TL[out_code],
+        FP8_DTYPE=tl.float8e5 if fp8_e5m2 else tl.float8e4nv,
+        MANTISSA_BITS=2 if fp8_e5m2 else 3,
+        EXPONENT_BIAS=15 if fp8_e5m2 else 7,
+        NATIVE_FP8=native,
+        MAX_TENSORS=_max_tensors(n_tensors),
+        BLOCK=block,
+    )
+
+
+def _check(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, out_dtype: torch.dtype) -> None:
+    if src.dtype != torch.uint8 or dst.dtype != torch.uint8:
+        raise TypeError(f"pack and destination must be uint8 byte buffers, got {src.dtype} and {dst.dtype}")
+    if not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError("pack and destination buffers must be contiguous")
+    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != TABLE_COLUMNS:
+        raise ValueError(f"table must be int64 of shape (n, {TABLE_COLUMNS}), got {table.dtype} {tuple(table.shape)}")
+    if table.device != dst.device:
+        raise ValueError(f"table is on {table.device} but the destination is on {dst.device}")
+    if out_dtype not in _OUT_CODES:
+        raise ValueError(f"out dtype must be bf16, fp16 or fp32, got {out_dtype}")
+
+
+def _run(src, dst, table, n_programs, out_dtype, fmt, native, block):
+    _check(src, dst, table, out_dtype)
+    if n_programs == 0:
+        return dst
+    use_native = native_fp8(dst.device) if native is None else native
+    e5m2 = fmt.dtype == torch.float8_e5m2
+    _upcast_pack_op(src, dst, table, n_programs, _OUT_CODES[out_dtype], e5m2, use_native, block)
+    return dst
+
+
+def upcast_pack(
+    staged: torch.Tensor,
+    dst: torch.Tensor,
+    table: torch.Tensor,
+    n_programs: int,
+    out_dtype: torch.dtype,
+    fmt: StorageFormat,
+    *,
+    native: bool | None = None,
+) -> torch.Tensor:
+    """Upcast a pack staged in device memory into ``dst`` (uint8) in one launch; returns ``dst``.
+
+    ``table`` and ``n_programs`` come from the pack (built with ``BLOCK``); ``native`` forces the hardware fp8
+    conversion on or off (default: on where the device has it).
+    """
+    return _run(staged, dst, table, n_programs, out_dtype, fmt, native, BLOCK)
+
+
+def upcast_pack_zero_copy(
+    host: torch.Tensor,
+    dst: torch.Tensor,
+    table: torch.Tensor,
+    n_programs: int,
+    out_dtype: torch.dtype,
+    fmt: StorageFormat,
+    *,
+    native: bool | None = None,
+) -> torch.Tensor:
+    """Upcast a pack read directly from page-locked host memory into ``dst``; returns ``dst``.
+
+    ``host`` is a device-accessible view of the pack (see ``HostArena.device_view``; on the CPU, the pack itself).
+    ``table`` and ``n_programs`` come from the pack built with ``BLOCK_ZERO_COPY``.
+    """
+    return _run(host, dst, table, n_programs, out_dtype, fmt, native, BLOCK_ZERO_COPY)
+
+
+def upcast_pack_reference(
+    src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, out_dtype: torch.dtype, fmt: StorageFormat
+) -> torch.Tensor:
+    """PyTorch reference of the kernel (any table block size): the test oracle and the fallback without Triton."""
+    out_size = torch.empty((), dtype=out_dtype).element_size()
+    for _, kind, src_off, dst_off, numel, row_len, scale_off, _ in table.tolist():
+        if kind == KIND_COPY:
+            dst[dst_off : dst_off + 4 * numel].copy_(src[src_off : src_off + 4 * numel])
+            continue
+        out = dst[dst_off : dst_off + numel * out_size].view(out_dtype)
+        if kind == KIND_FP8:
+            x = src[src_off : src_off + numel].view(fmt.dtype).to(torch.float32).view(-1, row_len)
+            scales = src[scale_off : scale_off + 4 * (numel // row_len)].view(torch.float32)
+            out.copy_((x * scales.to(x.device)[:, None]).flatten())
+        else:
+            wide = torch.bfloat16 if kind == KIND_CAST_BF16 else torch.float16
+            out.copy_(src[src_off : src_off + 2 * numel].view(wide))
+    return dst

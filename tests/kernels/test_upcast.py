@@ -1,0 +1,150 @@
+"""kernels/upcast.py: one launch unpacks a whole pack exactly like the PyTorch reference."""
+
+import pytest
+import torch
+from conftest import poisoned
+
+from tritoff.formats import get_format
+from tritoff.kernels.quantize import quantize_reference
+from tritoff.kernels.upcast import (
+    BLOCK,
+    BLOCK_ZERO_COPY,
+    upcast_pack,
+    upcast_pack_reference,
+    upcast_pack_zero_copy,
+)
+from tritoff.pack import PackLayout, TensorSpec, write_pack
+
+E4M3, E5M2 = get_format("fp8_e4m3"), get_format("fp8_e5m2")
+
+MIXED = [  # a block's worth of odd shapes: quantized weights, kept bf16 and fp32 tensors, a bias of odd length
+    TensorSpec("to_q.weight", (96, 80), torch.bfloat16, True),
+    TensorSpec("to_q.bias", (95,), torch.bfloat16, False),
+    TensorSpec("ffn.weight", (33, 4100), torch.bfloat16, True),
+    TensorSpec("one_row.weight", (1, 7), torch.bfloat16, True),
+    TensorSpec("norm.weight", (17,), torch.float32, False),
+    TensorSpec("scale_shift_table", (1, 6, 24), torch.float32, False),
+    TensorSpec("conv.weight", (8, 3, 1, 2, 2), torch.bfloat16, True),
+]
+
+
+def _tensors(specs):
+    out = {}
+    for s in specs:
+        t = torch.randn(s.shape) * torch.logspace(-3, 0, s.shape[0]).reshape(-1, *[1] * (len(s.shape) - 1))
+        out[s.name] = t.to(s.dtype)
+    return out
+
+
+def _build(specs, fmt, granularity="row"):
+    layout = PackLayout.plan(specs, fmt, granularity)
+    data = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    tensors = _tensors(specs)
+    write_pack(layout, data, tensors, quantize_reference)
+    return layout, data, tensors
+
+
+def _compare(layout, out, data):
+    expected = upcast_pack_reference(data, poisoned(layout.out_nbytes, "cpu"), layout.table(), layout.out_dtype,
+                                     layout.storage)
+    got = layout.views(out.cpu())
+    for name, ref in layout.views(expected).items():
+        torch.testing.assert_close(got[name], ref, rtol=0, atol=0, equal_nan=False, msg=name)
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("granularity", ["row", "tensor", "none"])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "from-bits"])
+def test_staged_matches_reference(fmt, granularity, native, device):
+    layout, data, _ = _build(MIXED, fmt, granularity)
+    out = poisoned(layout.out_nbytes, device)
+    upcast_pack(data.to(device), out, layout.table(BLOCK, device), layout.n_programs(BLOCK), layout.out_dtype, fmt,
+                native=native)
+    _compare(layout, out, data)
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_zero_copy_matches_reference(fmt, device):
+    layout, data, _ = _build(MIXED, fmt)
+    if device.type == "cuda":
+        pytest.skip("the GPU version reads a registered arena: tests/tritoff/test_arena.py")
+    out = poisoned(layout.out_nbytes, device)
+    upcast_pack_zero_copy(data, out, layout.table(BLOCK_ZERO_COPY), layout.n_programs(BLOCK_ZERO_COPY),
+                          layout.out_dtype, fmt)
+    _compare(layout, out, data)
+
+
+def test_reference_recovers_kept_tensors_and_dequantizes_exactly():
+    layout, data, tensors = _build(MIXED, E4M3)
+    out = upcast_pack_reference(data, poisoned(layout.out_nbytes, "cpu"), layout.table(), layout.out_dtype, E4M3)
+    views = layout.views(out)
+    for spec in MIXED:
+        got, original = views[spec.name], tensors[spec.name]
+        assert got.dtype == spec.dtype and got.shape == original.shape
+        if not spec.quantize:
+            assert torch.equal(got, original), spec.name  # kept tensors come back bit for bit, fp32 stays fp32
+        else:
+            codes, scales = quantize_reference(original, E4M3, "row")
+            rows = codes.view(E4M3.dtype).double().reshape(codes.shape[0], -1) * scales.double()[:, None]
+            assert torch.equal(got.double(), rows.reshape(got.shape)), spec.name
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_other_compute_dtypes(out_dtype, device):
+    specs = [TensorSpec("w", (40, 70), out_dtype, True), TensorSpec("b", (40,), out_dtype, False)]
+    layout, data, _ = _build(specs, E4M3)
+    assert layout.out_dtype == out_dtype
+    out = poisoned(layout.out_nbytes, device)
+    upcast_pack(data.to(device), out, layout.table(BLOCK, device), layout.n_programs(), out_dtype, E4M3)
+    _compare(layout, out, data)
+
+
+@pytest.mark.parametrize("storage", ["bf16", "fp16"])
+def test_sixteen_bit_storage_widens_fp32_exactly(storage, device):
+    fmt = get_format(storage)
+    specs = [TensorSpec("w", (33, 65), torch.float32, True), TensorSpec("b", (33,), torch.float32, False)]
+    layout, data, tensors = _build(specs, fmt)
+    out = poisoned(layout.out_nbytes, device)
+    upcast_pack(data.to(device), out, layout.table(BLOCK, device), layout.n_programs(), layout.out_dtype, fmt)
+    _compare(layout, out, data)
+    got = layout.views(out.cpu())
+    assert torch.equal(got["w"], tensors["w"].to(fmt.dtype).float())
+    assert torch.equal(got["b"], tensors["b"])
+
+
+def test_subnormal_and_extreme_codes(device):
+    # every fp8 code except NaN, as a weight with scale 1: subnormals, +-max and signed zeros all decode exactly
+    for fmt in (E4M3, E5M2):
+        codes = torch.arange(256, dtype=torch.uint8)
+        finite = codes.view(fmt.dtype).float().isfinite()
+        specs = [TensorSpec("w", (1, int(finite.sum())), torch.bfloat16, True)]
+        layout = PackLayout.plan(specs, fmt, "none")
+        data = torch.zeros(layout.nbytes, dtype=torch.uint8)
+        e = layout.entries[0]
+        data[e.offset : e.offset + e.nbytes] = codes[finite]
+        data[e.scale_offset : e.scale_offset + 4].view(torch.float32)[0] = 1.0
+        for native in (True, False):
+            out = poisoned(layout.out_nbytes, device)
+            upcast_pack(data.to(device), out, layout.table(BLOCK, device), layout.n_programs(), torch.bfloat16, fmt,
+                        native=native)
+            got = layout.views(out.cpu())["w"].flatten()
+            expected = codes[finite].view(fmt.dtype).to(torch.bfloat16)
+            assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), (fmt.name, native)
+
+
+def test_many_tensors_in_one_pack(device):
+    # more tensors than the kernel's smallest tensor-index vector (16)
+    specs = [TensorSpec(f"l{i}.weight", (3 + i, 5 + 2 * i), torch.bfloat16, i % 3 != 0) for i in range(40)]
+    layout, data, _ = _build(specs, E4M3)
+    out = poisoned(layout.out_nbytes, device)
+    upcast_pack(data.to(device), out, layout.table(BLOCK, device), layout.n_programs(), layout.out_dtype, E4M3)
+    _compare(layout, out, data)
+
+
+def test_bad_buffers_are_refused():
+    layout, data, _ = _build(MIXED, E4M3)
+    out = torch.empty(layout.out_nbytes, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="uint8"):
+        upcast_pack(data.float(), out, layout.table(), layout.n_programs(), torch.bfloat16, E4M3)
+    with pytest.raises(ValueError, match="table"):
+        upcast_pack(data, out, layout.table()[:, :4], layout.n_programs(), torch.bfloat16, E4M3)

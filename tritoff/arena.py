@@ -1,0 +1,72 @@
+"""The host arena: every pack of a model in one allocation, page-locked on CUDA machines.
+
+The arena is one anonymous memory mapping (page-aligned, faulted in as packs are written, so host memory tracks the
+packed bytes) registered with ``cudaHostRegister``. PyTorch's ``pin_memory`` is avoided on purpose: its caching host
+allocator rounds every allocation up to a power of two (a 12 GiB model would pin 16 GiB).
+"""
+
+from __future__ import annotations
+
+import mmap
+import warnings
+
+import torch
+
+PAGE = 4096
+# cudaHostRegisterPortable | cudaHostRegisterMapped: visible to every context, and readable by kernels (zero-copy)
+_REGISTER_FLAGS = 0x01 | 0x02
+
+
+class HostArena:
+    """One host buffer of ``nbytes``; ``register`` page-locks it (default: when CUDA is available)."""
+
+    def __init__(self, nbytes: int, *, register: bool | None = None):
+        self.nbytes = int(nbytes)
+        self._map = mmap.mmap(-1, max(self.nbytes, PAGE))
+        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)[: self.nbytes]
+        self.registered = False
+        if register is None:
+            register = torch.cuda.is_available()
+        if register and self.nbytes:
+            self._register()
+
+    def _register(self) -> None:
+        err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.nbytes, _REGISTER_FLAGS)
+        if int(err) != 0:
+            warnings.warn(
+                f"cudaHostRegister of {self.nbytes / 2**30:.2f} GiB failed ({err}); transfers fall back to pageable "
+                "memory and will be slower. Raise the locked-memory limit (ulimit -l) or free host memory.",
+                stacklevel=3,
+            )
+            return
+        self.registered = True
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """uint8 view of ``nbytes`` at ``offset``."""
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise IndexError(f"[{offset}, {offset + nbytes}) is outside the arena of {self.nbytes} bytes")
+        return self.buffer[offset : offset + nbytes]
+
+    def device_view(self, offset: int, nbytes: int, device: torch.device | str = "cuda") -> torch.Tensor:
+        """A CUDA uint8 tensor aliasing host bytes, for kernels that read host memory directly (zero-copy).
+
+        Registered memory is mapped into the GPU's unified address space under the same pointer.
+        """
+        if not self.registered:
+            raise RuntimeError("zero-copy reads need a page-locked arena; this one is not registered with CUDA")
+        host = self.view(offset, nbytes)
+        device = torch.device(device)
+        storage = torch._C._construct_storage_from_data_pointer(host.data_ptr(), device, nbytes)
+        return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
+
+    def close(self) -> None:
+        """Unregister the arena (its memory is freed when the last view goes away)."""
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self.registered = False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: CUDA may already be gone
+            pass

@@ -1,0 +1,48 @@
+"""Split a model into module groups: the blocks of its ModuleLists, and the rest of the model as one group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+REST = "<rest>"
+
+
+@dataclass
+class Group:
+    """A set of modules loaded and released together; ``params`` are (qualified name, parameter) pairs."""
+
+    name: str
+    modules: list[tuple[str, nn.Module]] = field(default_factory=list)
+    params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+
+
+def _block_lists(module: nn.Module, prefix: str = ""):
+    """(name, ModuleList) pairs found under ``module`` without descending into the lists' elements."""
+    for name, child in module.named_children():
+        qualified = f"{prefix}{name}"
+        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 1:
+            yield qualified, child
+        else:
+            yield from _block_lists(child, qualified + ".")
+
+
+def block_groups(model: nn.Module) -> list[Group]:
+    """One group per element of each ModuleList of ``model`` (e.g. ``blocks.0``), then the rest of the model.
+
+    A ModuleList element without parameters makes no group. Parameters shared between groups belong to the first.
+    """
+    groups: list[Group] = []
+    owner: dict[int, str] = {}
+    for list_name, blocks in _block_lists(model):
+        for index, block in enumerate(blocks):
+            name = f"{list_name}.{index}"
+            params = [(f"{name}.{p}", t) for p, t in block.named_parameters() if id(t) not in owner]
+            if params:
+                owner.update((id(t), name) for _, t in params)
+                groups.append(Group(name, [(name, block)], params))
+    rest = [(n, t) for n, t in model.named_parameters() if id(t) not in owner]
+    if rest:
+        groups.append(Group(REST, [("", model)], rest))
+    return groups

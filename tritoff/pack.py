@@ -1,0 +1,177 @@
+"""Packs: one contiguous byte buffer per module group, laid out for the upcast kernel.
+
+A pack holds, each at a 256-byte aligned offset: the fp8 payload of every quantized weight, its fp32 power-of-two
+scales, and every kept tensor as it is (bf16, or fp32 where the model keeps fp32). Its layout also places every tensor
+in the *unpacked* buffer the kernel writes (again 256-byte aligned), so one launch fills a whole group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tritoff.formats import StorageFormat
+from tritoff.kernels.upcast import (
+    BLOCK,
+    KIND_CAST_BF16,
+    KIND_CAST_FP16,
+    KIND_COPY,
+    KIND_FP8,
+    TABLE_COLUMNS,
+    chunk_starts,
+)
+
+ALIGN = 256
+
+
+def align(n: int, to: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``to``."""
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor to pack: its name, shape, the dtype it computes with, and whether it is to be quantized."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    quantize: bool
+
+
+@dataclass(frozen=True)
+class PackEntry:
+    """Where one tensor lives in a pack and in the unpacked buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # the dtype it comes back as
+    kind: int  # KIND_* of tritoff.kernels.upcast
+    offset: int  # payload byte offset in the pack
+    nbytes: int  # payload bytes
+    scale_offset: int  # byte offset of the fp32 scales in the pack, -1 when there are none
+    num_scales: int
+    out_offset: int  # byte offset in the unpacked buffer
+
+    @property
+    def numel(self) -> int:
+        """Elements of the tensor."""
+        return math.prod(self.shape)
+
+    @property
+    def out_nbytes(self) -> int:
+        """Bytes of the tensor once unpacked."""
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def row_len(self) -> int:
+        """Elements sharing one scale."""
+        return self.numel // max(self.num_scales, 1)
+
+    @property
+    def kernel_units(self) -> int:
+        """Units the kernel iterates over: 4-byte words for copies, elements otherwise."""
+        return -(-self.nbytes // 4) if self.kind == KIND_COPY else self.numel
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """The table of a pack: its entries, its size, and the size of its unpacked buffer."""
+
+    entries: tuple[PackEntry, ...]
+    nbytes: int
+    out_nbytes: int
+    out_dtype: torch.dtype
+    storage: StorageFormat
+    granularity: str
+
+    @classmethod
+    def plan(cls, specs: list[TensorSpec], storage: StorageFormat, granularity: str = "row") -> PackLayout:
+        """Lay out ``specs``: payloads first, then scales, each 256-byte aligned; unpacked outputs in spec order."""
+        compute = {s.dtype for s in specs if s.quantize and s.dtype != storage.dtype}
+        if len(compute) > 1:
+            raise ValueError(f"a pack's quantized weights must share one dtype, got {sorted(map(str, compute))}")
+        out_dtype = compute.pop() if compute else torch.bfloat16
+        entries, offset, out_offset = [], 0, 0
+        scale_sizes = []
+        for spec in specs:
+            numel = math.prod(spec.shape)
+            itemsize = torch.empty((), dtype=spec.dtype).element_size()
+            kind, nbytes, num_scales = KIND_COPY, numel * itemsize, 0
+            if spec.quantize and numel and storage.is_fp8:
+                kind, nbytes = KIND_FP8, numel
+                num_scales = spec.shape[0] if granularity == "row" and len(spec.shape) > 1 else 1
+            elif spec.quantize and numel and spec.dtype == torch.float32:
+                # 16-bit storage halves fp32 weights and widens them back exactly; 16-bit weights are copied as-is
+                kind = KIND_CAST_BF16 if storage.dtype == torch.bfloat16 else KIND_CAST_FP16
+                nbytes = 2 * numel
+            entries.append([spec, kind, offset, nbytes, num_scales, out_offset])
+            scale_sizes.append(4 * num_scales)
+            offset += align(nbytes)
+            out_offset += align(numel * itemsize)
+        result = []
+        for (spec, kind, off, nbytes, num_scales, out_off), scale_bytes in zip(entries, scale_sizes, strict=True):
+            scale_offset = -1
+            if scale_bytes:
+                scale_offset, offset = offset, offset + align(scale_bytes)
+            result.append(PackEntry(spec.name, spec.shape, spec.dtype, kind, off, nbytes, scale_offset, num_scales, out_off))
+        return cls(tuple(result), offset, out_offset, out_dtype, storage, granularity)
+
+    @property
+    def quantized_bytes(self) -> int:
+        """Bytes the quantized weights would take in their own dtype (what the pack saves on)."""
+        return sum(e.out_nbytes for e in self.entries if e.kind != KIND_COPY)
+
+    def n_programs(self, block: int = BLOCK) -> int:
+        """Programs one upcast launch of this pack runs with ``block`` units per program."""
+        return chunk_starts([e.kernel_units for e in self.entries], block)[-1]
+
+    def table(self, block: int = BLOCK, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The kernel's int64 table (``TABLE_COLUMNS`` per tensor) for ``block`` units per program."""
+        starts = chunk_starts([e.kernel_units for e in self.entries], block)
+        rows = [
+            [start, e.kind, e.offset, e.out_offset, e.kernel_units, e.row_len, max(e.scale_offset, 0), 0]
+            for start, e in zip(starts, self.entries, strict=False)
+        ]
+        table = torch.tensor(rows, dtype=torch.int64).reshape(-1, TABLE_COLUMNS)
+        return table.to(device)
+
+    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Tensors viewing an unpacked ``buffer`` (uint8, ``out_nbytes`` long), by name."""
+        return {
+            e.name: buffer[e.out_offset : e.out_offset + e.out_nbytes].view(e.dtype).view(e.shape) for e in self.entries
+        }
+
+
+def write_pack(layout: PackLayout, data: torch.Tensor, tensors: dict[str, torch.Tensor], quantizer) -> None:
+    """Fill the pack ``data`` (uint8, ``layout.nbytes`` long) from ``tensors``.
+
+    ``quantizer(w, fmt, granularity) -> (codes, scales)`` is the kernel or its reference. A quantized weight holding
+    NaN or Inf is refused with an error naming it.
+    """
+    for e in layout.entries:
+        t = tensors[e.name]
+        if tuple(t.shape) != e.shape:
+            raise ValueError(f"{e.name}: shape {tuple(t.shape)} does not match the pack's {e.shape}")
+        payload = data[e.offset : e.offset + e.nbytes]
+        if e.kind == KIND_FP8:
+            if not torch.isfinite(t).all():
+                raise ValueError(f"{e.name} contains NaN or Inf: fix or skip this weight before quantizing it")
+            codes, scales = quantizer(t, layout.storage, layout.granularity)
+            payload.copy_(codes.reshape(-1).cpu())
+            data[e.scale_offset : e.scale_offset + 4 * e.num_scales].view(torch.float32).copy_(scales.cpu())
+        elif e.kind in (KIND_CAST_BF16, KIND_CAST_FP16):
+            payload.view(layout.storage.dtype).copy_(t.reshape(-1))
+        else:
+            payload.copy_(t.detach().reshape(-1).contiguous().view(torch.uint8).cpu())
+
+
+def unpack_reference(layout: PackLayout, data: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Dequantize a pack with plain PyTorch into fresh tensors (the oracle the kernels are compared with)."""
+    from tritoff.kernels.upcast import upcast_pack_reference
+
+    out = torch.empty(layout.out_nbytes, dtype=torch.uint8)
+    upcast_pack_reference(data, out, layout.table(), layout.out_dtype, layout.storage)
+    return {name: t.clone() for name, t in layout.views(out).items()}

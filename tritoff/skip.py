@@ -1,0 +1,67 @@
+"""Which weights are quantized and which stay in the model's own dtype.
+
+Only the ``weight`` of ``nn.Linear`` and ``nn.Conv*`` layers is quantized. Everything else keeps its dtype: biases,
+embeddings, bare ``nn.Parameter``s (Wan's ``scale_shift_table``), buffers, and every layer whose name matches a skip
+pattern: diffusers' layerwise-casting defaults, the timestep/conditioning path (fp8 there ruins images), the model's own
+``_skip_layerwise_casting_patterns`` and ``_keep_in_fp32_modules``, and the user's patterns.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+# diffusers' layerwise-casting defaults (regexes searched in the module's qualified name)
+DIFFUSERS_DEFAULT_PATTERNS = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")
+# timestep and conditioning embedders and modulation layers of Wan, CogVideoX and their relatives
+CONDITIONING_PATTERNS = (
+    "time_embed",
+    "timestep",
+    "time_proj",
+    "condition_embed",
+    "ofs_embed",
+    "guidance_embed",
+    "modulation",
+    "adaln",
+)
+
+QUANTIZABLE_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+@dataclass(frozen=True)
+class SkipRules:
+    """Skip patterns (regexes over module names) and kept-in-fp32 module names (exact name components)."""
+
+    patterns: tuple[str, ...] = DIFFUSERS_DEFAULT_PATTERNS + CONDITIONING_PATTERNS
+    keep_modules: tuple[str, ...] = ()
+
+    @classmethod
+    def for_model(cls, model: nn.Module, extra: Iterable[str] = ()) -> SkipRules:
+        """The default rules plus ``model``'s own skip lists and the user's ``extra`` patterns."""
+        extra = tuple(extra)
+        for pattern in extra:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"skip pattern {pattern!r} is not a valid regular expression: {err}") from None
+        own = tuple(getattr(model, "_skip_layerwise_casting_patterns", None) or ())
+        keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+        return cls(patterns=cls.patterns + own + extra, keep_modules=keep)
+
+    def skips_module(self, name: str) -> bool:
+        """True when the module called ``name`` keeps its weights in their own dtype."""
+        if any(part in self.keep_modules for part in name.split(".")):
+            return True
+        return any(re.search(p, name, flags=re.IGNORECASE) for p in self.patterns)
+
+    def quantized_names(self, model: nn.Module) -> set[str]:
+        """Qualified names of the parameters of ``model`` that are quantized."""
+        names = set()
+        for module_name, module in model.named_modules():
+            if isinstance(module, QUANTIZABLE_LAYERS) and not self.skips_module(module_name):
+                if getattr(module, "weight", None) is not None:
+                    names.add(f"{module_name}.weight" if module_name else "weight")
+        return names
