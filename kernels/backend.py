@@ -13,7 +13,7 @@ import torch
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels on the CPU in its interpreter (``TRITON_INTERPRET=1`` before triton is imported)."""
+    """True when Triton runs kernels on the CPU in its interpreter (TRITON_INTERPRET=1 before importing triton)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -47,8 +47,8 @@ def native_fp8(device: torch.device | str) -> bool:
 def register_op(name: str, mutates_args: tuple[str, ...]):
     """Register a Triton launcher as the torch custom op ``tritoff::<name>``.
 
-    Compiled Triton goes through ``triton_op`` + ``wrap_triton`` so torch.compile traces into the kernel. The interpreter
-    cannot run under fake tensors, so there the launcher becomes an opaque ``custom_op`` whose fake mutates nothing.
+    Compiled Triton goes through ``triton_op`` + ``wrap_triton`` so torch.compile traces into the kernel. The
+    interpreter cannot run under fake tensors, so there the launcher becomes an opaque ``custom_op`` (fake: no-op).
     """
 
     def decorate(launcher):

@@ -50,7 +50,9 @@ def _scale_from_exponent(k: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(k, dtype=torch.float32), k.to(torch.float32))
 
 
-def quantize_reference(w: torch.Tensor, fmt: StorageFormat, granularity: str = "row") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_reference(
+    w: torch.Tensor, fmt: StorageFormat, granularity: str = "row"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch reference: ``w`` viewed as rows (dim 0) -> (uint8 codes shaped like ``w``, fp32 scales).
 
     ``granularity``: ``"row"`` gives one scale per row, ``"tensor"`` one for the whole tensor, ``"none"`` the plain

@@ -116,7 +116,9 @@ class PackLayout:
             scale_offset = -1
             if scale_bytes:
                 scale_offset, offset = offset, offset + align(scale_bytes)
-            result.append(PackEntry(spec.name, spec.shape, spec.dtype, kind, off, nbytes, scale_offset, num_scales, out_off))
+            result.append(
+                PackEntry(spec.name, spec.shape, spec.dtype, kind, off, nbytes, scale_offset, num_scales, out_off)
+            )
         return cls(tuple(result), offset, out_offset, out_dtype, storage, granularity)
 
     @property

@@ -45,8 +45,9 @@ def _build(specs, fmt, granularity="row"):
 
 
 def _compare(layout, out, data):
-    expected = upcast_pack_reference(data, poisoned(layout.out_nbytes, "cpu"), layout.table(), layout.out_dtype,
-                                     layout.storage)
+    expected = upcast_pack_reference(
+        data, poisoned(layout.out_nbytes, "cpu"), layout.table(), layout.out_dtype, layout.storage
+    )
     got = layout.views(out.cpu())
     for name, ref in layout.views(expected).items():
         torch.testing.assert_close(got[name], ref, rtol=0, atol=0, equal_nan=False, msg=name)
@@ -58,8 +59,15 @@ def _compare(layout, out, data):
 def test_staged_matches_reference(fmt, granularity, native, device):
     layout, data, _ = _build(MIXED, fmt, granularity)
     out = poisoned(layout.out_nbytes, device)
-    upcast_pack(data.to(device), out, layout.table(BLOCK, device), layout.n_programs(BLOCK), layout.out_dtype, fmt,
-                native=native)
+    upcast_pack(
+        data.to(device),
+        out,
+        layout.table(BLOCK, device),
+        layout.n_programs(BLOCK),
+        layout.out_dtype,
+        fmt,
+        native=native,
+    )
     _compare(layout, out, data)
 
 
@@ -69,8 +77,9 @@ def test_zero_copy_matches_reference(fmt, device):
     if device.type == "cuda":
         pytest.skip("the GPU version reads a registered arena: tests/tritoff/test_arena.py")
     out = poisoned(layout.out_nbytes, device)
-    upcast_pack_zero_copy(data, out, layout.table(BLOCK_ZERO_COPY), layout.n_programs(BLOCK_ZERO_COPY),
-                          layout.out_dtype, fmt)
+    upcast_pack_zero_copy(
+        data, out, layout.table(BLOCK_ZERO_COPY), layout.n_programs(BLOCK_ZERO_COPY), layout.out_dtype, fmt
+    )
     _compare(layout, out, data)
 
 
@@ -125,8 +134,15 @@ def test_subnormal_and_extreme_codes(device):
         data[e.scale_offset : e.scale_offset + 4].view(torch.float32)[0] = 1.0
         for native in (True, False):
             out = poisoned(layout.out_nbytes, device)
-            upcast_pack(data.to(device), out, layout.table(BLOCK, device), layout.n_programs(), torch.bfloat16, fmt,
-                        native=native)
+            upcast_pack(
+                data.to(device),
+                out,
+                layout.table(BLOCK, device),
+                layout.n_programs(),
+                torch.bfloat16,
+                fmt,
+                native=native,
+            )
             got = layout.views(out.cpu())["w"].flatten()
             expected = codes[finite].view(fmt.dtype).to(torch.bfloat16)
             assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), (fmt.name, native)

@@ -1,0 +1,65 @@
+"""Regular and editable installs in a clean venv both provide tritoff.kernels, and no top-level kernels."""
+
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROBE = (
+    "import importlib.util as u, pathlib;"
+    "s = u.find_spec('tritoff.kernels');"
+    "assert s is not None, 'tritoff.kernels missing';"
+    "print(pathlib.Path(s.origin).parent.name, sorted(p.name for p in pathlib.Path(s.origin).parent.glob('*.py')));"
+    "assert u.find_spec('kernels') is None, 'a top-level kernels module would shadow Hugging Face kernels'"
+)
+
+
+def _clean_venv(path: Path) -> Path:
+    venv.EnvBuilder(with_pip=True).create(path)
+    return path / "bin" / "python"
+
+
+def _pip(python: Path, *args: str, cwd: Path) -> None:
+    # --no-deps: only tritoff's own files matter here; the build backend (setuptools) comes from the package index
+    run = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("editable", [False, True], ids=["wheel", "editable"])
+def test_install_provides_tritoff_kernels(tmp_path, editable):
+    python = _clean_venv(tmp_path / "env")
+    if editable:
+        _pip(python, "-e", str(ROOT), cwd=tmp_path)
+    else:
+        wheels = tmp_path / "wheels"
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "-q",
+                "--no-deps",
+                "--no-build-isolation",
+                "--wheel-dir",
+                str(wheels),
+                str(ROOT),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+        _pip(python, str(next(wheels.glob("tritoff-*.whl"))), cwd=tmp_path)
+    probe = subprocess.run([str(python), "-c", PROBE], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 0, probe.stderr
+    assert "upcast.py" in probe.stdout and "quantize.py" in probe.stdout

@@ -1,0 +1,32 @@
+"""tritoff/groups.py: blocks of the ModuleLists, then the rest, every parameter in exactly one group."""
+
+from tritoff.groups import REST, block_groups
+from tritoff.tiny import tiny_cogvideox_transformer, tiny_umt5, tiny_wan_transformer
+
+
+def _check_partition(model, groups):
+    owned = [id(p) for g in groups for _, p in g.params]
+    assert len(owned) == len(set(owned))
+    assert set(owned) == {id(p) for p in model.parameters()}
+
+
+def test_wan_blocks_and_rest():
+    model = tiny_wan_transformer()
+    groups = block_groups(model)
+    assert [g.name for g in groups] == ["blocks.0", "blocks.1", REST]
+    _check_partition(model, groups)
+    assert {n for n, _ in groups[-1].params} >= {"scale_shift_table", "proj_out.weight", "patch_embedding.weight"}
+
+
+def test_cogvideox_blocks_and_rest():
+    model = tiny_cogvideox_transformer()
+    groups = block_groups(model)
+    assert [g.name for g in groups] == ["transformer_blocks.0", "transformer_blocks.1", REST]
+    _check_partition(model, groups)
+
+
+def test_nested_lists_and_tied_weights():
+    model = tiny_umt5()  # encoder.block is nested; shared and encoder.embed_tokens are one tensor
+    groups = block_groups(model)
+    assert [g.name for g in groups] == ["encoder.block.0", "encoder.block.1", REST]
+    _check_partition(model, groups)

@@ -1,0 +1,101 @@
+"""tritoff/packer.py: a model quantized group by group into one arena, and unpacked exactly through the kernel."""
+
+import pytest
+import torch
+from conftest import poisoned
+
+from tritoff.kernels.quantize import quantize_reference
+from tritoff.kernels.upcast import BLOCK, upcast_pack
+from tritoff.pack import unpack_reference
+from tritoff.packer import pack_model
+from tritoff.tiny import tiny_cogvideox_transformer, tiny_wan_transformer
+
+
+@pytest.mark.parametrize("build", [tiny_wan_transformer, tiny_cogvideox_transformer], ids=["wan", "cogvideox"])
+@pytest.mark.parametrize("storage", ["fp8_e4m3", "fp8_e5m2"])
+def test_kernel_unpacks_every_group_exactly(build, storage, device):
+    model = build()
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    packed = pack_model(model, storage, progress=False)
+    assert [p.name for p in packed.packs] == [g.name for g in packed.groups]
+    seen = set()
+    for pack in packed.packs:
+        layout = pack.layout
+        out = poisoned(layout.out_nbytes, device)
+        upcast_pack(
+            pack.data.to(device),
+            out,
+            layout.table(BLOCK, device),
+            layout.n_programs(),
+            layout.out_dtype,
+            packed.storage,
+        )
+        expected = unpack_reference(layout, pack.data)
+        for name, tensor in layout.views(out.cpu()).items():
+            torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+            assert tensor.dtype == original[name].dtype, name  # fp32 stays fp32, bf16 stays bf16
+            seen.add(name)
+    assert seen == set(original)
+
+
+def test_quantized_weights_are_their_pow2_dequantization_and_kept_are_untouched():
+    model = tiny_wan_transformer()
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    packed = pack_model(model, progress=False)
+    for pack in packed.packs:
+        for entry, (name, tensor) in zip(
+            pack.layout.entries, unpack_reference(pack.layout, pack.data).items(), strict=True
+        ):
+            if entry.kind == 1:
+                codes, scales = quantize_reference(original[name], packed.storage, "row")
+                rows = codes.view(packed.storage.dtype).float().reshape(len(scales), -1) * scales[:, None]
+                assert torch.equal(tensor, rows.reshape(tensor.shape).to(tensor.dtype)), name
+            else:
+                assert torch.equal(tensor, original[name]), name
+
+
+def test_packs_are_aligned_and_smaller_than_the_model():
+    model = tiny_wan_transformer(ffn_dim=256, num_attention_heads=4, attention_head_dim=32)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    packed = pack_model(model, progress=False)
+    for pack in packed.packs:
+        assert pack.offset % 4096 == 0
+        for e in pack.layout.entries:
+            assert e.offset % 256 == 0 and e.out_offset % 256 == 0
+            assert e.scale_offset == -1 or e.scale_offset % 256 == 0
+    assert packed.unpacked_bytes >= model_bytes
+    quantized = sum(p.layout.quantized_bytes for p in packed.packs)
+    # fp8 halves the quantized bf16 weights; scales, kept tensors and alignment cost the rest
+    assert packed.packed_bytes < model_bytes - 0.4 * quantized
+
+
+def test_release_frees_weights_as_it_goes():
+    model = tiny_wan_transformer()
+    packed = pack_model(model, release=True, progress=False)
+    assert all(p.numel() == 0 for p in model.parameters())
+    assert packed.packed_bytes > 0
+
+
+def test_nan_weight_is_refused_with_its_name():
+    model = tiny_wan_transformer()
+    with torch.no_grad():
+        model.blocks[1].ffn.net[2].weight[3, 4] = float("inf")
+    with pytest.raises(ValueError, match=r"blocks\.1\.ffn\.net\.2\.weight contains NaN or Inf"):
+        pack_model(model, progress=False)
+
+
+def test_sixteen_bit_storage_is_pure_offload():
+    model = tiny_wan_transformer()
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    packed = pack_model(model, "bf16", progress=False)
+    for pack in packed.packs:
+        for name, tensor in unpack_reference(pack.layout, pack.data).items():
+            assert torch.equal(tensor, original[name]), name
+
+
+def test_unknown_storage_and_granularity_are_refused():
+    model = tiny_wan_transformer()
+    with pytest.raises(ValueError, match="unknown storage 'fp4'.*fp8_e4m3"):
+        pack_model(model, "fp4", progress=False)
+    with pytest.raises(ValueError, match="unknown scale granularity 'block'"):
+        pack_model(model, granularity="block", progress=False)

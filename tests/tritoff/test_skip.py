@@ -1,0 +1,77 @@
+"""tritoff/skip.py: exactly which tensors of tiny Wan and CogVideoX transformers are quantized."""
+
+import torch
+
+from tritoff.skip import SkipRules
+from tritoff.tiny import tiny_cogvideox_transformer, tiny_wan_transformer
+
+ATTN = ("to_q", "to_k", "to_v", "to_out.0")
+
+
+def _expected(prefix, blocks, ffn):
+    names = set()
+    for i in range(blocks):
+        for attn in ("attn1", "attn2"):
+            names |= {f"{prefix}.{i}.{attn}.{p}.weight" for p in ATTN}
+        names |= {f"{prefix}.{i}.{ffn}.net.0.proj.weight", f"{prefix}.{i}.{ffn}.net.2.weight"}
+    return names
+
+
+def test_wan_quantizes_attention_and_ffn_linears_only():
+    model = tiny_wan_transformer()
+    quantized = SkipRules.for_model(model).quantized_names(model)
+    assert quantized == _expected("blocks", 2, "ffn")
+    kept = {n for n, _ in model.named_parameters()} - quantized
+    # the conditioning path, norms, modulation tables, patch embedding and output projection all stay
+    for name in (
+        "patch_embedding.weight",
+        "condition_embedder.time_embedder.linear_1.weight",
+        "condition_embedder.time_proj.weight",
+        "condition_embedder.text_embedder.linear_1.weight",
+        "scale_shift_table",
+        "blocks.0.scale_shift_table",
+        "blocks.0.norm2.weight",
+        "blocks.0.attn1.norm_q.weight",
+        "blocks.0.attn1.to_q.bias",
+        "proj_out.weight",
+    ):
+        assert name in kept, name
+
+
+def test_cogvideox_quantizes_attention_and_ff_linears_only():
+    model = tiny_cogvideox_transformer()
+    quantized = SkipRules.for_model(model).quantized_names(model)
+    expected = set()
+    for i in range(2):
+        expected |= {f"transformer_blocks.{i}.attn1.{p}.weight" for p in ATTN}
+        expected |= {f"transformer_blocks.{i}.ff.net.0.proj.weight", f"transformer_blocks.{i}.ff.net.2.weight"}
+    assert quantized == expected
+    kept = {n for n, _ in model.named_parameters()} - quantized
+    for name in (
+        "patch_embed.proj.weight",
+        "time_embedding.linear_1.weight",
+        "transformer_blocks.0.norm1.linear.weight",
+        "norm_out.linear.weight",
+        "proj_out.weight",
+    ):
+        assert name in kept, name
+
+
+def test_fp32_modules_stay_fp32():
+    model = tiny_wan_transformer(torch.bfloat16)
+    fp32 = {n for n, p in model.named_parameters() if p.dtype == torch.float32}
+    assert "condition_embedder.time_embedder.linear_1.weight" in fp32 and "blocks.1.norm2.weight" in fp32
+    assert not fp32 & SkipRules.for_model(model).quantized_names(model)
+
+
+def test_user_patterns_add_to_the_defaults():
+    model = tiny_wan_transformer()
+    rules = SkipRules.for_model(model, extra=[r"ffn\."])
+    assert rules.quantized_names(model) == {n for n in _expected("blocks", 2, "ffn") if ".ffn." not in n}
+
+
+def test_bad_user_pattern_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="regular expression"):
+        SkipRules.for_model(tiny_wan_transformer(), extra=["(unclosed"])
