@@ -1,0 +1,57 @@
+"""Shared by the benchmark scripts: the environment record and writing results as JSON."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict:
+    """Device name, driver and library versions, and the date: stored with every result."""
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    for name in ("triton", "diffusers", "tritoff"):
+        try:
+            env[name] = __import__(name).__version__
+        except ImportError:
+            env[name] = None
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+        env["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+        try:
+            import subprocess
+
+            env["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+            ).stdout.strip()
+        except OSError:
+            env["driver"] = None
+    else:
+        env["device"] = f"cpu ({platform.processor() or platform.machine()})"
+    return env
+
+
+def write_result(name: str, data: dict, smoke: bool = False) -> Path:
+    """Write ``data`` with the environment to ``bench/results/<name>[-smoke].json``; returns the path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}{'-smoke' if smoke else ''}.json"
+    path.write_text(json.dumps({"environment": environment(), **data}, indent=2) + "\n")
+    return path
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A GitHub markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
