@@ -1,0 +1,51 @@
+"""GPU memory budgets: ``12GB``, ``"12 GiB"``, ``"80%"`` or a byte count."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*|%)\s*$")
+
+
+def parse_size(value: int | float | str, *, what: str = "budget", total: int | None = None) -> int:
+    """Bytes from ``value``: an int, ``"12GB"`` (10^9), ``"12GiB"`` (2^30), ``"12 GB"``, or ``"80%"`` of ``total``."""
+    if isinstance(value, bool):
+        raise ValueError(f"invalid {what} {value!r}: give bytes, e.g. '12GB', '12GiB' or '80%'")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"invalid {what} {value!r}: it must be positive, e.g. '12GB'")
+        return int(value)
+    match = _PATTERN.match(str(value))
+    unit = match.group(2).upper() if match else None
+    if not match or (unit not in _UNITS and unit != "%"):
+        raise ValueError(f"invalid {what} {value!r}: give bytes, e.g. '12GB', '12GiB' or '80%'")
+    number = float(match.group(1))
+    if number <= 0:
+        raise ValueError(f"invalid {what} {value!r}: it must be positive")
+    if unit == "%":
+        if number > 100:
+            raise ValueError(f"invalid {what} {value!r}: a percentage must be at most 100%")
+        if total is None:
+            raise ValueError(f"{what} {value!r} is a percentage, but there is no device memory to take it of")
+        return int(total * number / 100)
+    return int(number * _UNITS[unit])
+
+
+def device_memory(device: torch.device) -> tuple[int | None, int | None]:
+    """(free, total) bytes of ``device``; (None, None) on the CPU."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return free, total
+    return None, None
+
+
+def format_bytes(n: int | float) -> str:
+    """``n`` bytes as a short human string (GiB/MiB/KiB)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"

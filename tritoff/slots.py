@@ -1,0 +1,104 @@
+"""The slot ring: preallocated GPU buffers that streamed groups land in, one side stream, CUDA events only.
+
+A streamed group is written into the next slot on the copy stream, after that stream has waited (on the GPU) for the
+event marking the end of the slot's previous use on the compute stream. The compute stream waits (on the GPU) for the
+group's ready event before its forward. The host never synchronizes. Slots and the staging buffer are allocated once,
+so there is no allocator churn and no ``record_stream``.
+
+On the CPU the same bookkeeping runs with synchronous fills, so the ring logic is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritoff.onload import GroupRuntime
+
+
+class SlotRing:
+    """``n_slots`` buffers of ``slot_bytes`` and a staging buffer of ``staging_bytes`` on ``device``."""
+
+    def __init__(self, device: torch.device, n_slots: int, slot_bytes: int, staging_bytes: int, timing: bool = True):
+        self.device = device
+        self.buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(n_slots)]
+        self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=device) if staging_bytes else None
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        # one event object per slot, re-recorded at each release: creating events in the hot path costs microseconds
+        self.free_events = [torch.cuda.Event() if self.cuda else None for _ in range(n_slots)]
+        self.used = [False] * n_slots
+        self.timing = timing and self.cuda
+        self.stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.stall_ms = 0.0
+        self.seq = 0
+
+    @property
+    def n_slots(self) -> int:
+        """Slots in the ring."""
+        return len(self.buffers)
+
+    def load(self, group: GroupRuntime) -> int:
+        """Start writing ``group`` into the next slot (asynchronously on CUDA); returns the host bytes it reads."""
+        slot = self.seq % self.n_slots
+        self.seq += 1
+        group.slot = slot
+        if not self.cuda:
+            return group.fill(self.buffers[slot], self.staging)
+        with torch.cuda.stream(self.copy_stream):
+            if self.used[slot]:
+                self.copy_stream.wait_event(self.free_events[slot])
+            nbytes = group.fill(self.buffers[slot], self.staging)
+            if group.ready is None:
+                group.ready = torch.cuda.Event(enable_timing=False)
+            group.ready.record(self.copy_stream)
+        return nbytes
+
+    def run_on_copy_stream(self, fn):
+        """Run ``fn()`` on the copy stream (after every transfer already issued) and make the compute stream wait."""
+        if not self.cuda:
+            return fn()
+        with torch.cuda.stream(self.copy_stream):
+            result = fn()
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        torch.cuda.current_stream(self.device).wait_event(done)
+        return result
+
+    def wait(self, group: GroupRuntime) -> torch.Tensor:
+        """Make the compute stream wait for ``group``'s transfer; returns its slot buffer."""
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            if self.timing:
+                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before.record(stream)
+                stream.wait_event(group.ready)
+                after.record(stream)
+                self.stall_events.append((before, after))
+                if len(self.stall_events) > 256:
+                    self._collect(block=False)
+            else:
+                stream.wait_event(group.ready)
+        return self.buffers[group.slot]
+
+    def done(self, group: GroupRuntime) -> None:
+        """Mark the end of ``group``'s use of its slot on the compute stream."""
+        if self.cuda:
+            self.free_events[group.slot].record(torch.cuda.current_stream(self.device))
+        self.used[group.slot] = True
+        group.slot = None
+
+    def _collect(self, block: bool) -> None:
+        pending = []
+        for before, after in self.stall_events:
+            if block or after.query():
+                if block:
+                    after.synchronize()
+                self.stall_ms += before.elapsed_time(after)
+            else:
+                pending.append((before, after))
+        self.stall_events = pending
+
+    def stall_seconds(self) -> float:
+        """Total time the compute stream waited on transfers (synchronizes: for reports, not the hot path)."""
+        self._collect(block=True)
+        return self.stall_ms / 1e3
