@@ -63,7 +63,10 @@ def main() -> None:
                     f"{r['snr_db']:.1f}"
                     for m in METHODS
                     for r in results
-                    if r["format"] == fmt_name and r["method"] == m and r["sigma"] == sigma and r["outliers"] == outliers
+                    if r["format"] == fmt_name
+                    and r["method"] == m
+                    and r["sigma"] == sigma
+                    and r["outliers"] == outliers
                 ]
                 table.append([sigma, *cells])
             print(markdown_table(["sigma", *METHODS], table))

@@ -19,6 +19,10 @@ _LAZY = {
     "pack_model": "tritoff.packer",
     "SkipRules": "tritoff.skip",
     "snr_db": "tritoff.snr",
+    "enable": "tritoff.engine",
+    "disable": "tritoff.engine",
+    "Engine": "tritoff.engine",
+    "BudgetError": "tritoff.planner",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -46,3 +46,21 @@ def block_groups(model: nn.Module) -> list[Group]:
     if rest:
         groups.append(Group(REST, [("", model)], rest))
     return groups
+
+
+def leaf_groups(model: nn.Module) -> list[Group]:
+    """One group per Linear/Conv layer (smallest memory), then the rest of the model."""
+    from tritoff.skip import QUANTIZABLE_LAYERS
+
+    groups: list[Group] = []
+    owner: set[int] = set()
+    for name, module in model.named_modules():
+        if name and isinstance(module, QUANTIZABLE_LAYERS):
+            params = [(f"{name}.{p}", t) for p, t in module.named_parameters() if id(t) not in owner]
+            if params:
+                owner.update(id(t) for _, t in params)
+                groups.append(Group(name, [(name, module)], params))
+    rest = [(n, t) for n, t in model.named_parameters() if id(t) not in owner]
+    if rest:
+        groups.append(Group(REST, [("", model)], rest))
+    return groups

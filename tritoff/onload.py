@@ -17,8 +17,16 @@ from tritoff.packer import Pack, PackedModel
 class GroupRuntime:
     """One pack's onload machinery; its parameters point at a GPU buffer while loaded and at placeholders otherwise."""
 
-    def __init__(self, component: str, pack: Pack, packed: PackedModel, params: list[torch.nn.Parameter],
-                 device: torch.device, use_triton: bool, zero_copy: bool):
+    def __init__(
+        self,
+        component: str,
+        pack: Pack,
+        packed: PackedModel,
+        params: list[torch.nn.Parameter],
+        device: torch.device,
+        use_triton: bool,
+        zero_copy: bool,
+    ):
         self.component = component
         self.name = pack.name
         self.pack = pack
@@ -88,7 +96,9 @@ class GroupRuntime:
             return self.packed_bytes
         source = self.pack.data
         if self.device.type == "cuda" or self.use_triton:
-            staged = staging[: self.packed_bytes] if staging is not None else torch.empty_like(source, device=self.device)
+            if staging is None:
+                staging = torch.empty(self.packed_bytes, dtype=torch.uint8, device=self.device)
+            staged = staging[: self.packed_bytes]
             staged.copy_(source, non_blocking=True)
             source = staged
         self._upcast(source, dst, zero_copy=False)
@@ -102,9 +112,10 @@ class GroupRuntime:
         kernel = upcast_pack_zero_copy if zero_copy else upcast_pack
         kernel(src, dst, table, n_programs, self.layout.out_dtype, self.storage)
 
-    def dequantized(self) -> list[torch.Tensor]:
-        """Fresh tensors (one buffer) holding the group's weights, for :func:`tritoff.disable`."""
-        out = torch.empty(self.unpacked_bytes, dtype=torch.uint8, device=self.device)
-        self.fill(out, None)
+    def dequantized(self, device: torch.device) -> list[torch.Tensor]:
+        """Fresh tensors on ``device`` holding the group's weights (dequantized exactly, with the reference)."""
+        out = torch.empty(self.unpacked_bytes, dtype=torch.uint8)
+        upcast_pack_reference(self.pack.data, out, self.table_cpu, self.layout.out_dtype, self.storage)
+        out = out.to(device)
         by_name = self.layout.views(out)
         return [by_name[e.name] for e in self.layout.entries]

@@ -147,11 +147,13 @@ class PackLayout:
         }
 
 
-def write_pack(layout: PackLayout, data: torch.Tensor, tensors: dict[str, torch.Tensor], quantizer) -> None:
+def write_pack(
+    layout: PackLayout, data: torch.Tensor, tensors: dict[str, torch.Tensor], quantizer, snr: dict | None = None
+) -> None:
     """Fill the pack ``data`` (uint8, ``layout.nbytes`` long) from ``tensors``.
 
     ``quantizer(w, fmt, granularity) -> (codes, scales)`` is the kernel or its reference. A quantized weight holding
-    NaN or Inf is refused with an error naming it.
+    NaN or Inf is refused with an error naming it. ``snr``, when given, receives each quantized weight's SNR in dB.
     """
     for e in layout.entries:
         t = tensors[e.name]
@@ -162,6 +164,11 @@ def write_pack(layout: PackLayout, data: torch.Tensor, tensors: dict[str, torch.
             if not torch.isfinite(t).all():
                 raise ValueError(f"{e.name} contains NaN or Inf: fix or skip this weight before quantizing it")
             codes, scales = quantizer(t, layout.storage, layout.granularity)
+            if snr is not None:
+                from tritoff.snr import snr_db
+
+                rows = codes.reshape(len(scales), -1).view(layout.storage.dtype).float() * scales[:, None]
+                snr[e.name] = snr_db(t.reshape(rows.shape).float(), rows)
             payload.copy_(codes.reshape(-1).cpu())
             data[e.scale_offset : e.scale_offset + 4 * e.num_scales].view(torch.float32).copy_(scales.cpu())
         elif e.kind in (KIND_CAST_BF16, KIND_CAST_FP16):

@@ -76,11 +76,13 @@ def pack_model(
     quantize_on: torch.device | str | None = None,
     register: bool | None = None,
     progress: bool = True,
+    snr: dict | None = None,
 ) -> PackedModel:
     """Quantize ``model`` into packs, one per group (default: its blocks, then the rest), in one host arena.
 
     ``skip`` adds regexes of module names to keep unquantized. ``release`` drops each group's weights once packed.
     ``quantize_on`` picks where quantization runs (default: CUDA with Triton when available, else the CPU reference).
+    ``snr``, when given, receives each quantized weight's SNR in dB.
     """
     fmt = get_format(storage)
     check_granularity(granularity)
@@ -102,7 +104,7 @@ def pack_model(
     for group, layout, offset in bar:
         data = arena.view(offset, layout.nbytes)
         with torch.no_grad():
-            write_pack(layout, data, {n: p.detach() for n, p in group.params}, quantizer)
+            write_pack(layout, data, {n: p.detach() for n, p in group.params}, quantizer, snr)
         packs.append(Pack(group.name, layout, offset, data))
         if release:
             release_params(group)

@@ -98,9 +98,24 @@ class BudgetError(ValueError):
     """The budget cannot hold the plan; the message names the smallest budget that works."""
 
 
-def plan(components: list[ComponentSize], budget: int, mode: str, depth: int, reserve: int,
-         staged: bool = True) -> Plan:
-    """Place every component and group within ``budget`` bytes (see the module docstring)."""
+def plan(
+    components: list[ComponentSize],
+    budget: int,
+    mode: str,
+    depth: int,
+    reserve: int,
+    staged: bool = True,
+    reserve_fraction: float | None = None,
+) -> Plan:
+    """Place every component and group within ``budget`` bytes (see the module docstring).
+
+    ``reserve_fraction``: the reserve was taken as this fraction of the budget, so the smallest working budget
+    reported in errors grows with it.
+    """
+
+    def smallest(fixed: int) -> int:
+        return fixed if reserve_fraction is None else int(-(-(fixed - reserve) // (1 - reserve_fraction)))
+
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
     everything = sum(c.unit_bytes + sum(g.unpacked for g in c.blocks) for c in components)
@@ -110,7 +125,7 @@ def plan(components: list[ComponentSize], budget: int, mode: str, depth: int, re
     modes = {c.name: ("group" if c in split else "model") for c in components}
     if mode == "model":
         units = [c.unit_bytes + sum(g.unpacked for g in c.blocks) for c in components]
-        need = max(units) + reserve
+        need = smallest(max(units) + reserve)
         if need > budget:
             raise BudgetError(
                 f"budget {format_bytes(budget)} is too small for mode='model': the largest component needs "
@@ -126,7 +141,7 @@ def plan(components: list[ComponentSize], budget: int, mode: str, depth: int, re
     minimum = reserve + slots * slot_bytes + staging + largest_unit
     if minimum > budget:
         raise BudgetError(
-            f"budget {format_bytes(budget)} is too small: the smallest that works is {format_bytes(minimum)} "
+            f"budget {format_bytes(budget)} is too small: the smallest that works is {format_bytes(smallest(minimum))} "
             f"({slots} ring slots of {format_bytes(slot_bytes)}, staging {format_bytes(staging)}, largest pool unit "
             f"{format_bytes(largest_unit)}, activation reserve {format_bytes(reserve)}); raise the budget, lower "
             "prefetch depth, or use mode='leaf'"

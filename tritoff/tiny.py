@@ -119,8 +119,11 @@ def tiny_umt5(dtype: torch.dtype = torch.bfloat16, seed: int = 0, d_model: int =
     return realistic_init(UMT5EncoderModel(config), seed).to(dtype).eval()
 
 
-def tiny_wan_pipeline(dtype: torch.dtype = torch.bfloat16, seed: int = 0, two_experts: bool = False):
-    """A WanPipeline of tiny random components; ``two_experts`` adds Wan 2.2's ``transformer_2`` (boundary 0.5)."""
+def tiny_wan_pipeline(dtype: torch.dtype = torch.bfloat16, seed: int = 0, two_experts: bool = False, **transformer):
+    """A WanPipeline of tiny random components; ``two_experts`` adds Wan 2.2's ``transformer_2`` (boundary 0.5).
+
+    ``transformer`` overrides the transformer's config (e.g. ``num_layers=4, ffn_dim=1024``).
+    """
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
 
     torch.manual_seed(seed)
@@ -129,13 +132,13 @@ def tiny_wan_pipeline(dtype: torch.dtype = torch.bfloat16, seed: int = 0, two_ex
     ).eval()
     kwargs = {}
     if two_experts:
-        kwargs = dict(transformer_2=tiny_wan_transformer(dtype, seed + 1).eval(), boundary_ratio=0.5)
+        kwargs = dict(transformer_2=tiny_wan_transformer(dtype, seed + 1, **transformer).eval(), boundary_ratio=0.5)
     return WanPipeline(
         tokenizer=tiny_tokenizer(),
         text_encoder=tiny_umt5(dtype, seed),
         vae=vae,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
-        transformer=tiny_wan_transformer(dtype, seed).eval(),
+        transformer=tiny_wan_transformer(dtype, seed, **transformer).eval(),
         **kwargs,
     )
 

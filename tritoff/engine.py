@@ -1,0 +1,386 @@
+"""``tritoff.enable(pipe, ...)`` and ``tritoff.disable(pipe)``: the product users touch."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from accelerate.hooks import add_hook_to_module, remove_hook_from_module
+
+from tritoff.budget import device_memory, format_bytes, parse_size
+from tritoff.formats import check_granularity, get_format
+from tritoff.groups import REST, Group, block_groups, leaf_groups
+from tritoff.manager import ComponentHook, ComponentRuntime, GroupHook, HookManager
+from tritoff.onload import GroupRuntime
+from tritoff.pack import PackLayout, TensorSpec
+from tritoff.packer import PackedModel, pack_model
+from tritoff.planner import MODES, ComponentSize, GroupSize, Plan, plan
+from tritoff.report import Report
+from tritoff.skip import SkipRules
+from tritoff.slots import SlotRing
+
+ENGINE_ATTR = "_tritoff_engine"
+TRANSPORTS = ("auto", "staged", "zero_copy")
+KERNELS = ("auto", "triton", "reference")
+# a component with a stack of at least this many blocks is split into groups (transformers, big text encoders)
+MIN_BLOCKS = 2
+
+
+@dataclass(frozen=True)
+class Options:
+    """Validated options of :func:`enable`."""
+
+    storage: str
+    granularity: str
+    skip: tuple[str, ...]
+    mode: str
+    budget: int
+    reserve: int
+    device: torch.device
+    prefetch: int
+    transport: str
+    kernels: str
+
+
+def _components(target) -> dict[str, nn.Module]:
+    if isinstance(target, nn.Module):
+        return {"model": target}
+    components = getattr(target, "components", None)
+    if not isinstance(components, dict):
+        raise TypeError(f"tritoff.enable needs a diffusers pipeline or an nn.Module, got {type(target).__name__}")
+    modules = {name: m for name, m in components.items() if isinstance(m, nn.Module)}
+    if not modules:
+        raise ValueError("this pipeline has no model components to manage")
+    return modules
+
+
+def _check_no_foreign_hooks(components: dict[str, nn.Module]) -> None:
+    for name, component in components.items():
+        if getattr(component, "hf_device_map", None):
+            raise ValueError(
+                f"{name} was loaded with a device_map; load it without device_map (tritoff places weights itself)"
+            )
+        for module_name, module in component.named_modules():
+            where = f"{name}.{module_name}" if module_name else name
+            hook = getattr(module, "_hf_hook", None)
+            if hook is not None and not isinstance(hook, (ComponentHook, GroupHook)):
+                raise ValueError(
+                    f"{where} carries accelerate hooks (enable_model_cpu_offload, enable_sequential_cpu_offload or "
+                    "cpu_offload); call pipe.remove_all_hooks() first"
+                )
+            registry = getattr(module, "_diffusers_hook", None)
+            if registry is not None and getattr(registry, "hooks", None):
+                names = ", ".join(registry.hooks)
+                raise ValueError(
+                    f"{where} carries diffusers hooks ({names}); undo enable_group_offload / enable_layerwise_casting "
+                    "(e.g. reload the model) before tritoff.enable"
+                )
+
+
+def _resolve(components, storage, granularity, skip, mode, budget, reserve, device, prefetch, transport, kernels):
+    fmt = get_format(storage)
+    check_granularity(granularity)
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r}: use one of {', '.join(TRANSPORTS)}")
+    if kernels not in KERNELS:
+        raise ValueError(f"unknown kernels {kernels!r}: use one of {', '.join(KERNELS)}")
+    if not isinstance(prefetch, int) or prefetch < 1:
+        raise ValueError(f"prefetch must be an integer >= 1, got {prefetch!r}")
+    device = (
+        torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but CUDA is not available; pass device='cpu'")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    free, total = device_memory(device)
+    if budget is None:
+        # no budget: all the device's free memory (on the CPU: everything fits)
+        total_bytes = sum(p.numel() * p.element_size() for m in components.values() for p in m.parameters())
+        budget_bytes = free if free is not None else 2 * total_bytes + 2**30
+    else:
+        budget_bytes = parse_size(budget, total=total)
+    reserve_bytes = (
+        int(budget_bytes * 0.1) if reserve is None else parse_size(reserve, what="reserve", total=budget_bytes)
+    )
+    if mode is None:
+        mode = "auto"
+    return Options(
+        fmt.name, granularity, tuple(skip), mode, budget_bytes, reserve_bytes, device, prefetch, transport, kernels
+    )
+
+
+def _groups_for(module: nn.Module, mode: str) -> list[Group]:
+    return leaf_groups(module) if mode == "leaf" else block_groups(module)
+
+
+def _splittable(module: nn.Module, groups: list[Group]) -> bool:
+    blocks = [g for g in groups if g.name != REST]
+    # VAEs are called through encode/decode, which run only pre_forward hooks: they move whole
+    return len(blocks) >= MIN_BLOCKS and not hasattr(module, "decode")
+
+
+def _looped(name: str) -> bool:
+    return name == "model" or name.startswith(("transformer", "unet", "prior", "denoiser"))
+
+
+class Engine:
+    """What :func:`enable` returns: the plan, the counters, the report. ``disable`` undoes it."""
+
+    def __init__(
+        self,
+        target,
+        components: dict[str, nn.Module],
+        options: Options,
+        packed: dict[str, PackedModel],
+        sizes: list[ComponentSize],
+        the_plan: Plan,
+        group_lists: dict[str, list[Group]],
+        snr: dict,
+    ):
+        self.target = target
+        self.components = components
+        self.options = options
+        self.packed = packed
+        self.sizes = sizes
+        self.plan = the_plan
+        self.snr = snr
+        self._group_lists = group_lists
+        self._hooked: list[nn.Module] = []
+        self.manager: HookManager | None = None
+        self._build_runtime()
+
+    # building -----------------------------------------------------------------------------------------------------
+    def _use_triton(self) -> bool:
+        from tritoff.kernels import triton_runs_on
+
+        if self.options.kernels == "reference":
+            return False
+        runs = triton_runs_on(self.options.device)
+        if self.options.kernels == "triton" and not runs:
+            raise ValueError(
+                f"kernels='triton' but Triton cannot run on {self.options.device}; install triton (CUDA) or set "
+                "TRITON_INTERPRET=1 before importing tritoff (CPU)"
+            )
+        return runs
+
+    def _build_runtime(self) -> None:
+        opts, device = self.options, self.options.device
+        use_triton = self._use_triton()
+        zero_copy = opts.transport == "zero_copy"
+        runtimes = []
+        for name, module in self.components.items():
+            packed = self.packed[name]
+            params_by_name = dict(module.named_parameters())
+            comp = ComponentRuntime(name, module, self.plan.modes[name], _looped(name))
+            for pack, group in zip(packed.packs, self._group_lists[name], strict=True):
+                params = [params_by_name[n] for n, _ in group.params]
+                g = GroupRuntime(name, pack, packed, params, device, use_triton, zero_copy)
+                tier = self.plan.tiers.get(name, {}).get(g.name)
+                if comp.mode == "resident":
+                    g.tier = "bf16"
+                elif tier is None:  # the rest of a split component, or any group of a whole-moving one
+                    g.tier = "pool"
+                    comp.unit.append(g)
+                else:
+                    g.tier = tier
+                    comp.blocks.append(g)
+                comp.groups.append(g)
+            runtimes.append(comp)
+        ring = None
+        if self.plan.ring_slots:
+            ring = SlotRing(device, self.plan.ring_slots, self.plan.slot_bytes, self.plan.staging_bytes)
+        self.manager = HookManager(device, runtimes, ring, opts.prefetch, self.plan.pool_bytes)
+        for comp in runtimes:
+            _move_buffers(comp.module, device)
+            modules = dict(comp.module.named_modules())
+            for group, g in zip(self._group_lists[comp.name], comp.groups, strict=True):
+                if g.tier == "bf16":
+                    g.buffer = torch.empty(g.unpacked_bytes, dtype=torch.uint8, device=device)
+                    g.fill(g.buffer, None)
+                    g.bind(g.buffer)
+                    continue
+                if g.tier == "fp8":
+                    g.device_pack = g.pack.data.to(device)
+                g.release()
+                if g.tier in ("fp8", "stream"):
+                    self._hook(modules[group.modules[0][0]], GroupHook(self.manager, g))
+            self._hook(comp.module, ComponentHook(self.manager, comp))
+        self._runtimes = runtimes
+
+    def _hook(self, module: nn.Module, hook) -> None:
+        add_hook_to_module(module, hook)
+        self._hooked.append(module)
+
+    # public -------------------------------------------------------------------------------------------------------
+    @property
+    def stats(self) -> dict:
+        """Counters per component and in total, as data (see :meth:`report`)."""
+        return Report(self).data()
+
+    def report(self) -> str:
+        """A readable table: plan, bytes moved, onloads, synchronous fallbacks, stalls, memory, worst layers."""
+        return Report(self).text()
+
+    def teardown(self) -> None:
+        """Remove every hook and drop every GPU buffer; parameters are left pointing at placeholders."""
+        for module in self._hooked:
+            remove_hook_from_module(module)
+        self._hooked = []
+        if self.options.device.type == "cuda":
+            torch.cuda.synchronize(self.options.device)
+        for comp in self._runtimes:
+            for g in comp.groups:
+                g.release()
+                g.buffer = None
+                g.device_pack = None
+        self.manager = None
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    for sub in module.modules():
+        for name, buf in list(sub._buffers.items()):
+            if buf is not None and buf.device != device:
+                sub._buffers[name] = buf.to(device)
+
+
+def _sizes(components, group_lists, layouts, mode) -> list[ComponentSize]:
+    sizes = []
+    for name, module in components.items():
+        groups, lays = group_lists[name], layouts[name]
+        blocks = [
+            GroupSize(g.name, lay.nbytes, lay.out_nbytes) for g, lay in zip(groups, lays, strict=True) if g.name != REST
+        ]
+        rest = [
+            GroupSize(g.name, lay.nbytes, lay.out_nbytes) for g, lay in zip(groups, lays, strict=True) if g.name == REST
+        ]
+        if mode != "model" and _splittable(module, groups):
+            sizes.append(ComponentSize(name, blocks, rest[0] if rest else None, _looped(name)))
+        else:
+            whole = GroupSize(name, sum(lay.nbytes for lay in lays), sum(lay.out_nbytes for lay in lays))
+            sizes.append(ComponentSize(name, [], whole, _looped(name)))
+    return sizes
+
+
+def enable(
+    target,
+    storage: str = "fp8_e4m3",
+    mode: str | None = None,
+    budget: int | str | None = None,
+    *,
+    device: str | torch.device | None = None,
+    granularity: str = "row",
+    skip: tuple[str, ...] | list[str] = (),
+    prefetch: int = 2,
+    transport: str = "auto",
+    reserve: int | str | None = None,
+    kernels: str = "auto",
+    progress: bool = True,
+) -> Engine:
+    """Store ``target``'s weights off-GPU in ``storage`` and run it within ``budget`` of GPU memory.
+
+    ``target`` is a diffusers pipeline or an ``nn.Module``. ``mode``: ``"auto"`` (default: everything resident when it
+    fits, else the planner splits large components), ``"model"``, ``"group"`` or ``"leaf"``. ``budget``: bytes,
+    ``"12GB"``, ``"12GiB"`` or ``"80%"`` (default: the device's free memory). ``prefetch``: groups in flight ahead of
+    the running one. ``transport``: ``"staged"`` (copy engine then HBM upcast; what ``"auto"`` picks) or
+    ``"zero_copy"``. ``reserve``: memory kept for activations (default 10% of the budget). ``skip``: extra regexes of
+    module names to keep unquantized. ``kernels``: ``"auto"``, ``"triton"`` or ``"reference"`` (PyTorch).
+
+    Raises ``ValueError`` (one line, saying what to do) on bad options, a budget too small (naming the smallest that
+    works), or a pipeline already carrying accelerate/diffusers hooks. A failed enable leaves ``target`` as it was.
+    Enabling an enabled pipeline re-plans it, reusing its packs when storage, granularity and skip are unchanged.
+    """
+    components = _components(target)
+    previous: Engine | None = getattr(target, ENGINE_ATTR, None)
+    if previous is None:
+        _check_no_foreign_hooks(components)
+    options = _resolve(
+        components, storage, granularity, skip, mode, budget, reserve, device, prefetch, transport, kernels
+    )
+    if options.device.type == "cpu":
+        warnings.warn("no CUDA device: tritoff packs and upcasts weights but offloads nothing", stacklevel=2)
+    reuse = previous is not None and (
+        previous.options.storage,
+        previous.options.granularity,
+        previous.options.skip,
+        previous.options.mode == "leaf",
+    ) == (options.storage, options.granularity, options.skip, options.mode == "leaf")
+    if previous is not None and not reuse:
+        disable(target)
+        previous = None
+    fmt = get_format(options.storage)
+    if reuse:
+        group_lists = previous._group_lists
+        layouts = {n: [p.layout for p in previous.packed[n].packs] for n in components}
+    else:
+        group_lists = {n: _groups_for(m, options.mode) for n, m in components.items()}
+        layouts = {}
+        for name, module in components.items():
+            quantized = SkipRules.for_model(module, options.skip).quantized_names(module)
+            _check_finite(module, quantized, name)
+            layouts[name] = [
+                PackLayout.plan(
+                    [TensorSpec(n, tuple(p.shape), p.dtype, n in quantized) for n, p in g.params],
+                    fmt,
+                    options.granularity,
+                )
+                for g in group_lists[name]
+            ]
+    sizes = _sizes(components, group_lists, layouts, options.mode)
+    staged = options.transport != "zero_copy"
+    fraction = 0.1 if reserve is None else None
+    the_plan = plan(sizes, options.budget, options.mode, options.prefetch, options.reserve, staged, fraction)
+    if reuse:
+        previous.teardown()
+        packed, snr = previous.packed, previous.snr
+    else:
+        packed, snr = {}, {}
+        for name, module in components.items():
+            stats: dict[str, float] = {}
+            packed[name] = pack_model(
+                module,
+                fmt,
+                granularity=options.granularity,
+                skip=options.skip,
+                groups=group_lists[name],
+                release=True,
+                progress=progress,
+                snr=stats,
+            )
+            snr.update({f"{name}.{k}": v for k, v in stats.items()})
+    engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr)
+    setattr(target, ENGINE_ATTR, engine)
+    return engine
+
+
+def _check_finite(module: nn.Module, quantized: set[str], component: str) -> None:
+    for name, param in module.named_parameters():
+        if name in quantized and not torch.isfinite(param.detach()).all():
+            raise ValueError(f"{component}.{name} contains NaN or Inf: fix or skip this weight before tritoff.enable")
+
+
+def disable(target, device: str | torch.device | None = None) -> None:
+    """Remove every tritoff hook; leave ordinary modules holding the dequantized weights on ``device``.
+
+    ``device`` defaults to the device tritoff computed on. Does nothing if tritoff is not enabled on ``target``.
+    """
+    engine: Engine | None = getattr(target, ENGINE_ATTR, None)
+    if engine is None:
+        return
+    engine.teardown()
+    device = torch.device(device) if device is not None else engine.options.device
+    for comp in engine._runtimes:
+        for g in comp.groups:
+            for param, tensor in zip(g.params, g.dequantized(device), strict=True):
+                param.data = tensor
+        _move_buffers(comp.module, device)
+    for packed in engine.packed.values():
+        packed.arena.close()
+    delattr(target, ENGINE_ATTR)
+
+
+__all__ = ["Engine", "disable", "enable", "format_bytes"]

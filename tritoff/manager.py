@@ -1,0 +1,257 @@
+"""The hook manager: one owner for casting, grouping, prefetch and residency.
+
+Every component's root module carries a :class:`ComponentHook`; every streamed or fp8-resident block carries a
+:class:`GroupHook`. Both are accelerate ``ModelHook``s (removable with ``remove_hook_from_module``) whose
+``execution_device`` is the GPU, so diffusers pipelines create latents and embeddings there. Because one manager does
+everything, nothing depends on the order features were enabled in.
+
+Prefetch: the order of a component's groups starts as their module order and is replaced by the order traced during
+its first forward. After a group's forward starts, the next ``depth`` groups in that order (wrapping to the first
+block of the next forward) are already being written into ring slots on the side stream. A group that runs out of that
+order is loaded synchronously and counted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from accelerate.hooks import ModelHook
+from accelerate.utils import send_to_device
+
+from tritoff.onload import GroupRuntime
+from tritoff.slots import SlotRing
+
+
+@dataclass
+class ComponentStats:
+    """Counters of one component."""
+
+    bytes_h2d: int = 0
+    onloads: int = 0
+    sync_onloads: int = 0
+    pool_loads: int = 0
+    evictions: int = 0
+    calls: int = 0
+    hook_ns: int = 0
+    hook_calls: int = 0
+
+
+@dataclass
+class ComponentRuntime:
+    """A component at run time: its mode, its streamed blocks and its pool unit."""
+
+    name: str
+    module: torch.nn.Module
+    mode: str  # "resident" | "model" | "group"
+    looped: bool
+    groups: list[GroupRuntime] = field(default_factory=list)  # all of them, in module order
+    blocks: list[GroupRuntime] = field(default_factory=list)  # split blocks (group mode), whatever their tier
+    unit: list[GroupRuntime] = field(default_factory=list)  # loaded whole at the component's call
+    order: list[int] = field(default_factory=list)
+    trace: list[int] | None = None
+    unit_loaded: bool = False
+    active: int = 0
+    last_used: int = 0
+    stats: ComponentStats = field(default_factory=ComponentStats)
+
+    @property
+    def unit_bytes(self) -> int:
+        """GPU bytes of the pool unit."""
+        return sum(g.unpacked_bytes for g in self.unit)
+
+
+class HookManager:
+    """Runs the plan: pool units (LRU), the slot ring and prefetch, and the counters."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        components: list[ComponentRuntime],
+        ring: SlotRing | None,
+        depth: int,
+        pool_bytes: int,
+    ):
+        self.device = device
+        self.components = {c.name: c for c in components}
+        self.ring = ring
+        self.depth = depth
+        self.pool_bytes = pool_bytes
+        self.pool_used = 0
+        self.clock = 0
+        self.inflight: deque[GroupRuntime] = deque()
+        self.cursor: tuple[str, int] | None = None  # (component, order position) of the last group issued
+        self.index = {id(g): i for c in components for i, g in enumerate(c.blocks)}
+
+    # pool units -------------------------------------------------------------------------------------------------
+    def load_unit(self, comp: ComponentRuntime) -> None:
+        """Make ``comp``'s pool unit resident, evicting least recently used units if the pool is full."""
+        if comp.unit_loaded or not comp.unit:
+            return
+        need = comp.unit_bytes
+        while self.pool_used + need > self.pool_bytes:
+            victims = [c for c in self.components.values() if c.unit_loaded and not c.active and c is not comp]
+            if not victims:
+                break
+            self.evict_unit(min(victims, key=lambda c: c.last_used))
+
+        def fill():
+            moved = 0
+            for g in comp.unit:
+                g.buffer = torch.empty(g.unpacked_bytes, dtype=torch.uint8, device=self.device)
+                staging = self.ring.staging if self.ring is not None else None
+                moved += g.fill(
+                    g.buffer, staging if staging is not None and staging.numel() >= g.packed_bytes else None
+                )
+            return moved
+
+        moved = self.ring.run_on_copy_stream(fill) if self.ring is not None else fill()
+        for g in comp.unit:
+            g.bind(g.buffer)
+        comp.unit_loaded = True
+        self.pool_used += need
+        comp.stats.pool_loads += 1
+        comp.stats.bytes_h2d += moved
+
+    def evict_unit(self, comp: ComponentRuntime) -> None:
+        """Drop ``comp``'s pool unit from the GPU (the host packs stay the canonical copy)."""
+        for g in comp.unit:
+            g.release()
+            g.forget_buffer(g.buffer)
+            g.buffer = None
+        comp.unit_loaded = False
+        self.pool_used -= comp.unit_bytes
+        comp.stats.evictions += 1
+
+    # component entry and exit -----------------------------------------------------------------------------------
+    def component_pre(self, comp: ComponentRuntime, args, kwargs):
+        """Before a component's forward (or encode/decode): load its unit, start prefetching its first blocks."""
+        comp.stats.calls += 1
+        if comp.blocks:  # encode/decode run pre_forward only (diffusers' apply_forward_hook): never marked active
+            comp.active += 1
+        self.load_unit(comp)
+        if comp.blocks:
+            if comp.trace is None and not comp.order:
+                comp.trace = []
+            head = self.inflight[0] if self.inflight else None
+            if head is None or head.component != comp.name:
+                self._invalidate()
+                self.cursor = (comp.name, -1)
+                self._top_up()
+        return send_to_device(args, self.device), send_to_device(kwargs, self.device)
+
+    def component_post(self, comp: ComponentRuntime) -> None:
+        """After a component's forward: finish its trace on the first call."""
+        comp.active = max(comp.active - 1, 0)
+        self.clock += 1
+        comp.last_used = self.clock
+        if comp.trace is not None and comp.active == 0:
+            if comp.trace and comp.trace != comp.order:
+                comp.order = list(comp.trace)
+            comp.trace = None
+
+    # groups -----------------------------------------------------------------------------------------------------
+    def group_pre(self, group: GroupRuntime) -> None:
+        """Before a block's forward: make sure it is loaded (or loading), wait for it on the GPU, bind, prefetch."""
+        start = time.perf_counter_ns()
+        comp = self.components[group.component]
+        if comp.trace is not None:
+            comp.trace.append(self.index[id(group)])
+        if group.tier != "bf16":
+            if group in self.inflight:
+                while self.inflight[0] is not group:  # skipped (conditional) groups: their slots are simply reused
+                    self.inflight.popleft().slot = None
+                self.inflight.popleft()
+            else:
+                self._invalidate()
+                comp.stats.sync_onloads += 1
+                self._issue(group)
+                position = comp.order.index(self.index[id(group)]) if self.index[id(group)] in comp.order else -1
+                self.cursor = (comp.name, position)
+            group.bind(self.ring.wait(group))
+            self._top_up()
+        comp.stats.hook_ns += time.perf_counter_ns() - start
+        comp.stats.hook_calls += 1
+
+    def group_post(self, group: GroupRuntime) -> None:
+        """After a block's forward: free its slot (an event on the compute stream) and unbind its parameters."""
+        start = time.perf_counter_ns()
+        if group.tier != "bf16" and group.slot is not None:
+            self.ring.done(group)
+            group.release()
+        self.components[group.component].stats.hook_ns += time.perf_counter_ns() - start
+
+    def _issue(self, group: GroupRuntime) -> None:
+        comp = self.components[group.component]
+        comp.stats.bytes_h2d += self.ring.load(group)
+        comp.stats.onloads += 1
+
+    def _invalidate(self) -> None:
+        while self.inflight:
+            self.inflight.popleft().slot = None
+
+    def _top_up(self) -> None:
+        """Issue loads for the groups after the cursor until ``depth`` are in flight."""
+        if self.cursor is None:
+            return
+        name, position = self.cursor
+        comp = self.components[name]
+        order = comp.order or list(range(len(comp.blocks)))
+        for _ in range(len(order)):
+            if len(self.inflight) >= self.depth:
+                break
+            position = (position + 1) % len(order)
+            group = comp.blocks[order[position]]
+            if group.tier == "bf16" or group in self.inflight or group.slot is not None:
+                continue
+            self._issue(group)
+            self.inflight.append(group)
+        self.cursor = (name, position)
+
+
+class _TritoffHook(ModelHook):
+    """Common base: the execution device diffusers reads from ``module._hf_hook``."""
+
+    no_grad = False
+
+    def __init__(self, manager: HookManager):
+        super().__init__()
+        self.manager = manager
+        self.execution_device = manager.device
+
+
+class ComponentHook(_TritoffHook):
+    """On a component's root module: pool unit, prefetch start, inputs moved to the GPU."""
+
+    def __init__(self, manager: HookManager, component: ComponentRuntime):
+        super().__init__(manager)
+        self.component = component
+
+    def pre_forward(self, module, *args, **kwargs):
+        """Load what the component needs before it runs."""
+        return self.manager.component_pre(self.component, args, kwargs)
+
+    def post_forward(self, module, output):
+        """Record the call; finish the trace."""
+        self.manager.component_post(self.component)
+        return output
+
+
+class GroupHook(_TritoffHook):
+    """On a streamed or fp8-resident block."""
+
+    def __init__(self, manager: HookManager, group: GroupRuntime):
+        super().__init__(manager)
+        self.group = group
+
+    def pre_forward(self, module, *args, **kwargs):
+        """Wait for the block's tensors and bind them."""
+        self.manager.group_pre(self.group)
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        """Release the block's slot."""
+        self.manager.group_post(self.group)
+        return output

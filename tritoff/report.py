@@ -1,0 +1,84 @@
+"""``Engine.report()`` and ``Engine.stats``: what moved, what waited, where everything lives."""
+
+from __future__ import annotations
+
+import torch
+
+from tritoff.budget import format_bytes
+
+
+class Report:
+    """Collects an engine's counters into data and a readable table."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def data(self) -> dict:
+        """Per component and total: bytes moved host->GPU, onloads, synchronous fallbacks, hook time, tiers, arena."""
+        engine = self.engine
+        manager = engine.manager
+        components = {}
+        for comp in manager.components.values() if manager else []:
+            s = comp.stats
+            components[comp.name] = {
+                "mode": comp.mode,
+                "calls": s.calls,
+                "bytes_h2d": s.bytes_h2d,
+                "onloads": s.onloads,
+                "sync_onloads": s.sync_onloads,
+                "pool_loads": s.pool_loads,
+                "evictions": s.evictions,
+                "hook_us_per_group": (s.hook_ns / s.hook_calls / 1e3) if s.hook_calls else None,
+                "tiers": engine.plan.tier_counts(comp.name) if comp.mode == "group" else {},
+                "host_arena_bytes": engine.packed[comp.name].arena.nbytes,
+                "packed_bytes": engine.packed[comp.name].packed_bytes,
+            }
+        keys = ("bytes_h2d", "onloads", "sync_onloads", "pool_loads", "evictions", "host_arena_bytes", "packed_bytes")
+        total = {k: sum(c[k] for c in components.values()) for k in keys}
+        device = engine.options.device
+        if device.type == "cuda":
+            ring = manager.ring if manager else None
+            total["compute_wait_s"] = ring.stall_seconds() if ring is not None else 0.0
+            total["peak_vram_bytes"] = torch.cuda.max_memory_allocated(device)
+        worst = sorted(engine.snr.items(), key=lambda kv: kv[1])[:5]
+        return {
+            "device": str(device),
+            "storage": engine.options.storage,
+            "budget_bytes": engine.plan.budget,
+            "planned_bytes": engine.plan.planned_bytes,
+            "components": components,
+            "total": total,
+            "worst_layers_snr_db": dict(worst),
+        }
+
+    def text(self) -> str:
+        """The table ``Engine.report()`` returns."""
+        d = self.data()
+        lines = [f"tritoff on {d['device']}, storage {d['storage']}", self.engine.plan.summary(), ""]
+        header = (
+            f"  {'component':<16}{'mode':<10}{'calls':>6}{'H2D':>12}{'onloads':>9}{'sync':>6}{'pool':>6}"
+            f"{'hook us':>9}{'arena':>12}"
+        )
+        lines.append(header)
+        for name, c in d["components"].items():
+            hook = f"{c['hook_us_per_group']:.1f}" if c["hook_us_per_group"] is not None else "-"
+            lines.append(
+                f"  {name:<16}{c['mode']:<10}{c['calls']:>6}{format_bytes(c['bytes_h2d']):>12}{c['onloads']:>9}"
+                f"{c['sync_onloads']:>6}{c['pool_loads']:>6}{hook:>9}{format_bytes(c['host_arena_bytes']):>12}"
+            )
+        t = d["total"]
+        lines.append(
+            f"  {'total':<16}{'':<10}{'':>6}{format_bytes(t['bytes_h2d']):>12}{t['onloads']:>9}"
+            f"{t['sync_onloads']:>6}{t['pool_loads']:>6}{'':>9}{format_bytes(t['host_arena_bytes']):>12}"
+        )
+        if "peak_vram_bytes" in t:
+            lines.append(
+                f"  peak VRAM {format_bytes(t['peak_vram_bytes'])}, compute stream waited on transfers "
+                f"{t['compute_wait_s'] * 1e3:.1f} ms"
+            )
+        if d["worst_layers_snr_db"]:
+            lines.append(
+                "  worst quantized layers (SNR): "
+                + ", ".join(f"{name} {snr:.1f} dB" for name, snr in d["worst_layers_snr_db"].items())
+            )
+        return "\n".join(lines)
