@@ -5,8 +5,6 @@ from .quantize import pow2_exponents, quantize, quantize_reference
 from .upcast import (
     BLOCK,
     BLOCK_ZERO_COPY,
-    KIND_CAST_BF16,
-    KIND_CAST_FP16,
     KIND_COPY,
     KIND_FP8,
     TABLE_COLUMNS,
@@ -19,8 +17,6 @@ from .upcast import (
 __all__ = [
     "BLOCK",
     "BLOCK_ZERO_COPY",
-    "KIND_CAST_BF16",
-    "KIND_CAST_FP16",
     "KIND_COPY",
     "KIND_FP8",
     "TABLE_COLUMNS",

@@ -4,8 +4,7 @@ A pack is a byte buffer holding fp8 payloads, their fp32 scales and tensors kept
 ``TABLE_COLUMNS`` per tensor, on the kernel's device) says where each tensor is and where its output goes:
 
     chunk_start  first program id of this tensor (programs are numbered tensor after tensor)
-    kind         KIND_COPY: copy 4-byte words; KIND_FP8: fp8 codes * per-row scale -> out dtype;
-                 KIND_CAST_BF16 / KIND_CAST_FP16: 16-bit floats widened to the out dtype (fp32)
+    kind         KIND_COPY: copy 4-byte words; KIND_FP8: fp8 codes * per-row scale -> out dtype
     src_offset   byte offset of the payload in the pack (256-byte aligned)
     dst_offset   byte offset of the output in the destination buffer (256-byte aligned)
     numel        elements (KIND_COPY: 4-byte words, the payload rounded up; padding is allocated on both sides)
@@ -28,7 +27,7 @@ from tritoff.formats import StorageFormat
 from .backend import launch, native_fp8, register_op
 from .fp8_bits import decode_fp8_bits
 
-KIND_COPY, KIND_FP8, KIND_CAST_BF16, KIND_CAST_FP16 = 0, 1, 2, 3
+KIND_COPY, KIND_FP8 = 0, 1
 TABLE_COLUMNS = 8
 COL_CHUNK_START, COL_KIND, COL_SRC, COL_DST, COL_NUMEL, COL_ROW_LEN, COL_SCALE = range(7)
 
@@ -94,12 +93,6 @@ def _upcast_pack_kernel(
         s = tl.load(scales + offs // row_len, mask=mask, other=1.0)
         # scale is a power of two: the product is exact, and so is the cast to the out dtype
         tl.store(out + offs, (x * s).to(OUT_DTYPE), mask=mask)
-    elif kind == 2:
-        x = tl.load(src.to(tl.pointer_type(tl.bfloat16), bitcast=True) + offs, mask=mask, other=0.0)
-        tl.store(out + offs, x.to(OUT_DTYPE), mask=mask)
-    elif kind == 3:
-        x = tl.load(src.to(tl.pointer_type(tl.float16), bitcast=True) + offs, mask=mask, other=0.0)
-        tl.store(out + offs, x.to(OUT_DTYPE), mask=mask)
     else:
         words = tl.load(src.to(tl.pointer_type(tl.int32), bitcast=True) + offs, mask=mask, other=0)
         tl.store(dst.to(tl.pointer_type(tl.int32), bitcast=True) + offs, words, mask=mask)
@@ -206,11 +199,7 @@ def upcast_pack_reference(
             dst[dst_off : dst_off + 4 * numel].copy_(src[src_off : src_off + 4 * numel])
             continue
         out = dst[dst_off : dst_off + numel * out_size].view(out_dtype)
-        if kind == KIND_FP8:
-            x = src[src_off : src_off + numel].view(fmt.dtype).to(torch.float32).view(-1, row_len)
-            scales = src[scale_off : scale_off + 4 * (numel // row_len)].view(torch.float32)
-            out.copy_((x * scales.to(x.device)[:, None]).flatten())
-        else:
-            wide = torch.bfloat16 if kind == KIND_CAST_BF16 else torch.float16
-            out.copy_(src[src_off : src_off + 2 * numel].view(wide))
+        x = src[src_off : src_off + numel].view(fmt.dtype).to(torch.float32).view(-1, row_len)
+        scales = src[scale_off : scale_off + 4 * (numel // row_len)].view(torch.float32)
+        out.copy_((x * scales[:, None]).flatten())
     return dst

@@ -303,12 +303,16 @@ def enable(
     )
     if options.device.type == "cpu":
         warnings.warn("no CUDA device: tritoff packs and upcasts weights but offloads nothing", stacklevel=2)
-    reuse = previous is not None and (
-        previous.options.storage,
-        previous.options.granularity,
-        previous.options.skip,
-        previous.options.mode == "leaf",
-    ) == (options.storage, options.granularity, options.skip, options.mode == "leaf")
+    if previous is not None:
+        before = (previous.options.storage, previous.options.granularity, previous.options.skip)
+        if before != (options.storage, options.granularity, options.skip):
+            raise ValueError(
+                f"tritoff is already enabled with storage={before[0]}, granularity={before[1]}, skip={before[2]} and "
+                "the original weights were released; reload the pipeline to change them"
+            )
+    # re-planning keeps the packs; switching to or from leaf groups re-packs, which is exact: quantizing a
+    # dequantized pow2-scaled row gives back the same scale and codes
+    reuse = previous is not None and (previous.options.mode == "leaf") == (options.mode == "leaf")
     if previous is not None and not reuse:
         disable(target)
         previous = None

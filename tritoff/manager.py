@@ -31,7 +31,8 @@ class ComponentStats:
 
     bytes_h2d: int = 0
     onloads: int = 0
-    sync_onloads: int = 0
+    sync_onloads: int = 0  # groups that ran out of the traced order
+    trace_sync_onloads: int = 0  # the first forward, while its order was being traced
     pool_loads: int = 0
     evictions: int = 0
     calls: int = 0
@@ -148,9 +149,14 @@ class HookManager:
         self.clock += 1
         comp.last_used = self.clock
         if comp.trace is not None and comp.active == 0:
-            if comp.trace and comp.trace != comp.order:
-                comp.order = list(comp.trace)
-            comp.trace = None
+            traced, comp.trace = comp.trace, None
+            if traced and traced != comp.order:
+                comp.order = traced
+                if self.cursor is not None and self.cursor[0] == comp.name:
+                    # prefetch was following the module order: restart it on the traced one
+                    self._invalidate()
+                    self.cursor = (comp.name, -1)
+                    self._top_up()
 
     # groups -----------------------------------------------------------------------------------------------------
     def group_pre(self, group: GroupRuntime) -> None:
@@ -166,7 +172,10 @@ class HookManager:
                 self.inflight.popleft()
             else:
                 self._invalidate()
-                comp.stats.sync_onloads += 1
+                if comp.trace is None:
+                    comp.stats.sync_onloads += 1
+                else:
+                    comp.stats.trace_sync_onloads += 1
                 self._issue(group)
                 position = comp.order.index(self.index[id(group)]) if self.index[id(group)] in comp.order else -1
                 self.cursor = (comp.name, position)

@@ -15,8 +15,6 @@ import torch
 from tritoff.formats import StorageFormat
 from tritoff.kernels.upcast import (
     BLOCK,
-    KIND_CAST_BF16,
-    KIND_CAST_FP16,
     KIND_COPY,
     KIND_FP8,
     TABLE_COLUMNS,
@@ -90,7 +88,8 @@ class PackLayout:
     @classmethod
     def plan(cls, specs: list[TensorSpec], storage: StorageFormat, granularity: str = "row") -> PackLayout:
         """Lay out ``specs``: payloads first, then scales, each 256-byte aligned; unpacked outputs in spec order."""
-        compute = {s.dtype for s in specs if s.quantize and s.dtype != storage.dtype}
+        # bf16/fp16 storage is pure offload: every tensor is copied in its own dtype, nothing is rounded
+        compute = {s.dtype for s in specs if s.quantize and storage.is_fp8}
         if len(compute) > 1:
             raise ValueError(f"a pack's quantized weights must share one dtype, got {sorted(map(str, compute))}")
         out_dtype = compute.pop() if compute else torch.bfloat16
@@ -103,10 +102,6 @@ class PackLayout:
             if spec.quantize and numel and storage.is_fp8:
                 kind, nbytes = KIND_FP8, numel
                 num_scales = spec.shape[0] if granularity == "row" and len(spec.shape) > 1 else 1
-            elif spec.quantize and numel and spec.dtype == torch.float32:
-                # 16-bit storage halves fp32 weights and widens them back exactly; 16-bit weights are copied as-is
-                kind = KIND_CAST_BF16 if storage.dtype == torch.bfloat16 else KIND_CAST_FP16
-                nbytes = 2 * numel
             entries.append([spec, kind, offset, nbytes, num_scales, out_offset])
             scale_sizes.append(4 * num_scales)
             offset += align(nbytes)
@@ -171,8 +166,6 @@ def write_pack(
                 snr[e.name] = snr_db(t.reshape(rows.shape).float(), rows)
             payload.copy_(codes.reshape(-1).cpu())
             data[e.scale_offset : e.scale_offset + 4 * e.num_scales].view(torch.float32).copy_(scales.cpu())
-        elif e.kind in (KIND_CAST_BF16, KIND_CAST_FP16):
-            payload.view(layout.storage.dtype).copy_(t.reshape(-1))
         else:
             payload.copy_(t.detach().reshape(-1).contiguous().view(torch.uint8).cpu())
 

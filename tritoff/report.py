@@ -26,6 +26,7 @@ class Report:
                 "bytes_h2d": s.bytes_h2d,
                 "onloads": s.onloads,
                 "sync_onloads": s.sync_onloads,
+                "trace_sync_onloads": s.trace_sync_onloads,
                 "pool_loads": s.pool_loads,
                 "evictions": s.evictions,
                 "hook_us_per_group": (s.hook_ns / s.hook_calls / 1e3) if s.hook_calls else None,
@@ -33,7 +34,16 @@ class Report:
                 "host_arena_bytes": engine.packed[comp.name].arena.nbytes,
                 "packed_bytes": engine.packed[comp.name].packed_bytes,
             }
-        keys = ("bytes_h2d", "onloads", "sync_onloads", "pool_loads", "evictions", "host_arena_bytes", "packed_bytes")
+        keys = (
+            "bytes_h2d",
+            "onloads",
+            "sync_onloads",
+            "trace_sync_onloads",
+            "pool_loads",
+            "evictions",
+            "host_arena_bytes",
+            "packed_bytes",
+        )
         total = {k: sum(c[k] for c in components.values()) for k in keys}
         device = engine.options.device
         if device.type == "cuda":

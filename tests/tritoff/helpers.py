@@ -1,0 +1,50 @@
+"""Helpers shared by the engine tests: tiny pipelines, their dequantized twins, deterministic calls."""
+
+import torch
+
+from tritoff.pack import unpack_reference
+from tritoff.packer import pack_model
+from tritoff.tiny import tiny_cogvideox_pipeline, tiny_wan_pipeline
+
+# blocks large enough that small budgets force streaming
+BIG_WAN = dict(num_layers=4, ffn_dim=1024, num_attention_heads=4, attention_head_dim=32)
+WAN_CALL = dict(
+    prompt="a cat", num_frames=5, height=16, width=16, num_inference_steps=3, max_sequence_length=16, output_type="pt"
+)
+COG_CALL = dict(
+    prompt="a cat", num_frames=9, height=16, width=16, num_inference_steps=2, max_sequence_length=16, output_type="pt"
+)
+
+
+def run(pipe, call=WAN_CALL, **overrides):
+    """The pipeline's frames for a fixed seed."""
+    return pipe(**{**call, **overrides}, generator=torch.Generator().manual_seed(0)).frames
+
+
+def dequantize_in_place(module: torch.nn.Module, storage: str = "fp8_e4m3", skip=()) -> torch.nn.Module:
+    """Replace every weight by what tritoff would compute with: its pack, dequantized by the reference."""
+    packed = pack_model(module, storage, skip=skip, progress=False)
+    params = dict(module.named_parameters())
+    for pack in packed.packs:
+        for name, tensor in unpack_reference(pack.layout, pack.data).items():
+            params[name].data = tensor
+    return module
+
+
+def dequantized_pipeline(factory, storage="fp8_e4m3", **kwargs):
+    """A pipeline from ``factory`` whose weights are replaced by their dequantized values."""
+    pipe = factory(**kwargs)
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            dequantize_in_place(component, storage)
+    return pipe
+
+
+def wan(**kwargs):
+    """The tiny Wan pipeline with blocks that dominate its size."""
+    return tiny_wan_pipeline(**{**BIG_WAN, **kwargs})
+
+
+def cogvideox(**kwargs):
+    """The tiny CogVideoX pipeline."""
+    return tiny_cogvideox_pipeline(**kwargs)
