@@ -51,8 +51,9 @@ class ComponentRuntime:
     groups: list[GroupRuntime] = field(default_factory=list)  # all of them, in module order
     blocks: list[GroupRuntime] = field(default_factory=list)  # split blocks (group mode), whatever their tier
     unit: list[GroupRuntime] = field(default_factory=list)  # loaded whole at the component's call
-    order: list[int] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)  # module order until the first forward is traced
     trace: list[int] | None = None
+    traced: bool = False
     unit_loaded: bool = False
     active: int = 0
     last_used: int = 0
@@ -134,7 +135,9 @@ class HookManager:
             comp.active += 1
         self.load_unit(comp)
         if comp.blocks:
-            if comp.trace is None and not comp.order:
+            if not comp.order:
+                comp.order = list(range(len(comp.blocks)))
+            if not comp.traced and comp.trace is None:
                 comp.trace = []
             head = self.inflight[0] if self.inflight else None
             if head is None or head.component != comp.name:
@@ -150,6 +153,7 @@ class HookManager:
         comp.last_used = self.clock
         if comp.trace is not None and comp.active == 0:
             traced, comp.trace = comp.trace, None
+            comp.traced = bool(traced)
             if traced and traced != comp.order:
                 comp.order = traced
                 if self.cursor is not None and self.cursor[0] == comp.name:
@@ -207,7 +211,7 @@ class HookManager:
             return
         name, position = self.cursor
         comp = self.components[name]
-        order = comp.order or list(range(len(comp.blocks)))
+        order = comp.order
         for _ in range(len(order)):
             if len(self.inflight) >= self.depth:
                 break

@@ -95,7 +95,11 @@ class Plan:
 
 
 class BudgetError(ValueError):
-    """The budget cannot hold the plan; the message names the smallest budget that works."""
+    """The budget cannot hold the plan; the message (and ``minimum``, in bytes) names the smallest budget that works."""
+
+    def __init__(self, message: str, minimum: int):
+        super().__init__(message)
+        self.minimum = minimum
 
 
 def plan(
@@ -130,7 +134,8 @@ def plan(
             raise BudgetError(
                 f"budget {format_bytes(budget)} is too small for mode='model': the largest component needs "
                 f"{format_bytes(max(units))} plus a {format_bytes(reserve)} activation reserve; use a budget of at "
-                f"least {format_bytes(need)}, or mode='group'"
+                f"least {format_bytes(need)}, or mode='group'",
+                need,
             )
         return Plan(budget, reserve, depth, modes, pool_bytes=budget - reserve)
     blocks = [g for c in split for g in c.blocks]
@@ -144,7 +149,8 @@ def plan(
             f"budget {format_bytes(budget)} is too small: the smallest that works is {format_bytes(smallest(minimum))} "
             f"({slots} ring slots of {format_bytes(slot_bytes)}, staging {format_bytes(staging)}, largest pool unit "
             f"{format_bytes(largest_unit)}, activation reserve {format_bytes(reserve)}); raise the budget, lower "
-            "prefetch depth, or use mode='leaf'"
+            "prefetch depth, or use mode='leaf'",
+            smallest(minimum),
         )
     # keep the looped components' pool units (denoiser rests) resident beside the largest other unit
     looped_units = sum(c.unit_bytes for c in components if c.looped)

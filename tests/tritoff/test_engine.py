@@ -104,23 +104,21 @@ def test_model_mode_keeps_everything_when_it_fits():
 
 
 def test_plan_never_exceeds_the_budget_and_the_minimum_is_honest():
-    sizes = None
+    minimum = None
     for kib in range(2500, 12000, 500):
         pipe = wan()
         try:
             engine = _enable(pipe, mode="group", budget=kib * 1024)
         except BudgetError as err:
-            message = str(err)
-            assert "smallest that works is" in message
-            sizes = message
+            assert "smallest that works is" in str(err)
+            minimum = err.minimum
             continue
         assert engine.plan.planned_bytes <= kib * 1024
-    assert sizes is not None  # the sweep started below the minimum
-    # the minimum named in the error works
-    minimum = sizes.split("smallest that works is ")[1].split(" (")[0]
-    value, unit = minimum.split()
-    budget = int(float(value) * {"KiB": 2**10, "MiB": 2**20}[unit]) + 2**10
-    _enable(wan(), mode="group", budget=budget)
+    assert minimum is not None  # the sweep started below the minimum
+    engine = _enable(wan(), mode="group", budget=minimum)  # the minimum named in the error works
+    assert engine.plan.planned_bytes <= minimum
+    with pytest.raises(BudgetError):
+        _enable(wan(), mode="group", budget=minimum - 1024)
 
 
 def test_impossible_budget_leaves_the_pipeline_unchanged():
