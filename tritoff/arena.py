@@ -15,23 +15,41 @@ import torch
 PAGE = 4096
 # cudaHostRegisterPortable | cudaHostRegisterMapped: visible to every context, and readable by kernels (zero-copy)
 _REGISTER_FLAGS = 0x01 | 0x02
+# cudaHostRegisterReadOnly: a read-only file mapping (a saved store) can be registered only with this flag
+_READ_ONLY = 0x08
 
 
 class HostArena:
     """One host buffer of ``nbytes``; ``register`` page-locks it (default: when CUDA is available)."""
 
-    def __init__(self, nbytes: int, *, register: bool | None = None):
+    def __init__(self, nbytes: int, *, register: bool | None = None, _mapping=None, _offset: int = 0):
         self.nbytes = int(nbytes)
-        self._map = mmap.mmap(-1, max(self.nbytes, PAGE))
-        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)[: self.nbytes]
+        self.read_only = _mapping is not None
+        self._map = _mapping if _mapping is not None else mmap.mmap(-1, max(self.nbytes, PAGE))
+        with warnings.catch_warnings():  # a read-only mapping is never written through this view
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            self.buffer = (
+                torch.frombuffer(self._map, dtype=torch.uint8, offset=_offset, count=self.nbytes)
+                if self.nbytes
+                else torch.empty(0, dtype=torch.uint8)
+            )
         self.registered = False
         if register is None:
             register = torch.cuda.is_available()
         if register and self.nbytes:
             self._register()
 
+    @classmethod
+    def from_file(cls, path: str, offset: int, nbytes: int, *, register: bool | None = None) -> HostArena:
+        """Map ``nbytes`` of the file at ``path`` from ``offset`` read-only: nothing is read into RAM up front, and
+        on CUDA the mapping is registered so the copy engine reads straight from the page cache."""
+        with open(path, "rb") as f:
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return cls(nbytes, register=register, _mapping=mapping, _offset=offset)
+
     def _register(self) -> None:
-        err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.nbytes, _REGISTER_FLAGS)
+        flags = _REGISTER_FLAGS | (_READ_ONLY if self.read_only else 0)
+        err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.nbytes, flags)
         if int(err) != 0:
             warnings.warn(
                 f"cudaHostRegister of {self.nbytes / 2**30:.2f} GiB failed ({err}); transfers fall back to pageable "

@@ -226,6 +226,13 @@ class Engine:
         """A readable table: plan, bytes moved, onloads, synchronous fallbacks, stalls, memory, worst layers."""
         return Report(self).text()
 
+    def save(self, directory) -> None:
+        """Write the packs as a store that ``enable(..., store=directory)`` maps instead of quantizing again."""
+        from tritoff.store import save_store
+
+        grouping = "leaf" if self.options.mode == "leaf" else "block"
+        save_store(directory, self.fingerprints, self.packed, self.options.skip, grouping)
+
     def teardown(self) -> None:
         """Remove every hook and drop every GPU buffer; parameters are left pointing at placeholders."""
         for module in self._hooked:
@@ -268,7 +275,7 @@ def _sizes(components, group_lists, layouts, mode) -> list[ComponentSize]:
 
 def enable(
     target,
-    storage: str = "fp8_e4m3",
+    storage: str | None = None,
     mode: str | None = None,
     budget: int | str | None = None,
     *,
@@ -279,6 +286,7 @@ def enable(
     transport: str = "auto",
     reserve: int | str | None = None,
     kernels: str = "auto",
+    store: str | None = None,
     progress: bool = True,
 ) -> Engine:
     """Store ``target``'s weights off-GPU in ``storage`` and run it within ``budget`` of GPU memory.
@@ -289,6 +297,8 @@ def enable(
     the running one. ``transport``: ``"staged"`` (copy engine then HBM upcast; what ``"auto"`` picks) or
     ``"zero_copy"``. ``reserve``: memory kept for activations (default 10% of the budget). ``skip``: extra regexes of
     module names to keep unquantized. ``kernels``: ``"auto"``, ``"triton"`` or ``"reference"`` (PyTorch).
+    ``storage`` defaults to ``"fp8_e4m3"``. ``store``: a directory written by ``Engine.save`` / ``tritoff convert``
+    whose packs are mapped instead of quantizing (its storage, granularity and skip patterns apply).
 
     Raises ``ValueError`` (one line, saying what to do) on bad options, a budget too small (naming the smallest that
     works), or a pipeline already carrying accelerate/diffusers hooks. A failed enable leaves ``target`` as it was.
@@ -298,6 +308,21 @@ def enable(
     previous: Engine | None = getattr(target, ENGINE_ATTR, None)
     if previous is None:
         _check_no_foreign_hooks(components)
+    index = None
+    from tritoff.store import fingerprint
+
+    # taken before any parameter changes (and reused on re-plans, when parameters hold placeholders)
+    fingerprints = previous.fingerprints if previous is not None else {n: fingerprint(m) for n, m in components.items()}
+    if store is not None:
+        from tritoff.store import read_index
+
+        index = read_index(store)
+        if storage is not None and get_format(storage).name != index["storage"]:
+            raise ValueError(f"storage={storage!r} but the store at {store} holds {index['storage']}; drop one")
+        storage, granularity, skip = index["storage"], index["granularity"], tuple(index["skip"])
+        if (mode == "leaf") != (index["grouping"] == "leaf"):
+            raise ValueError(f"the store at {store} was made with {index['grouping']} groups; use a matching mode")
+    storage = storage or "fp8_e4m3"
     options = _resolve(
         components, storage, granularity, skip, mode, budget, reserve, device, prefetch, transport, kernels
     )
@@ -312,7 +337,7 @@ def enable(
             )
     # re-planning keeps the packs; switching to or from leaf groups re-packs, which is exact: quantizing a
     # dequantized pow2-scaled row gives back the same scale and codes
-    reuse = previous is not None and (previous.options.mode == "leaf") == (options.mode == "leaf")
+    reuse = previous is not None and (previous.options.mode == "leaf") == (options.mode == "leaf") and store is None
     if previous is not None and not reuse:
         disable(target)
         previous = None
@@ -320,6 +345,12 @@ def enable(
     if reuse:
         group_lists = previous._group_lists
         layouts = {n: [p.layout for p in previous.packed[n].packs] for n in components}
+    elif store is not None:
+        from tritoff.store import load_store
+
+        group_lists = {n: _groups_for(m, options.mode) for n, m in components.items()}
+        stored = load_store(store, components, group_lists, fingerprints)
+        layouts = {n: [p.layout for p in stored[n].packs] for n in components}
     else:
         group_lists = {n: _groups_for(m, options.mode) for n, m in components.items()}
         layouts = {}
@@ -341,6 +372,10 @@ def enable(
     if reuse:
         previous.teardown()
         packed, snr = previous.packed, previous.snr
+    elif store is not None:
+        packed, snr = stored, {}
+        for module in components.values():
+            _replace_meta_params(module, options.device)
     else:
         packed, snr = {}, {}
         for name, module in components.items():
@@ -357,8 +392,20 @@ def enable(
             )
             snr.update({f"{name}.{k}": v for k, v in stats.items()})
     engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr)
+    engine.fingerprints = fingerprints
     setattr(target, ENGINE_ATTR, engine)
     return engine
+
+
+def _replace_meta_params(module: nn.Module, device: torch.device) -> None:
+    """Parameters created on the meta device (a model built without weights, to be filled from a store) cannot take
+    data from another device: give them real zero-size parameters of the same dtype."""
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and param.is_meta:
+                sub._parameters[name] = nn.Parameter(
+                    torch.empty(0, dtype=param.dtype, device=device), requires_grad=False
+                )
 
 
 def _check_finite(module: nn.Module, quantized: set[str], component: str) -> None:

@@ -74,16 +74,17 @@ def tiny_cogvideox_transformer(dtype: torch.dtype = torch.bfloat16, seed: int = 
 
 
 def _to_dtype_keeping_fp32(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast like ``from_pretrained(torch_dtype=...)``: modules in ``_keep_in_fp32_modules`` stay fp32."""
-    nn.Module.to(model, dtype)  # ModelMixin.to warns about fp32 modules; they are restored below
+    """Cast like ``from_pretrained(torch_dtype=...)``: tensors of ``_keep_in_fp32_modules`` stay fp32 (never rounded
+    through ``dtype``)."""
     keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    if dtype != torch.float32 and keep:
-        for name, module in model.named_modules():
-            if any(part in keep for part in name.split(".")):
-                module.to(torch.float32)
-        for name, param in model.named_parameters(recurse=True):
-            if name.split(".")[-1] in keep:
-                param.data = param.data.float()
+    for name, module in model.named_modules():
+        kept = any(part in keep for part in name.split("."))
+        for pname, param in module._parameters.items():
+            if param is not None:
+                param.data = param.data.to(torch.float32 if kept or pname in keep else dtype)
+        for bname, buf in module._buffers.items():
+            if buf is not None and buf.is_floating_point():
+                module._buffers[bname] = buf.to(torch.float32 if kept else dtype)
     return model
 
 

@@ -28,8 +28,9 @@ class Heavy(nn.Module):
 
     def __init__(self, n=8, width=4096):
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width))
-                                    for _ in range(n))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width)) for _ in range(n)
+        )
         self.head = nn.Linear(width, width)
 
     def forward(self, x):

@@ -1,0 +1,261 @@
+"""Kernel microbenchmarks: how fast packs reach the GPU as bf16, against the PCIe and HBM rooflines.
+
+For packs from 1 MB to 1 GB built from Wan-14B block tensor shapes (rows of 5120 plus kept norms and biases):
+(a) cudaMemcpyAsync H2D of the fp8 bytes from the registered arena (the PCIe roofline), (b) the same for bf16 bytes,
+(c) staged: copy + ``upcast_pack``, (d) ``upcast_pack_zero_copy``, (e) the PyTorch way per tensor
+(``w.to("cuda", non_blocking=True).to(bf16) * scale``), (f) the HBM-side upcast alone against a device-to-device copy.
+Then (c) and (d) beside a large matmul: how much each slows it.
+
+Usage: python bench/kernels.py [--smoke]    (--smoke: tiny packs on the CPU through the Triton interpreter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from common import markdown_table, write_result  # noqa: E402
+
+from tritoff.arena import HostArena  # noqa: E402
+from tritoff.formats import get_format  # noqa: E402
+from tritoff.kernels.quantize import quantize_reference  # noqa: E402
+from tritoff.kernels.upcast import (  # noqa: E402
+    BLOCK,
+    BLOCK_ZERO_COPY,
+    upcast_pack,
+    upcast_pack_reference,
+    upcast_pack_zero_copy,
+)
+from tritoff.pack import PackLayout, TensorSpec, write_pack  # noqa: E402
+
+WIDTH = 5120  # Wan-14B hidden size
+SIZES_MB = (1, 4, 16, 32, 64, 128, 256, 351, 1024)  # 351 MB: one Wan-14B block in fp8
+
+
+def block_specs(target_bytes: int, width: int = WIDTH) -> list[TensorSpec]:
+    """Linear weights of ``width`` columns (like Wan's q/k/v/o and ffn) adding up to ~``target_bytes`` of fp8, plus the
+    kept tensors a block carries (biases, norm weights)."""
+    shapes = [(width, width)] * 8 + [(13824, width), (width, 13824)]  # a Wan block: 2 attentions, the ffn
+    specs, total, i = [], 0, 0
+    while total < target_bytes:
+        rows, cols = shapes[i % len(shapes)]
+        rows = min(rows, max(1, (target_bytes - total) // cols))
+        specs.append(TensorSpec(f"w{i}.weight", (rows, cols), torch.bfloat16, True))
+        specs.append(TensorSpec(f"w{i}.bias", (rows,), torch.bfloat16, False))
+        total += rows * cols
+        i += 1
+    specs.append(TensorSpec("norm.weight", (width,), torch.float32, False))
+    return specs
+
+
+def build_pack(target_bytes: int, width: int, register: bool):
+    fmt = get_format("fp8_e4m3")
+    layout = PackLayout.plan(block_specs(target_bytes, width), fmt)
+    arena = HostArena(layout.nbytes, register=register)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        e.name: (torch.randn(e.shape, generator=gen) * (0.02 if len(e.shape) > 1 else 1.0)).to(e.dtype)
+        for e in layout.entries
+    }
+    write_pack(layout, arena.buffer, tensors, quantize_reference)
+    return layout, arena, fmt
+
+
+def timed(fn, device, reps: int) -> float:
+    """Median seconds of ``fn`` (CUDA events on a GPU, wall clock on the CPU), after a warm-up."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_size(target_bytes: int, device: torch.device, width: int, reps: int) -> dict:
+    cuda = device.type == "cuda"
+    layout, arena, fmt = build_pack(target_bytes, width, register=cuda)
+    host = arena.buffer
+    wire, out_bytes = layout.nbytes, layout.out_nbytes
+    staged = torch.empty(wire, dtype=torch.uint8, device=device)
+    out = torch.empty(out_bytes, dtype=torch.uint8, device=device)
+    table, programs = layout.table(BLOCK, device), layout.n_programs(BLOCK)
+    results = {"pack_bytes": wire, "bf16_bytes": out_bytes}
+
+    def record(name, seconds, moved, delivered):
+        results[name] = {
+            "seconds": seconds,
+            "wire_GBps": moved / seconds / 1e9,
+            "delivered_bf16_GBps": delivered / seconds / 1e9,
+        }
+
+    record("a_h2d_fp8", timed(lambda: staged.copy_(host, non_blocking=True), device, reps), wire, 0)
+    bf16_host = HostArena(out_bytes, register=cuda)
+    bf16_host.buffer.fill_(1)
+    record(
+        "b_h2d_bf16", timed(lambda: out.copy_(bf16_host.buffer, non_blocking=True), device, reps), out_bytes, out_bytes
+    )
+
+    def staged_path():
+        staged.copy_(host, non_blocking=True)
+        upcast_pack(staged, out, table, programs, layout.out_dtype, fmt)
+
+    record("c_staged", timed(staged_path, device, reps), wire, out_bytes)
+    if cuda:
+        zc_table, zc_programs = layout.table(BLOCK_ZERO_COPY, device), layout.n_programs(BLOCK_ZERO_COPY)
+        host_view = arena.device_view(0, wire, device)
+        record(
+            "d_zero_copy",
+            timed(
+                lambda: upcast_pack_zero_copy(host_view, out, zc_table, zc_programs, layout.out_dtype, fmt),
+                device,
+                reps,
+            ),
+            wire,
+            out_bytes,
+        )
+
+        def torch_way():
+            for e in layout.entries:
+                payload = host[e.offset : e.offset + e.nbytes]
+                if e.kind == 1:
+                    w = payload.to(device, non_blocking=True).view(fmt.dtype).to(torch.bfloat16).view(e.shape[0], -1)
+                    s = host[e.scale_offset : e.scale_offset + 4 * e.num_scales].view(torch.float32)
+                    w * s.to(device, non_blocking=True).to(torch.bfloat16)[:, None]
+                else:
+                    payload.to(device, non_blocking=True)
+
+        record("e_torch_per_tensor", timed(torch_way, device, reps), wire, out_bytes)
+        d2d_src = torch.empty(out_bytes, dtype=torch.uint8, device=device)
+        d2d_dst = torch.empty_like(d2d_src)
+        seconds = timed(lambda: d2d_dst.copy_(d2d_src), device, reps)
+        results["hbm_d2d"] = {"seconds": seconds, "GBps_read_plus_write": 2 * out_bytes / seconds / 1e9}
+    seconds = timed(lambda: upcast_pack(staged, out, table, programs, layout.out_dtype, fmt), device, reps)
+    results["f_hbm_upcast"] = {"seconds": seconds, "GBps_read_plus_write": (wire + out_bytes) / seconds / 1e9}
+    # correctness of what was timed, against the reference
+    expected = upcast_pack_reference(
+        host, torch.empty(out_bytes, dtype=torch.uint8), layout.table(), layout.out_dtype, fmt
+    )
+    results["exact"] = all(
+        torch.equal(a, b)
+        for a, b in zip(layout.views(out.cpu()).values(), layout.views(expected).values(), strict=True)
+    )
+    arena.close()
+    bf16_host.close()
+    return results
+
+
+def overlap(device: torch.device, target_bytes: int, reps: int) -> dict:
+    """How much the staged and zero-copy onloads slow a large matmul running on the compute stream."""
+    layout, arena, fmt = build_pack(target_bytes, WIDTH, register=True)
+    staged = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    out = torch.empty(layout.out_nbytes, dtype=torch.uint8, device=device)
+    table, programs = layout.table(BLOCK, device), layout.n_programs(BLOCK)
+    zc_table, zc_programs = layout.table(BLOCK_ZERO_COPY, device), layout.n_programs(BLOCK_ZERO_COPY)
+    host_view = arena.device_view(0, layout.nbytes, device)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    side = torch.cuda.Stream(device)
+
+    def matmuls():
+        for _ in range(20):
+            a @ a
+
+    alone = timed(matmuls, device, reps)
+    results = {"matmul_alone_s": alone}
+    for name, onload in (
+        (
+            "staged",
+            lambda: (
+                staged.copy_(arena.buffer, non_blocking=True),
+                upcast_pack(staged, out, table, programs, layout.out_dtype, fmt),
+            ),
+        ),
+        ("zero_copy", lambda: upcast_pack_zero_copy(host_view, out, zc_table, zc_programs, layout.out_dtype, fmt)),
+    ):
+
+        def together(onload=onload):
+            with torch.cuda.stream(side):
+                for _ in range(4):
+                    onload()
+            matmuls()
+            torch.cuda.current_stream().wait_stream(side)
+
+        with_onload = timed(together, device, reps)
+        results[f"matmul_with_{name}_s"] = with_onload
+        results[f"slowdown_{name}_pct"] = 100 * (with_onload / alone - 1)
+    arena.close()
+    return results
+
+
+def main() -> None:
+    """Run, print tables, write bench/results/kernels.json."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny packs on the CPU (CI)")
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    sizes = [2**16, 2**18] if args.smoke else [mb * 2**20 for mb in SIZES_MB]
+    width = 256 if args.smoke else WIDTH
+    reps = 2 if args.smoke else args.reps
+    rows, table = [], []
+    for size in sizes:
+        r = measure_size(size, device, width, reps)
+        rows.append(r)
+        roof = r["a_h2d_fp8"]["wire_GBps"]
+        cells = [f"{r['pack_bytes'] / 2**20:.1f}", f"{roof:.1f}", f"{r['b_h2d_bf16']['wire_GBps']:.1f}"]
+        for key in ("c_staged", "d_zero_copy", "e_torch_per_tensor"):
+            if key in r:
+                cells.append(f"{r[key]['wire_GBps']:.1f} ({100 * r[key]['wire_GBps'] / roof:.0f}%)")
+            else:
+                cells.append("-")
+        hbm = r.get("hbm_d2d", {}).get("GBps_read_plus_write")
+        up = r["f_hbm_upcast"]["GBps_read_plus_write"]
+        cells.append(f"{up:.0f}" + (f" ({100 * up / hbm:.0f}%)" if hbm else ""))
+        cells.append("yes" if r["exact"] else "NO")
+        table.append(cells)
+    header = [
+        "pack MiB",
+        "(a) H2D fp8 GB/s",
+        "(b) H2D bf16",
+        "(c) staged",
+        "(d) zero-copy",
+        "(e) torch",
+        "(f) HBM upcast GB/s",
+        "exact",
+    ]
+    print(f"device: {device}; wire GB/s (fp8 bytes per second; % of (a)); (f) counts read + write bytes")
+    print(markdown_table(header, table))
+    data = {"sizes": rows}
+    if device.type == "cuda":
+        data["overlap_351MB"] = ov = overlap(device, 351 * 2**20, max(3, reps // 4))
+        print(
+            f"\nmatmul slowdown while onloading: staged {ov['slowdown_staged_pct']:.1f}%, "
+            f"zero-copy {ov['slowdown_zero_copy_pct']:.1f}%"
+        )
+    print(f"\nwrote {write_result('kernels', data, smoke=args.smoke)}")
+    if not all(r["exact"] for r in rows):
+        sys.exit("a kernel result differed from the reference")
+
+
+if __name__ == "__main__":
+    main()

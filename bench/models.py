@@ -1,0 +1,110 @@
+"""Full-size model shapes for the benchmarks, built without downloads: random weights of realistic scale.
+
+Models are created on the meta device and materialized one block at a time (on the GPU when there is one, where
+random numbers are cheap, then moved to the host), so building never holds more than the model plus one block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from tritoff.tiny import WAN_TINY
+
+WAN_14B = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=40,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=13824,
+    num_layers=40,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=1024,
+)
+COGVIDEOX_5B = dict(
+    num_attention_heads=48,
+    attention_head_dim=64,
+    in_channels=16,
+    out_channels=16,
+    time_embed_dim=512,
+    text_embed_dim=4096,
+    num_layers=42,
+    sample_width=90,
+    sample_height=60,
+    sample_frames=49,
+    patch_size=2,
+    temporal_compression_ratio=4,
+    max_text_seq_length=226,
+    use_rotary_positional_embeddings=True,
+)
+UMT5_XXL = dict(
+    vocab_size=256384,
+    d_model=4096,
+    d_kv=64,
+    d_ff=10240,
+    num_layers=24,
+    num_heads=64,
+    relative_attention_num_buckets=32,
+    feed_forward_proj="gated-gelu",
+    dropout_rate=0.0,
+)
+# small but not tiny: what --smoke runs on the CPU
+WAN_SMOKE = {**WAN_TINY, "num_layers": 4, "ffn_dim": 1024, "num_attention_heads": 4, "attention_head_dim": 32}
+COGVIDEOX_SMOKE = dict(
+    num_attention_heads=4,
+    attention_head_dim=16,
+    in_channels=4,
+    out_channels=4,
+    time_embed_dim=8,
+    text_embed_dim=32,
+    num_layers=4,
+    sample_width=8,
+    sample_height=8,
+    sample_frames=9,
+    patch_size=2,
+    temporal_compression_ratio=4,
+    max_text_seq_length=16,
+    use_rotary_positional_embeddings=True,
+)
+
+
+LINEAR_CONV = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+@torch.no_grad()
+def build(cls, config: dict, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> nn.Module:
+    """``cls(**config)`` with random weights on the host, one parameter at a time (no full-size fp32 copy).
+
+    Parameters start on the meta device (buffers such as RoPE tables are computed for real); each is drawn on the GPU
+    when there is one, then moved to the host: Linear/Conv weights N(0, 1/sqrt(fan_in)), 1-D weights 1, embeddings
+    N(0, 1), the rest N(0, 0.02). ``_keep_in_fp32_modules`` stay fp32, as ``from_pretrained`` leaves them.
+    """
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = cls(**config)
+    work = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator(work).manual_seed(seed)
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for module_name, module in model.named_modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            t = torch.empty(param.shape, dtype=torch.float32, device=work)
+            if name == "weight" and isinstance(module, LINEAR_CONV):
+                t.normal_(0, param[0].numel() ** -0.5, generator=gen)
+            elif isinstance(module, nn.Embedding):
+                t.normal_(0, 1.0, generator=gen)
+            elif name == "weight" and param.dim() == 1:
+                t.fill_(1.0)
+            else:
+                t.normal_(0, 0.02, generator=gen)
+            full = f"{module_name}.{name}" if module_name else name
+            fp32 = dtype != torch.float32 and any(part in keep for part in full.split("."))
+            module._parameters[name] = nn.Parameter(t.to("cpu", torch.float32 if fp32 else dtype), requires_grad=False)
+    return model.eval()

@@ -1,0 +1,143 @@
+"""Output quality: SNR of the transformer output against bf16, tritoff's fp8 against diffusers' unscaled cast.
+
+For tiny and mid-size random-weight Wan and CogVideoX transformers whose weights have realistic scale
+(std = gain / sqrt(fan_in), gain swept from 1 down to 0.05), on the same weights and inputs:
+tritoff e4m3 and e5m2 with power-of-two row scales, tritoff e4m3 with per-tensor scales, and diffusers'
+``enable_layerwise_casting`` (unscaled fp8). Then the frames of a full tiny Wan pipeline with the same seed (PSNR).
+Runs on the CPU. Usage: python bench/quality.py [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import warnings
+
+import torch
+from common import markdown_table, write_result
+
+import tritoff
+from tritoff.snr import snr_db
+from tritoff.tiny import realistic_init, tiny_cogvideox_transformer, tiny_wan_pipeline, tiny_wan_transformer
+
+warnings.filterwarnings("ignore", message="no CUDA device")
+
+SIZES = {
+    "wan-tiny": (tiny_wan_transformer, {}),
+    "wan-mid": (
+        tiny_wan_transformer,
+        dict(num_attention_heads=8, attention_head_dim=64, ffn_dim=2048, num_layers=4, text_dim=256),
+    ),
+    "cogvideox-tiny": (tiny_cogvideox_transformer, {}),
+    "cogvideox-mid": (
+        tiny_cogvideox_transformer,
+        dict(num_attention_heads=8, attention_head_dim=64, num_layers=4, text_embed_dim=256, time_embed_dim=64),
+    ),
+}
+GAINS = (1.0, 0.5, 0.25, 0.1, 0.05)
+METHODS = {
+    "tritoff e4m3 row": dict(storage="fp8_e4m3", granularity="row"),
+    "tritoff e5m2 row": dict(storage="fp8_e5m2", granularity="row"),
+    "tritoff e4m3 tensor": dict(storage="fp8_e4m3", granularity="tensor"),
+}
+DIFFUSERS = "diffusers layerwise e4m3 (unscaled)"
+
+
+def inputs_for(name: str, model) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    cfg = model.config
+    if name.startswith("wan"):
+        return dict(
+            hidden_states=torch.randn(1, 16, 3, 16, 16, generator=gen).bfloat16(),
+            timestep=torch.tensor([700]),
+            encoder_hidden_states=torch.randn(1, 16, cfg.text_dim, generator=gen).bfloat16(),
+            return_dict=False,
+        )
+    return dict(
+        hidden_states=torch.randn(1, 3, cfg.in_channels, 16, 16, generator=gen).bfloat16(),
+        timestep=torch.tensor([700]),
+        encoder_hidden_states=torch.randn(1, 16, cfg.text_embed_dim, generator=gen).bfloat16(),
+        return_dict=False,
+    )
+
+
+def measure(name: str, gain: float) -> dict:
+    build, overrides = SIZES[name]
+    model = realistic_init(build(**overrides), seed=0, gain=gain).eval()
+    # realistic_init draws in fp32 and writes into bf16/fp32 parameters; fp32-kept modules stay fp32
+    inputs = inputs_for(name, model)
+    with torch.no_grad():
+        reference = model(**inputs)[0].float()
+    row = {"model": name, "gain": gain}
+    for method, options in METHODS.items():
+        candidate = copy.deepcopy(model)
+        tritoff.enable(candidate, mode="auto", progress=False, kernels="reference", **options)
+        with torch.no_grad():
+            row[method] = snr_db(reference, candidate(**inputs)[0].float())
+    candidate = copy.deepcopy(model)
+    candidate.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    with torch.no_grad():
+        row[DIFFUSERS] = snr_db(reference, candidate(**inputs)[0].float())
+    return row
+
+
+def pipeline_psnr(steps: int) -> dict:
+    """PSNR (dB) of a tiny Wan pipeline's frames (range [0, 1]) against the bf16 pipeline, same seed."""
+    call = dict(
+        prompt="a cat",
+        num_frames=5,
+        height=32,
+        width=32,
+        num_inference_steps=steps,
+        max_sequence_length=16,
+        output_type="pt",
+    )
+
+    def frames(pipe):
+        return pipe(**call, generator=torch.Generator().manual_seed(0)).frames.float()
+
+    reference = frames(tiny_wan_pipeline())
+    results = {}
+    for storage in ("fp8_e4m3", "fp8_e5m2"):
+        pipe = tiny_wan_pipeline()
+        tritoff.enable(pipe, storage=storage, progress=False, kernels="reference")
+        results[f"tritoff {storage} (all components)"] = _psnr(reference, frames(pipe))
+    pipe = tiny_wan_pipeline()
+    tritoff.enable(pipe.transformer, progress=False, kernels="reference")
+    results["tritoff fp8_e4m3 (transformer only)"] = _psnr(reference, frames(pipe))
+    pipe = tiny_wan_pipeline()
+    pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    results["diffusers layerwise e4m3 (transformer only)"] = _psnr(reference, frames(pipe))
+    return results
+
+
+def _psnr(reference: torch.Tensor, frames: torch.Tensor) -> float:
+    mse = (reference - frames).pow(2).mean().item()
+    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+def main() -> None:
+    """Measure, print tables, write bench/results/quality.json."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--smoke", action="store_true", help="tiny models and two gains only (CI)")
+    args = parser.parse_args()
+    names = ["wan-tiny", "cogvideox-tiny"] if args.smoke else list(SIZES)
+    gains = (1.0, 0.1) if args.smoke else GAINS
+    rows = [measure(name, gain) for name in names for gain in gains]
+    methods = [*METHODS, DIFFUSERS]
+    print("SNR (dB) of the transformer output against bf16; weights std = gain / sqrt(fan_in)")
+    print(
+        markdown_table(
+            ["model", "gain", *methods], [[r["model"], r["gain"], *(f"{r[m]:.1f}" for m in methods)] for r in rows]
+        )
+    )
+    psnr = pipeline_psnr(steps=2 if args.smoke else 4)
+    print("\nPSNR (dB) of a tiny Wan pipeline's frames against bf16, same seed")
+    print(markdown_table(["method", "PSNR dB"], [[k, f"{v:.1f}"] for k, v in psnr.items()]))
+    path = write_result("quality", {"unit": "dB", "output_snr": rows, "pipeline_psnr": psnr}, smoke=args.smoke)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
