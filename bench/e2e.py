@@ -346,6 +346,11 @@ def pipeline_run(args, device) -> dict:
     return result
 
 
+def gib(value) -> str:
+    """Bytes as GiB with two decimals, or '-'."""
+    return f"{value / 2**30:.2f}" if value else "-"
+
+
 def _elapsed(start: float, device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -376,7 +381,6 @@ def main() -> None:
         data = transformer_rows(args, device)
         table = []
         for r in data["rows"]:
-            gib = lambda v: f"{v / 2**30:.2f}" if v else "-"
             table.append(
                 [
                     r["row"],

@@ -1,76 +1,51 @@
-"""The README's main job: quantize, pack and onload a locally built Wan transformer, then compare its output."""
+"""The README's main job: a locally built Wan pipeline run through tritoff under a tight budget."""
 
 from __future__ import annotations
 
-import time
+import math
 
 import torch
 
-from tritoff.kernels.upcast import BLOCK, upcast_pack, upcast_pack_reference
-from tritoff.packer import pack_model
-from tritoff.snr import snr_db
-from tritoff.tiny import tiny_wan_transformer
+import tritoff
+from tritoff.planner import BudgetError
+from tritoff.tiny import tiny_wan_pipeline
+
+# blocks that dominate the model, as in the 14B one, so the budget forces streaming
+DEMO_TRANSFORMER = dict(num_layers=4, ffn_dim=1024, num_attention_heads=4, attention_head_dim=32)
+DEMO_CALL = dict(
+    prompt="a red fox running through snow",
+    negative_prompt="blurry",
+    num_frames=9,
+    height=64,
+    width=64,
+    max_sequence_length=16,
+    guidance_scale=5.0,
+)
 
 
-def _inputs(model, device, dtype):
-    gen = torch.Generator().manual_seed(0)
-    latents = torch.randn(1, 16, 3, 16, 16, generator=gen).to(device, dtype)
-    text = torch.randn(1, 16, model.config.text_dim, generator=gen).to(device, dtype)
-    return dict(
-        hidden_states=latents,
-        timestep=torch.tensor([500], device=device),
-        encoder_hidden_states=text,
-        return_dict=False,
-    )
+def demo_pipeline():
+    """The demo's pipeline: tiny Wan components with random weights, built locally."""
+    return tiny_wan_pipeline(**DEMO_TRANSFORMER)
 
 
-def run_demo(storage: str = "fp8_e4m3", device: str | None = None) -> dict:
-    """Quantize a 4-block Wan transformer into packs, onload every pack through the kernel, report sizes and SNR."""
-    from tritoff.kernels import triton_runs_on
+def run_demo(storage: str = "fp8_e4m3", budget: str | None = None, steps: int = 4, device: str | None = None):
+    """Generate with and without tritoff; return (frames, engine, PSNR of the frames against plain bf16 in dB).
 
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = tiny_wan_transformer(num_layers=4, num_attention_heads=4, attention_head_dim=32, ffn_dim=512).eval()
-    model.to(device)
-    dtype = torch.bfloat16
-    with torch.no_grad():
-        reference = model(**_inputs(model, device, dtype))[0].float()
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    packed = pack_model(model, storage, release=True)
-    use_kernel = triton_runs_on(device)
-    params = dict(model.named_parameters())
-    start = time.perf_counter()
-    for pack in packed.packs:
-        layout = pack.layout
-        out = torch.empty(layout.out_nbytes, dtype=torch.uint8, device=device)
-        if use_kernel:
-            upcast_pack(
-                pack.data.to(device),
-                out,
-                layout.table(BLOCK, device),
-                layout.n_programs(),
-                layout.out_dtype,
-                packed.storage,
-            )
-        else:
-            upcast_pack_reference(pack.data, out, layout.table(), layout.out_dtype, packed.storage)
-        for name, tensor in layout.views(out).items():
-            params[name].data = tensor
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    onload_s = time.perf_counter() - start
-    with torch.no_grad():
-        output = model(**_inputs(model, device, dtype))[0].float()
-    quantized = sum(1 for p in packed.packs for e in p.layout.entries if e.kind == 1)
-    tensors = sum(len(p.layout.entries) for p in packed.packs)
-    return {
-        "device": str(device),
-        "kernel": ("triton-interpreter" if device.type == "cpu" else "triton") if use_kernel else "pytorch-reference",
-        "storage": packed.storage.name,
-        "groups": len(packed.packs),
-        "tensors quantized / kept": f"{quantized} / {tensors - quantized}",
-        "model bytes": model_bytes,
-        "packed bytes": packed.packed_bytes,
-        "host arena bytes": packed.arena.nbytes,
-        "onload (all packs)": f"{onload_s * 1e3:.1f} ms",
-        "output SNR vs bf16": f"{snr_db(reference, output):.1f} dB",
-    }
+    Without ``budget`` the demo takes 1.2x the smallest budget the planner accepts, so blocks stream.
+    """
+    call = dict(DEMO_CALL, num_inference_steps=steps, output_type="pt")
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    plain = demo_pipeline().to(target)
+    reference = plain(**call, generator=torch.Generator().manual_seed(0)).frames
+    del plain
+    pipe = demo_pipeline()
+    if budget is None:
+        try:
+            tritoff.enable(pipe, storage, mode="group", budget=1, device=target, progress=False)
+        except BudgetError as err:
+            budget = int(err.minimum * 1.2)
+    engine = tritoff.enable(pipe, storage, mode="group", budget=budget, device=target)
+    frames = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
+    mse = (frames.float() - reference.float()).pow(2).mean().item()
+    psnr = math.inf if mse == 0 else 10 * math.log10(1 / mse)
+    return frames, engine, psnr

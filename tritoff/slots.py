@@ -10,6 +10,8 @@ On the CPU the same bookkeeping runs with synchronous fills, so the ring logic i
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tritoff.onload import GroupRuntime
@@ -31,6 +33,7 @@ class SlotRing:
         self.stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.stall_ms = 0.0
         self.seq = 0
+        self.sync_fill_ns = 0  # time spent filling synchronously (the CPU): not hook overhead
 
     @property
     def n_slots(self) -> int:
@@ -43,7 +46,10 @@ class SlotRing:
         self.seq += 1
         group.slot = slot
         if not self.cuda:
-            return group.fill(self.buffers[slot], self.staging)
+            start = time.perf_counter_ns()
+            nbytes = group.fill(self.buffers[slot], self.staging)
+            self.sync_fill_ns += time.perf_counter_ns() - start
+            return nbytes
         with torch.cuda.stream(self.copy_stream):
             if self.used[slot]:
                 self.copy_stream.wait_event(self.free_events[slot])

@@ -170,6 +170,20 @@ def read_index(directory: str | Path) -> dict:
     return index
 
 
+def _read_meta(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    return json.loads(header["__metadata__"]["tritoff"])
+
+
+def stored_dtypes(directory: str | Path, component: str) -> dict[str, torch.dtype]:
+    """Each stored parameter's dtype (as the model computes with it), for building a model without weights."""
+    info = read_index(directory)["components"][component]
+    meta = _read_meta(Path(directory) / info["file"])
+    return {e["name"]: getattr(torch, e["dtype"]) for p in meta["packs"] for e in p["entries"]}
+
+
 def load_store(
     directory: str | Path,
     components: dict[str, nn.Module],
@@ -199,10 +213,7 @@ def load_store(
         expected = info["data_offset"] + info["nbytes"]
         if path.stat().st_size != expected:
             raise StoreError(f"{path} is truncated or altered ({path.stat().st_size} bytes, expected {expected})")
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        meta = json.loads(header["__metadata__"]["tritoff"])
+        meta = _read_meta(path)
         arena = HostArena.from_file(str(path), info["data_offset"], info["nbytes"], register=register)
         groups = group_lists[name]
         if [p["name"] for p in meta["packs"]] != [g.name for g in groups]:
