@@ -36,7 +36,7 @@ class ComponentStats:
     pool_loads: int = 0
     evictions: int = 0
     calls: int = 0
-    hook_ns: int = 0
+    hook_ns: int = 0  # host time in group hooks after the first (tracing) forward
     hook_calls: int = 0
 
 
@@ -187,8 +187,9 @@ class HookManager:
             self._top_up()
         # host time in the hook itself: synchronous fills (the CPU path) are the transfer, not overhead
         end = time.perf_counter_ns() - (self.ring.sync_fill_ns if self.ring is not None else 0)
-        comp.stats.hook_ns += end - start
-        comp.stats.hook_calls += 1
+        if comp.traced:  # steady state only: the first forward also pays for warm-up and tracing
+            comp.stats.hook_ns += end - start
+            comp.stats.hook_calls += 1
 
     def group_post(self, group: GroupRuntime) -> None:
         """After a block's forward: free its slot (an event on the compute stream) and unbind its parameters."""
@@ -196,7 +197,9 @@ class HookManager:
         if group.tier != "bf16" and group.slot is not None:
             self.ring.done(group)
             group.release()
-        self.components[group.component].stats.hook_ns += time.perf_counter_ns() - start
+        comp = self.components[group.component]
+        if comp.traced:
+            comp.stats.hook_ns += time.perf_counter_ns() - start
 
     def _issue(self, group: GroupRuntime) -> None:
         comp = self.components[group.component]
