@@ -122,6 +122,7 @@ def _cmd_run(args) -> int:
     import torch
 
     import tritoff
+    from tritoff.report import host_rss
     from tritoff.video import check_writable, write_video
 
     _check_options(args)
@@ -133,6 +134,7 @@ def _cmd_run(args) -> int:
         pipe, args.storage, mode=args.mode, budget=args.budget, device=args.device, store=args.store
     )
     startup = time.perf_counter() - start
+    rss = host_rss()
     call = dict(
         prompt=args.prompt,
         negative_prompt=args.negative_prompt,
@@ -147,7 +149,9 @@ def _cmd_run(args) -> int:
     frames = pipe(**call).frames
     path = write_video(frames, args.out, fps=args.fps)
     print(engine.report())
-    print(f"\n  startup (load + enable): {startup:.2f} s{' from store ' + args.store if args.store else ''}")
+    source = f" from store {args.store}" if args.store else ""
+    memory = f"{rss / 2**20:.0f} MiB" if rss else "n/a"
+    print(f"\n  startup (load + enable): {startup:.2f} s{source}, host RSS after enable: {memory}")
     print(f"  video: {path}")
     return 0
 

@@ -7,6 +7,17 @@ import torch
 from tritoff.budget import format_bytes
 
 
+def host_rss() -> int | None:
+    """Resident set size of this process in bytes (Linux), or None where /proc is missing."""
+    try:
+        with open("/proc/self/statm") as f:
+            import os
+
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
+
+
 class Report:
     """Collects an engine's counters into data and a readable table."""
 

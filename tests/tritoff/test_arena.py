@@ -6,20 +6,16 @@ import pytest
 import torch
 
 from tritoff.arena import HostArena
-
-
-def _rss() -> int:
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+from tritoff.report import host_rss
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
 def test_host_memory_tracks_the_packed_bytes():
     nbytes = 96 * 2**20 + 12345
-    before = _rss()
+    before = host_rss()
     arena = HostArena(nbytes, register=False)
     arena.buffer.fill_(0x5A)  # writing faults every page in, as packing does
-    grown = _rss() - before
+    grown = host_rss() - before
     # no power-of-two rounding: 96 MiB stays 96 MiB (a caching pinned allocator would take 128 MiB)
     assert nbytes <= grown <= 1.05 * nbytes, grown / nbytes
     assert arena.view(nbytes - 10, 10).tolist() == [0x5A] * 10

@@ -118,3 +118,17 @@ def test_ring_slots_are_reused_not_reallocated():
     # between forwards, streamed blocks hold zero-size placeholders, never stale slot views
     streamed = [g for g in engine.manager.components["model"].blocks if g.slot is None]
     assert all(p.numel() == 0 for g in streamed for p in g.params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_fp16_and_fp32_models_come_back_in_their_dtype(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, dtype=dtype)
+    reference = dequantize_in_place(realistic_init(Stack()).to(dtype).eval())
+    torch.manual_seed(0)
+    model = realistic_init(Stack()).to(dtype).eval()
+    engine = _enable(model, _minimum(realistic_init(Stack()).to(dtype)))
+    assert engine.plan.tier_counts("model")["stream"] == 5
+    with torch.no_grad():
+        got = model(x)
+    assert got.dtype == dtype and torch.equal(got, reference(x))
