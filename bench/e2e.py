@@ -183,42 +183,14 @@ def transformer_rows(args, device) -> dict:
 
         cpu_offload_with_hook(model, device)
 
-    rows = [
-        run_row("all-resident bf16 (no cap)", resident, args.model, config, inputs, device, None, args.reps),
-        run_row(
-            f"tritoff group fp8 @ {args.budget}",
-            tritoff_mode("group"),
-            args.model,
-            config,
-            inputs,
-            device,
-            budget,
-            args.reps,
-        ),
-        run_row(
-            f"tritoff auto @ {args.budget}", tritoff_mode("auto"), args.model, config, inputs, device, budget, args.reps
-        ),
-        run_row(
-            f"diffusers layerwise fp8 + group offload @ {args.budget}",
-            diffusers_group,
-            args.model,
-            config,
-            inputs,
-            device,
-            budget,
-            args.reps,
-        ),
-        run_row(
-            f"diffusers model cpu offload @ {args.budget}",
-            diffusers_model_offload,
-            args.model,
-            config,
-            inputs,
-            device,
-            budget,
-            args.reps,
-        ),
+    setups = [
+        ("all-resident bf16 (no cap)", resident, None),
+        (f"tritoff group fp8 @ {args.budget}", tritoff_mode("group"), budget),
+        (f"tritoff auto @ {args.budget}", tritoff_mode("auto"), budget),
+        (f"diffusers layerwise fp8 + group offload @ {args.budget}", diffusers_group, budget),
+        (f"diffusers model cpu offload @ {args.budget}", diffusers_model_offload, budget),
     ]
+    rows = [run_row(label, setup, args.model, config, inputs, device, cap, args.reps) for label, setup, cap in setups]
     base = rows[0].get("seconds_per_forward")
     for row in rows:
         if base and row.get("seconds_per_forward"):
@@ -238,7 +210,7 @@ def pipeline_run(args, device) -> dict:
     )
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from tritoff.tiny import tiny_tokenizer
+    from tritoff.tiny import COGVIDEOX_VAE_TINY, WAN_VAE_TINY, tiny_tokenizer
 
     budget = parse_size(args.budget)
     if args.smoke:
@@ -261,11 +233,7 @@ def pipeline_run(args, device) -> dict:
     tokenizer = tiny_tokenizer(min(t5["vocab_size"], 32000))
     if args.model == "wan":
         transformer = build(transformer_class("wan"), WAN_SMOKE if args.smoke else WAN_14B)
-        vae_config = (
-            dict(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
-            if args.smoke
-            else {}
-        )
+        vae_config = WAN_VAE_TINY if args.smoke else {}
         vae = build(AutoencoderKLWan, vae_config, dtype=torch.float32)
         pipe = WanPipeline(
             tokenizer=tokenizer,
@@ -276,21 +244,7 @@ def pipeline_run(args, device) -> dict:
         )
     else:
         transformer = build(transformer_class("cogvideox"), COGVIDEOX_SMOKE if args.smoke else COGVIDEOX_5B)
-        vae_config = (
-            dict(
-                in_channels=3,
-                out_channels=3,
-                down_block_types=("CogVideoXDownBlock3D",) * 4,
-                up_block_types=("CogVideoXUpBlock3D",) * 4,
-                block_out_channels=(8, 8, 8, 8),
-                latent_channels=4,
-                layers_per_block=1,
-                norm_num_groups=2,
-                temporal_compression_ratio=4,
-            )
-            if args.smoke
-            else {}
-        )
+        vae_config = COGVIDEOX_VAE_TINY if args.smoke else {}
         vae = build(AutoencoderKLCogVideoX, vae_config)
         pipe = CogVideoXPipeline(
             tokenizer=tokenizer,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from tritoff.tiny import WAN_TINY
+from tritoff.tiny import COGVIDEOX_TINY, WAN_TINY
 
 WAN_14B = dict(
     patch_size=(1, 2, 2),
@@ -55,22 +55,13 @@ UMT5_XXL = dict(
 )
 # small but not tiny: what --smoke runs on the CPU
 WAN_SMOKE = {**WAN_TINY, "num_layers": 4, "ffn_dim": 1024, "num_attention_heads": 4, "attention_head_dim": 32}
-COGVIDEOX_SMOKE = dict(
-    num_attention_heads=4,
-    attention_head_dim=16,
-    in_channels=4,
-    out_channels=4,
-    time_embed_dim=8,
-    text_embed_dim=32,
-    num_layers=4,
-    sample_width=8,
-    sample_height=8,
-    sample_frames=9,
-    patch_size=2,
-    temporal_compression_ratio=4,
-    max_text_seq_length=16,
-    use_rotary_positional_embeddings=True,
-)
+COGVIDEOX_SMOKE = {
+    **COGVIDEOX_TINY,
+    "num_layers": 4,
+    "attention_head_dim": 16,
+    "time_embed_dim": 8,
+    "use_rotary_positional_embeddings": True,
+}
 
 
 LINEAR_CONV = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)

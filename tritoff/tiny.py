@@ -40,6 +40,21 @@ COGVIDEOX_TINY = dict(
     max_text_seq_length=16,
 )
 
+WAN_VAE_TINY = dict(
+    base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+)
+COGVIDEOX_VAE_TINY = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("CogVideoXDownBlock3D",) * 4,
+    up_block_types=("CogVideoXUpBlock3D",) * 4,
+    block_out_channels=(8, 8, 8, 8),
+    latent_channels=4,
+    layers_per_block=1,
+    norm_num_groups=2,
+    temporal_compression_ratio=4,
+)
+
 
 @torch.no_grad()
 def realistic_init(model: nn.Module, seed: int = 0, gain: float = 1.0) -> nn.Module:
@@ -128,9 +143,7 @@ def tiny_wan_pipeline(dtype: torch.dtype = torch.bfloat16, seed: int = 0, two_ex
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
 
     torch.manual_seed(seed)
-    vae = AutoencoderKLWan(
-        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-    ).eval()
+    vae = AutoencoderKLWan(**WAN_VAE_TINY).eval()
     kwargs = {}
     if two_experts:
         kwargs = dict(transformer_2=tiny_wan_transformer(dtype, seed + 1, **transformer).eval(), boundary_ratio=0.5)
@@ -149,21 +162,7 @@ def tiny_cogvideox_pipeline(dtype: torch.dtype = torch.bfloat16, seed: int = 0):
     from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline
 
     torch.manual_seed(seed)
-    vae = (
-        AutoencoderKLCogVideoX(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("CogVideoXDownBlock3D",) * 4,
-            up_block_types=("CogVideoXUpBlock3D",) * 4,
-            block_out_channels=(8, 8, 8, 8),
-            latent_channels=4,
-            layers_per_block=1,
-            norm_num_groups=2,
-            temporal_compression_ratio=4,
-        )
-        .to(dtype)
-        .eval()
-    )  # CogVideoX decodes in the pipeline's dtype
+    vae = AutoencoderKLCogVideoX(**COGVIDEOX_VAE_TINY).to(dtype).eval()  # decodes in the pipeline's dtype
     return CogVideoXPipeline(
         tokenizer=tiny_tokenizer(),
         text_encoder=tiny_umt5(dtype, seed),
