@@ -210,21 +210,11 @@ def pipeline_run(args, device) -> dict:
     )
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from tritoff.tiny import COGVIDEOX_VAE_TINY, WAN_VAE_TINY, tiny_tokenizer
+    from tritoff.tiny import COGVIDEOX_VAE_TINY, UMT5_TINY, WAN_VAE_TINY, tiny_tokenizer
 
     budget = parse_size(args.budget)
     if args.smoke:
-        t5 = dict(
-            vocab_size=256,
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            dropout_rate=0.0,
-        )
+        t5 = UMT5_TINY
         frames, height, width = (5, 32, 32) if args.model == "wan" else (9, 32, 32)
     else:
         t5 = UMT5_XXL

@@ -40,6 +40,17 @@ COGVIDEOX_TINY = dict(
     max_text_seq_length=16,
 )
 
+UMT5_TINY = dict(
+    vocab_size=256,
+    d_model=32,
+    d_kv=8,
+    d_ff=64,
+    num_layers=2,
+    num_heads=4,
+    relative_attention_num_buckets=8,
+    feed_forward_proj="gated-gelu",
+    dropout_rate=0.0,
+)
 WAN_VAE_TINY = dict(
     base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
 )
@@ -121,17 +132,7 @@ def tiny_umt5(dtype: torch.dtype = torch.bfloat16, seed: int = 0, d_model: int =
     from transformers import UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(seed)
-    config = UMT5Config(
-        vocab_size=vocab_size,
-        d_model=d_model,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
-        relative_attention_num_buckets=8,
-        feed_forward_proj="gated-gelu",
-        dropout_rate=0.0,
-    )
+    config = UMT5Config(**{**UMT5_TINY, "vocab_size": vocab_size, "d_model": d_model})
     return realistic_init(UMT5EncoderModel(config), seed).to(dtype).eval()
 
 
