@@ -7,6 +7,8 @@ fp32 -> fp8 cast (round to nearest even, saturating at +-max), and dequantizatio
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -27,8 +29,8 @@ _FP8_DTYPES = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 
 
 def _fp32_fields(x: float) -> tuple[int, int]:
-    """Unbiased exponent and 23-bit mantissa of ``x`` as fp32."""
-    bits = torch.tensor(x, dtype=torch.float32).view(torch.int32).item()
+    """Unbiased exponent and 23-bit mantissa of ``x`` as fp32 (plain Python: safe inside traced custom ops)."""
+    (bits,) = struct.unpack("<I", struct.pack("<f", x))
     return ((bits >> 23) & 0xFF) - 127, bits & 0x7FFFFF
 
 
