@@ -194,7 +194,7 @@ class Engine:
         ring = None
         if self.plan.ring_slots:
             ring = SlotRing(device, self.plan.ring_slots, self.plan.slot_bytes, self.plan.staging_bytes)
-        self.manager = HookManager(device, runtimes, ring, opts.prefetch, self.plan.pool_bytes)
+        self.manager = HookManager(device, runtimes, ring, opts.prefetch, self.plan.pool_bytes, self.plan.reserve)
         for comp in runtimes:
             _move_buffers(comp.module, device)
             modules = dict(comp.module.named_modules())

@@ -14,6 +14,7 @@ order is loaded synchronously and counted.
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -75,6 +76,7 @@ class HookManager:
         ring: SlotRing | None,
         depth: int,
         pool_bytes: int,
+        reserve: int = 0,
     ):
         self.device = device
         self.components = {c.name: c for c in components}
@@ -86,6 +88,11 @@ class HookManager:
         self.inflight: deque[GroupRuntime] = deque()
         self.cursor: tuple[str, int] | None = None  # (component, order position) of the last group issued
         self.index = {id(g): i for c in components for i, g in enumerate(c.blocks)}
+        # activations measured during each component's first forward (CUDA allocator statistics; no synchronization)
+        self.reserve = reserve
+        self.activation_peaks: dict[str, int] = {}
+        self.peak_seen = 0
+        self._activation_base: dict[str, int] = {}
 
     # pool units -------------------------------------------------------------------------------------------------
     def load_unit(self, comp: ComponentRuntime) -> None:
@@ -139,6 +146,7 @@ class HookManager:
                 comp.order = list(range(len(comp.blocks)))
             if not comp.traced and comp.trace is None:
                 comp.trace = []
+                self._start_activation_measure(comp)
             head = self.inflight[0] if self.inflight else None
             if head is None or head.component != comp.name:
                 self._invalidate()
@@ -152,6 +160,7 @@ class HookManager:
         self.clock += 1
         comp.last_used = self.clock
         if comp.trace is not None and comp.active == 0:
+            self._finish_activation_measure(comp)
             traced, comp.trace = comp.trace, None
             comp.traced = bool(traced)
             if traced and traced != comp.order:
@@ -161,6 +170,31 @@ class HookManager:
                     self._invalidate()
                     self.cursor = (comp.name, -1)
                     self._top_up()
+
+    def _start_activation_measure(self, comp: ComponentRuntime) -> None:
+        if self.device.type != "cuda":
+            return
+        self.peak_seen = max(self.peak_seen, torch.cuda.max_memory_allocated(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._activation_base[comp.name] = torch.cuda.memory_allocated(self.device)
+
+    def _finish_activation_measure(self, comp: ComponentRuntime) -> None:
+        base = self._activation_base.pop(comp.name, None)
+        if base is None:
+            return
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.activation_peaks[comp.name] = peak
+        if peak > self.reserve:
+            warnings.warn(
+                f"{comp.name}'s first forward used {peak / 2**30:.2f} GiB for activations, more than the "
+                f"{self.reserve / 2**30:.2f} GiB reserve: peak memory may exceed the budget; re-enable with "
+                f"reserve={peak} (or a larger budget)",
+                stacklevel=2,
+            )
+
+    def peak_bytes(self) -> int:
+        """Peak GPU memory allocated since the process started (the measurements reset the allocator's peak)."""
+        return max(self.peak_seen, torch.cuda.max_memory_allocated(self.device))
 
     # groups -----------------------------------------------------------------------------------------------------
     def group_pre(self, group: GroupRuntime) -> None:

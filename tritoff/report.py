@@ -60,7 +60,8 @@ class Report:
         if device.type == "cuda":
             ring = manager.ring if manager else None
             total["compute_wait_s"] = ring.stall_seconds() if ring is not None else 0.0
-            total["peak_vram_bytes"] = torch.cuda.max_memory_allocated(device)
+            total["peak_vram_bytes"] = manager.peak_bytes() if manager else torch.cuda.max_memory_allocated(device)
+            total["activation_bytes"] = dict(manager.activation_peaks) if manager else {}
         worst = sorted(engine.snr.items(), key=lambda kv: kv[1])[:5]
         return {
             "device": str(device),
