@@ -56,7 +56,7 @@ def test_budget_holds_and_transfers_hide_behind_compute():
     assert torch.cuda.max_memory_allocated() - base <= budget
     total = engine.stats["total"]
     # the first forward's activations were measured: 16384 x 4096 bf16 tensors, a few alive at once
-    assert 16384 * 4096 * 2 <= total["activation_bytes"]["model"] <= 16384 * 4096 * 2 * 5
+    assert 16384 * 4096 * 2 <= total["activation_bytes"]["model"] <= 16384 * 4096 * 2 * 8
     # transfer time at the measured H2D rate, against the time the compute stream waited for transfers
     moved = total["bytes_h2d"]
     src = torch.empty(256 * 2**20, dtype=torch.uint8).pin_memory()
