@@ -106,11 +106,14 @@ class HookManager:
                 break
             self.evict_unit(min(victims, key=lambda c: c.last_used))
 
+        # allocated on the compute stream, which reads them and frees them at eviction; only filled on the copy stream
+        for g in comp.unit:
+            g.buffer = torch.empty(g.unpacked_bytes, dtype=torch.uint8, device=self.device)
+
         def fill():
             moved = 0
+            staging = self.ring.staging if self.ring is not None else None
             for g in comp.unit:
-                g.buffer = torch.empty(g.unpacked_bytes, dtype=torch.uint8, device=self.device)
-                staging = self.ring.staging if self.ring is not None else None
                 moved += g.fill(
                     g.buffer, staging if staging is not None and staging.numel() >= g.packed_bytes else None
                 )
