@@ -163,7 +163,7 @@ def write_pack(
                 from tritoff.snr import snr_db
 
                 rows = codes.reshape(len(scales), -1).view(layout.storage.dtype).float() * scales[:, None]
-                snr[e.name] = snr_db(t.reshape(rows.shape).float(), rows)
+                snr[e.name] = snr_db(t.reshape(rows.shape).to(rows.device).float(), rows)
             payload.copy_(codes.reshape(-1).cpu())
             data[e.scale_offset : e.scale_offset + 4 * e.num_scales].view(torch.float32).copy_(scales.cpu())
         else:
