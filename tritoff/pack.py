@@ -130,8 +130,16 @@ class PackLayout:
         """The kernel's int64 table (``TABLE_COLUMNS`` per tensor) for ``block`` units per program."""
         starts = chunk_starts([e.kernel_units for e in self.entries], block)
         rows = [
-            [start, e.kind, e.offset, e.out_offset, e.kernel_units, e.row_len, max(e.scale_offset, 0),
-             align(e.kernel_units, PAD)]
+            [
+                start,
+                e.kind,
+                e.offset,
+                e.out_offset,
+                e.kernel_units,
+                e.row_len,
+                max(e.scale_offset, 0),
+                align(e.kernel_units, PAD),
+            ]
             for start, e in zip(starts, self.entries, strict=False)
         ]
         table = torch.tensor(rows, dtype=torch.int64).reshape(-1, TABLE_COLUMNS)
