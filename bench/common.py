@@ -55,3 +55,39 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def plot_lines(
+    name: str,
+    series: dict[str, tuple[list, list]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    logx: bool = False,
+    smoke: bool = False,
+) -> Path | None:
+    """A PNG line plot at ``bench/results/<name>[-smoke].png`` of ``series`` (label -> (xs, ys)); None without
+    matplotlib (``pip install tritoff[bench]``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'tritoff[bench]')")
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=label)
+    if logx:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = RESULTS / f"{name}{'-smoke' if smoke else ''}.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -23,7 +23,7 @@ SMOKE = "--smoke" in sys.argv
 if SMOKE and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from common import markdown_table, write_result  # noqa: E402
+from common import markdown_table, plot_lines, write_result  # noqa: E402
 
 from tritoff.arena import HostArena  # noqa: E402
 from tritoff.formats import get_format  # noqa: E402
@@ -253,6 +253,23 @@ def main() -> None:
             f"zero-copy {ov['slowdown_zero_copy_pct']:.1f}%"
         )
     print(f"\nwrote {write_result('kernels', data, smoke=args.smoke)}")
+    mib = [r["pack_bytes"] / 2**20 for r in rows]
+    series = {
+        label: (mib, [r[key]["delivered_bf16_GBps"] if key != "a_h2d_fp8" else r[key]["wire_GBps"] for r in rows])
+        for key, label in (
+            ("a_h2d_fp8", "(a) H2D fp8 wire (roofline)"),
+            ("b_h2d_bf16", "(b) H2D bf16"),
+            ("c_staged", "(c) staged: bf16 delivered"),
+            ("d_zero_copy", "(d) zero-copy: bf16 delivered"),
+            ("e_torch_per_tensor", "(e) torch per tensor: bf16 delivered"),
+        )
+        if key in rows[0]
+    }
+    plot = plot_lines(
+        "kernels", series, "pack size (MiB)", "GB/s", f"onload rates on {device}", logx=True, smoke=args.smoke
+    )
+    if plot:
+        print(f"wrote {plot}")
     if not all(r["exact"] for r in rows):
         sys.exit("a kernel result differed from the reference")
 

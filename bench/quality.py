@@ -15,7 +15,7 @@ import math
 import warnings
 
 import torch
-from common import markdown_table, write_result
+from common import markdown_table, plot_lines, write_result
 
 import tritoff
 from tritoff.snr import snr_db
@@ -137,6 +137,22 @@ def main() -> None:
     print(markdown_table(["method", "PSNR dB"], [[k, f"{v:.1f}"] for k, v in psnr.items()]))
     path = write_result("quality", {"unit": "dB", "output_snr": rows, "pipeline_psnr": psnr}, smoke=args.smoke)
     print(f"\nwrote {path}")
+    biggest = names[-1] if args.smoke else "wan-mid"
+    series = {
+        m: ([r["gain"] for r in rows if r["model"] == biggest], [r[m] for r in rows if r["model"] == biggest])
+        for m in methods
+    }
+    plot = plot_lines(
+        "quality",
+        series,
+        "weight gain (std = gain / sqrt(fan_in))",
+        "output SNR vs bf16 (dB)",
+        f"{biggest}: transformer output SNR against bf16",
+        logx=True,
+        smoke=args.smoke,
+    )
+    if plot:
+        print(f"wrote {plot}")
 
 
 if __name__ == "__main__":
