@@ -72,6 +72,14 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, saved_pipeline, tmp_pat
     assert not list(tmp_path.glob("*.mp4")) and not list(tmp_path.glob("*.gif"))  # nothing half-written
 
 
+def test_pipeline_without_a_denoiser_is_refused(tmp_path, capsys):
+    pipe = wan()
+    pipe.register_modules(transformer=None)
+    pipe.save_pretrained(tmp_path / "no-transformer")
+    assert main(["run", str(tmp_path / "no-transformer"), "--prompt", "x", "--out", str(tmp_path / "v.gif")]) == 2
+    assert "has no transformer or unet" in capsys.readouterr().err
+
+
 def test_info(capsys):
     assert main(["info"]) == 0
     assert "torch" in capsys.readouterr().out
