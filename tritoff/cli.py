@@ -49,16 +49,23 @@ def _cmd_demo(args) -> int:
     return 0
 
 
-def _load_pipeline(model: str, dtype, store: str | None):
-    """``DiffusionPipeline.from_pretrained`` with one-line errors; components held in ``store`` are built empty."""
-    import torch
-    from diffusers import DiffusionPipeline
-
+def _check_model(model: str) -> Path:
+    """A local pipeline directory, or something shaped like a hub id; else a one-line error."""
     local = Path(model)
     if local.exists() and not (local / "model_index.json").is_file():
         raise CliError(f"{model} is not a diffusers pipeline directory (no model_index.json)")
     if not local.exists() and (model.startswith((".", "/", "~")) or model.count("/") != 1):
         raise CliError(f"model {model!r} not found: give a local pipeline directory or a hub id like org/name")
+    return local
+
+
+def _load_pipeline(model: str, dtype, store: str | None):
+    """``DiffusionPipeline.from_pretrained`` with one-line errors; components held in ``store`` are built empty."""
+    import torch
+
+    from tritoff.convert import from_pretrained
+
+    local = _check_model(model)
     kwargs = {}
     if store is not None and local.exists():
         import json
@@ -72,9 +79,7 @@ def _load_pipeline(model: str, dtype, store: str | None):
             if libraries.get(name, [None])[0] == "diffusers":
                 kwargs[name] = _empty_component(local, name, store)
     try:
-        with warnings.catch_warnings():  # newer diffusers renamed torch_dtype; older ones know only that name
-            warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
-            pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype, **kwargs)
+        pipe = from_pretrained(model, dtype, **kwargs)
     except (OSError, ValueError) as err:
         raise CliError(f"cannot load {model}: {str(err).splitlines()[0]}") from None
     if not any(isinstance(getattr(pipe, n, None), torch.nn.Module) for n in ("transformer", "unet")):
@@ -83,25 +88,14 @@ def _load_pipeline(model: str, dtype, store: str | None):
 
 
 def _empty_component(directory: Path, name: str, store: str):
-    """A diffusers component built from its config with parameters on the meta device, in the dtypes the store
-    recorded (its weights come from the store)."""
+    """A diffusers component built from its config without weights, in the dtypes the store recorded."""
     import json
 
-    import diffusers
-    import torch
-    from accelerate import init_empty_weights
-
+    from tritoff.convert import empty_diffusers_component
     from tritoff.store import stored_dtypes
 
     _, class_name = json.loads((directory / "model_index.json").read_text())[name]
-    cls = getattr(diffusers, class_name)
-    with init_empty_weights(include_buffers=False):
-        module = cls.from_config(cls.load_config(directory, subfolder=name))
-    dtypes = stored_dtypes(store, name)
-    for param_name, param in module.named_parameters():
-        if param_name in dtypes:
-            param.data = torch.empty(param.shape, dtype=dtypes[param_name], device="meta")
-    return module.eval()
+    return empty_diffusers_component(directory / name, class_name, stored_dtypes(store, name))
 
 
 def _check_options(args) -> None:
@@ -157,30 +151,19 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_convert(args) -> int:
-    import torch
-
-    from tritoff.engine import _components, _groups_for
+    from tritoff.convert import convert_pipeline
     from tritoff.formats import get_format
-    from tritoff.packer import pack_model
-    from tritoff.store import fingerprint, save_store
 
     get_format(args.storage)
-    pipe = _load_pipeline(args.model, torch.bfloat16, None)
-    components = _components(pipe)
-    fingerprints = {n: fingerprint(m) for n, m in components.items()}
-    packed = {}
-    for name, module in components.items():
-        print(f"{name}:")
-        packed[name] = pack_model(
-            module,
-            args.storage,
-            granularity=args.granularity,
-            skip=tuple(args.skip),
-            groups=_groups_for(module, args.mode),
-            release=True,
-            register=False,
-        )
-    save_store(args.out_dir, fingerprints, packed, tuple(args.skip), "leaf" if args.mode == "leaf" else "block")
+    _check_model(args.model)
+    packed = convert_pipeline(
+        args.model,
+        args.out_dir,
+        args.storage,
+        args.granularity,
+        tuple(args.skip),
+        "leaf" if args.mode == "leaf" else "block",
+    )
     total = sum(p.arena.nbytes for p in packed.values())
     print(f"wrote {args.out_dir}: {len(packed)} components, {total / 2**20:.1f} MiB of packs ({args.storage})")
     return 0

@@ -77,12 +77,15 @@ def pack_model(
     register: bool | None = None,
     progress: bool = True,
     snr: dict | None = None,
+    read_group=None,
 ) -> PackedModel:
     """Quantize ``model`` into packs, one per group (default: its blocks, then the rest), in one host arena.
 
     ``skip`` adds regexes of module names to keep unquantized. ``release`` drops each group's weights once packed.
     ``quantize_on`` picks where quantization runs (default: CUDA with Triton when available, else the CPU reference).
-    ``snr``, when given, receives each quantized weight's SNR in dB.
+    ``snr``, when given, receives each quantized weight's SNR in dB. ``read_group(group) -> {name: tensor}`` supplies
+    each group's tensors instead of its parameters (a model built without weights, read from a checkpoint group by
+    group).
     """
     fmt = get_format(storage)
     check_granularity(granularity)
@@ -104,7 +107,8 @@ def pack_model(
     for group, layout, offset in bar:
         data = arena.view(offset, layout.nbytes)
         with torch.no_grad():
-            write_pack(layout, data, {n: p.detach() for n, p in group.params}, quantizer, snr)
+            tensors = read_group(group) if read_group else {n: p.detach() for n, p in group.params}
+            write_pack(layout, data, tensors, quantizer, snr)
         packs.append(Pack(group.name, layout, offset, data))
         if release:
             release_params(group)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from tritoff.convert import cast_like_from_pretrained
+
 WAN_TINY = dict(
     patch_size=(1, 2, 2),
     num_attention_heads=2,
@@ -87,7 +89,7 @@ def tiny_wan_transformer(dtype: torch.dtype = torch.bfloat16, seed: int = 0, **o
 
     torch.manual_seed(seed)
     model = realistic_init(WanTransformer3DModel(**{**WAN_TINY, **overrides}), seed)
-    return _to_dtype_keeping_fp32(model, dtype)
+    return cast_like_from_pretrained(model, dtype)
 
 
 def tiny_cogvideox_transformer(dtype: torch.dtype = torch.bfloat16, seed: int = 0, **overrides):
@@ -96,22 +98,7 @@ def tiny_cogvideox_transformer(dtype: torch.dtype = torch.bfloat16, seed: int = 
 
     torch.manual_seed(seed)
     model = realistic_init(CogVideoXTransformer3DModel(**{**COGVIDEOX_TINY, **overrides}), seed)
-    return _to_dtype_keeping_fp32(model, dtype)
-
-
-def _to_dtype_keeping_fp32(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast like ``from_pretrained(torch_dtype=...)``: tensors of ``_keep_in_fp32_modules`` stay fp32 (never rounded
-    through ``dtype``)."""
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    for name, module in model.named_modules():
-        kept = any(part in keep for part in name.split("."))
-        for pname, param in module._parameters.items():
-            if param is not None:
-                param.data = param.data.to(torch.float32 if kept or pname in keep else dtype)
-        for bname, buf in module._buffers.items():
-            if buf is not None and buf.is_floating_point():
-                module._buffers[bname] = buf.to(torch.float32 if kept else dtype)
-    return model
+    return cast_like_from_pretrained(model, dtype)
 
 
 def tiny_tokenizer(vocab_size: int = 256):

@@ -1,0 +1,161 @@
+"""``tritoff convert``: quantize a saved pipeline once into a store, reading the checkpoint one group at a time.
+
+Diffusers components (the transformer: most of the bytes) are built from their configs without weights; each group's
+tensors are read from the checkpoint's safetensors files (memory-mapped), cast as ``from_pretrained`` would, quantized
+into the arena, and dropped. Host memory stays at the packs plus one group. Other components (transformers text
+encoders, which tie weights at load time) and checkpoints without safetensors files are loaded normally and released
+group by group as they are packed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from tritoff.groups import Group
+from tritoff.packer import PackedModel, pack_model
+from tritoff.store import fingerprint, save_store
+
+
+def empty_diffusers_component(directory: Path, class_name: str, dtype: torch.dtype | dict[str, torch.dtype]):
+    """The component saved in ``directory`` built from its config, parameters on the meta device (buffers computed for
+    real). ``dtype``: the pipeline dtype, applied as ``from_pretrained`` does (``_keep_in_fp32_modules`` stay fp32),
+    or a dtype per parameter name (as a store recorded them)."""
+    import diffusers
+    from accelerate import init_empty_weights
+
+    cls = getattr(diffusers, class_name)
+    with init_empty_weights(include_buffers=False):
+        module = cls.from_config(cls.load_config(directory))
+    if isinstance(dtype, torch.dtype):
+        return cast_like_from_pretrained(module, dtype).eval()
+    for name, param in module.named_parameters():
+        if name in dtype:
+            param.data = torch.empty(param.shape, dtype=dtype[name], device="meta")
+    return module.eval()
+
+
+def cast_like_from_pretrained(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast like ``from_pretrained(torch_dtype=...)``: tensors of ``_keep_in_fp32_modules`` stay fp32 (never rounded
+    through ``dtype``)."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for name, module in model.named_modules():
+        kept = any(part in keep for part in name.split("."))
+        for pname, param in module._parameters.items():
+            if param is not None:
+                param.data = param.data.to(torch.float32 if kept or pname in keep else dtype)
+        for bname, buf in module._buffers.items():
+            if buf is not None and buf.is_floating_point():
+                module._buffers[bname] = buf.to(torch.float32 if kept else dtype)
+    return model
+
+
+class CheckpointReader:
+    """Tensors of a component's safetensors checkpoint (one file or shards with an index), read lazily by name."""
+
+    def __init__(self, directory: Path):
+        index = sorted(directory.glob("*.safetensors.index.json"))
+        if index:
+            weight_map = json.loads(index[0].read_text())["weight_map"]
+            self.files = {name: directory / file for name, file in weight_map.items()}
+        else:
+            files = sorted(directory.glob("*.safetensors"))
+            if len(files) != 1:
+                raise FileNotFoundError(f"{directory}: expected one safetensors file or an index, found {len(files)}")
+            from safetensors import safe_open
+
+            with safe_open(files[0], framework="pt") as f:
+                self.files = dict.fromkeys(f.keys(), files[0])
+
+    def read(self, names_and_dtypes: list[tuple[str, torch.dtype]]) -> dict[str, torch.Tensor]:
+        """The named tensors, cast to their dtypes."""
+        from safetensors import safe_open
+
+        by_file: dict[Path, list] = {}
+        for name, dtype in names_and_dtypes:
+            if name not in self.files:
+                raise KeyError(f"{name} is not in the checkpoint")
+            by_file.setdefault(self.files[name], []).append((name, dtype))
+        out = {}
+        for file, items in by_file.items():
+            with safe_open(file, framework="pt") as f:
+                for name, dtype in items:
+                    out[name] = f.get_tensor(name).to(dtype)
+        return out
+
+
+def from_pretrained(model, dtype: torch.dtype, **components):
+    """``DiffusionPipeline.from_pretrained`` without the ``torch_dtype`` rename warning of newer diffusers (older
+    ones know only that name)."""
+    import warnings
+
+    from diffusers import DiffusionPipeline
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
+        return DiffusionPipeline.from_pretrained(model, torch_dtype=dtype, **components)
+
+
+def convert_pipeline(
+    model: str | Path,
+    out_dir: str | Path,
+    storage: str = "fp8_e4m3",
+    granularity: str = "row",
+    skip: tuple[str, ...] = (),
+    grouping: str = "block",
+    dtype: torch.dtype = torch.bfloat16,
+    progress: bool = True,
+    stream: bool = True,
+) -> dict[str, PackedModel]:
+    """Quantize every model component of the pipeline at ``model`` (a local directory or a hub id) into a store at
+    ``out_dir``. With ``stream`` (and a local directory), diffusers components are read group by group from their
+    safetensors files; otherwise the pipeline is loaded with ``from_pretrained`` and released group by group."""
+    from tritoff.engine import _components, _groups_for
+
+    directory = Path(model)
+    components: dict[str, nn.Module] = {}
+    readers: dict[str, CheckpointReader] = {}
+    if stream and (directory / "model_index.json").is_file():
+        for name, spec in json.loads((directory / "model_index.json").read_text()).items():
+            sub = directory / name
+            if (
+                isinstance(spec, list)
+                and spec[0] == "diffusers"
+                and (list(sub.glob("*.safetensors")) or list(sub.glob("*.safetensors.index.json")))
+            ):
+                components[name] = empty_diffusers_component(sub, spec[1], dtype)
+                readers[name] = CheckpointReader(sub)
+    # everything else loads normally (the streamed components are passed as None so they are not read)
+    loaded = from_pretrained(model, dtype, **dict.fromkeys(readers))
+    for name, module in _components(loaded).items():
+        components.setdefault(name, module)
+    components = {n: components[n] for n in sorted(components)}
+    fingerprints = {n: fingerprint(m) for n, m in components.items()}
+    packed = {}
+    for name, module in components.items():
+        groups = _groups_for(module, grouping if grouping == "leaf" else "group")
+        reader = readers.get(name)
+        read_group = None
+        if reader is not None:
+
+            def read_group(group: Group, reader=reader) -> dict[str, torch.Tensor]:
+                return reader.read([(n, p.dtype) for n, p in group.params])
+
+        if progress:
+            print(f"{name}:")
+        packed[name] = pack_model(
+            module,
+            storage,
+            granularity=granularity,
+            skip=skip,
+            groups=groups,
+            release=True,
+            register=False,
+            progress=progress,
+            read_group=read_group,
+        )
+    save_store(out_dir, fingerprints, packed, skip, grouping)
+    return packed
