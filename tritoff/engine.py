@@ -14,8 +14,7 @@ from tritoff.formats import check_granularity, get_format
 from tritoff.groups import REST, Group, block_groups, leaf_groups
 from tritoff.manager import ComponentHook, ComponentRuntime, GroupHook, HookManager
 from tritoff.onload import GroupRuntime
-from tritoff.pack import PackLayout, TensorSpec
-from tritoff.packer import PackedModel, pack_model
+from tritoff.packer import PackedModel, pack_model, plan_layouts
 from tritoff.planner import MODES, ComponentSize, GroupSize, Plan, plan
 from tritoff.report import Report
 from tritoff.skip import SkipRules
@@ -308,7 +307,6 @@ def enable(
     previous: Engine | None = getattr(target, ENGINE_ATTR, None)
     if previous is None:
         _check_no_foreign_hooks(components)
-    index = None
     from tritoff.store import fingerprint
 
     # taken before any parameter changes (and reused on re-plans, when parameters hold placeholders)
@@ -357,14 +355,7 @@ def enable(
         for name, module in components.items():
             quantized = SkipRules.for_model(module, options.skip).quantized_names(module)
             _check_finite(module, quantized, name)
-            layouts[name] = [
-                PackLayout.plan(
-                    [TensorSpec(n, tuple(p.shape), p.dtype, n in quantized) for n, p in g.params],
-                    fmt,
-                    options.granularity,
-                )
-                for g in group_lists[name]
-            ]
+            layouts[name] = plan_layouts(group_lists[name], quantized, fmt, options.granularity)
     sizes = _sizes(components, group_lists, layouts, options.mode)
     staged = options.transport != "zero_copy"
     fraction = 0.1 if reserve is None else None
@@ -389,6 +380,7 @@ def enable(
                 release=True,
                 progress=progress,
                 snr=stats,
+                layouts=layouts[name],
             )
             snr.update({f"{name}.{k}": v for k, v in stats.items()})
     engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr)

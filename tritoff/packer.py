@@ -65,6 +65,17 @@ def release_params(group: Group) -> None:
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
+def plan_layouts(groups: list[Group], quantized: set[str], fmt: StorageFormat, granularity: str) -> list[PackLayout]:
+    """Each group's pack layout, from parameter shapes and dtypes alone (no weight is read); ``quantized`` names the
+    parameters to quantize (:meth:`SkipRules.quantized_names`)."""
+    return [
+        PackLayout.plan(
+            [TensorSpec(n, tuple(p.shape), p.dtype, n in quantized) for n, p in group.params], fmt, granularity
+        )
+        for group in groups
+    ]
+
+
 def pack_model(
     model: nn.Module,
     storage: str | StorageFormat = "fp8_e4m3",
@@ -78,6 +89,7 @@ def pack_model(
     progress: bool = True,
     snr: dict | None = None,
     read_group=None,
+    layouts: list[PackLayout] | None = None,
 ) -> PackedModel:
     """Quantize ``model`` into packs, one per group (default: its blocks, then the rest), in one host arena.
 
@@ -85,16 +97,13 @@ def pack_model(
     ``quantize_on`` picks where quantization runs (default: CUDA with Triton when available, else the CPU reference).
     ``snr``, when given, receives each quantized weight's SNR in dB. ``read_group(group) -> {name: tensor}`` supplies
     each group's tensors instead of its parameters (a model built without weights, read from a checkpoint group by
-    group).
+    group). ``layouts``: the groups' layouts when the caller already planned them (:func:`plan_layouts`).
     """
     fmt = get_format(storage)
     check_granularity(granularity)
     groups = block_groups(model) if groups is None else groups
-    quantized = SkipRules.for_model(model, skip).quantized_names(model)
-    layouts = []
-    for group in groups:
-        specs = [TensorSpec(n, tuple(p.shape), p.dtype, n in quantized) for n, p in group.params]
-        layouts.append(PackLayout.plan(specs, fmt, granularity))
+    if layouts is None:
+        layouts = plan_layouts(groups, SkipRules.for_model(model, skip).quantized_names(model), fmt, granularity)
     offsets, total = [], 0
     for layout in layouts:
         offsets.append(total)
