@@ -152,9 +152,7 @@ class HookManager:
                 self._start_activation_measure(comp)
             head = self.inflight[0] if self.inflight else None
             if head is None or head.component != comp.name:
-                self._invalidate()
-                self.cursor = (comp.name, -1)
-                self._top_up()
+                self._restart_prefetch(comp)
         return send_to_device(args, self.device), send_to_device(kwargs, self.device)
 
     def component_post(self, comp: ComponentRuntime) -> None:
@@ -170,9 +168,7 @@ class HookManager:
                 comp.order = traced
                 if self.cursor is not None and self.cursor[0] == comp.name:
                     # prefetch was following the module order: restart it on the traced one
-                    self._invalidate()
-                    self.cursor = (comp.name, -1)
-                    self._top_up()
+                    self._restart_prefetch(comp)
 
     def _start_activation_measure(self, comp: ComponentRuntime) -> None:
         if self.device.type != "cuda":
@@ -242,6 +238,12 @@ class HookManager:
         comp = self.components[group.component]
         comp.stats.bytes_h2d += self.ring.load(group)
         comp.stats.onloads += 1
+
+    def _restart_prefetch(self, comp: ComponentRuntime) -> None:
+        """Drop whatever is in flight and start prefetching ``comp``'s first groups."""
+        self._invalidate()
+        self.cursor = (comp.name, -1)
+        self._top_up()
 
     def _invalidate(self) -> None:
         while self.inflight:

@@ -64,9 +64,12 @@ class GroupRuntime:
         """Views of ``buffer`` for each parameter, cached per buffer (building them costs ~3 us per tensor)."""
         key = buffer.data_ptr()
         if key not in self._views:
-            by_name = self.layout.views(buffer)
-            self._views[key] = [by_name[e.name] for e in self.layout.entries]
+            self._views[key] = self._ordered_views(buffer)
         return self._views[key]
+
+    def _ordered_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        by_name = self.layout.views(buffer)
+        return [by_name[e.name] for e in self.layout.entries]
 
     def bind(self, buffer: torch.Tensor) -> None:
         """Point every parameter at its view of ``buffer``."""
@@ -116,6 +119,4 @@ class GroupRuntime:
         """Fresh tensors on ``device`` holding the group's weights (dequantized exactly, with the reference)."""
         out = torch.empty(self.unpacked_bytes, dtype=torch.uint8)
         upcast_pack_reference(self.pack.data, out, self.table_cpu, self.layout.out_dtype, self.storage)
-        out = out.to(device)
-        by_name = self.layout.views(out)
-        return [by_name[e.name] for e in self.layout.entries]
+        return self._ordered_views(out.to(device))
