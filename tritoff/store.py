@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
-import tempfile
 from pathlib import Path
 
 import torch
@@ -24,6 +22,7 @@ import torch.nn as nn
 
 from tritoff import __version__
 from tritoff.arena import PAGE, HostArena
+from tritoff.atomic import atomic_path
 from tritoff.formats import get_format
 from tritoff.groups import Group
 from tritoff.pack import PackEntry, PackLayout
@@ -80,14 +79,8 @@ def _entry(d: dict) -> PackEntry:
 
 
 def _write_atomic(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        write(f)
 
 
 def save_store(

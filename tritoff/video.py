@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from tritoff.atomic import atomic_path
 
 
 def to_uint8_frames(frames) -> np.ndarray:
@@ -49,9 +50,7 @@ def write_video(frames, path: str | Path, fps: int = 16) -> Path:
             import imageio_ffmpeg  # noqa: F401
         except ImportError:
             path = path.with_suffix(".gif")
-    fd, tmp = tempfile.mkstemp(suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path, suffix=path.suffix) as tmp:  # the suffix tells the writers which format to use
         if path.suffix.lower() == ".mp4":
             iio.imwrite(tmp, array, fps=fps, codec="libx264", macro_block_size=1)
         else:
@@ -59,8 +58,4 @@ def write_video(frames, path: str | Path, fps: int = 16) -> Path:
 
             images = [Image.fromarray(f) for f in array]
             images[0].save(tmp, format="GIF", save_all=True, append_images=images[1:], duration=1000 // fps, loop=0)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return path
