@@ -8,6 +8,7 @@ from .upcast import (
     KIND_COPY,
     KIND_FP8,
     TABLE_COLUMNS,
+    ZERO_COPY_PROGRAMS,
     chunk_starts,
     upcast_pack,
     upcast_pack_reference,
@@ -17,6 +18,7 @@ from .upcast import (
 __all__ = [
     "BLOCK",
     "BLOCK_ZERO_COPY",
+    "ZERO_COPY_PROGRAMS",
     "KIND_COPY",
     "KIND_FP8",
     "TABLE_COLUMNS",

@@ -9,13 +9,15 @@ A pack is a byte buffer holding fp8 payloads, their fp32 scales and tensors kept
     dst_offset   byte offset of the output in the destination buffer (256-byte aligned)
     numel        elements (KIND_COPY: 4-byte words, the payload rounded up; padding is allocated on both sides)
     row_len      elements per scale row (numel for a per-tensor scale)
-    scale_offset byte offset of the fp32 scales in the pack
+    scale_offset byte offset of the fp32 scales in the pack (a program whose rows are at least ``BLOCK`` long loads
+                 its one or two scales as scalars; shorter rows gather one per element)
     padded       numel rounded up to 16: the kernel's bound, so masks are 16-aligned and accesses vectorize; the
                  regions are padded to 256 bytes on both sides, so the extra elements land in padding
 
 Two transports share the kernel. ``upcast_pack`` reads a GPU staging copy of the pack (its bytes arrive by one
 cudaMemcpyAsync on the copy engine). ``upcast_pack_zero_copy`` reads the page-locked host arena directly over PCIe, so
-copy and upcast are one pass.
+copy and upcast are one pass; its grid is bounded (``ZERO_COPY_PROGRAMS`` programs striding over the chunks) so it
+leaves most SMs to the compute it overlaps. Chunk offsets are int64, so a tensor may exceed 2^31 elements.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ PAD = 16
 BLOCK = 4096
 # Zero-copy reads cross PCIe with ~1-2 us latency, so more bytes per program keeps more requests in flight.
 BLOCK_ZERO_COPY = 8192
+# Programs of a zero-copy launch. A PCIe read is latency-bound, not SM-bound: a few dozen programs keep enough
+# requests in flight (nvbandwidth-style SM reads reach ~35 GB/s; vLLM saw ~12 SMs come within 5% of the peak), and the
+# other SMs stay free for the block computing meanwhile. bench/kernels.py sweeps it on the GPU.
+ZERO_COPY_PROGRAMS = 32
 
 _OUT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _OUT_TL = (tl.bfloat16, tl.float16, tl.float32)
@@ -58,7 +64,8 @@ def chunk_starts(numels: list[int], block: int = BLOCK) -> list[int]:
 
 
 @triton.jit
-def _upcast_pack_kernel(
+def _upcast_chunk(
+    pid,
     src_ptr,
     dst_ptr,
     table_ptr,
@@ -71,37 +78,84 @@ def _upcast_pack_kernel(
     MAX_TENSORS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    # Which tensor this program works on: count the chunk starts at or below pid (one vector load, no search loop).
+    # Which tensor chunk ``pid`` belongs to: count the chunk starts at or below it (one vector load, no search loop).
     t_idx = tl.arange(0, MAX_TENSORS)
     starts = tl.load(table_ptr + t_idx * 8, mask=t_idx < n_tensors, other=2**62)
     t = tl.sum((starts <= pid).to(tl.int32), axis=0) - 1
     row = table_ptr + t * 8
-    chunk = pid - tl.load(row)
+    # first unit of this chunk, in int64: a tensor may hold more than 2^31 elements (offsets below stay int32)
+    first = (pid - tl.load(row)) * BLOCK
     kind = tl.load(row + 1)
     # every offset in a pack is 256-byte aligned: saying so lets the compiler emit 16-byte vector loads and stores
     # (without the hints the sm_90 PTX loads fp8 codes one byte at a time: 32 ld.global.b8 per thread)
     src = src_ptr + tl.multiple_of(tl.load(row + 2), 256)
     dst = dst_ptr + tl.multiple_of(tl.load(row + 3), 256)
-    padded = tl.multiple_of(tl.load(row + 7).to(tl.int32), 16)
-    offs = chunk.to(tl.int32) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < padded
-    out = dst.to(tl.pointer_type(OUT_DTYPE), bitcast=True)
+    # the bound is the tensor's length rounded up to 16 (its padding absorbs the extra elements), so it stays a
+    # multiple of 16 relative to this chunk and masks do not split vectors
+    limit = tl.multiple_of(tl.minimum(tl.load(row + 7) - first, BLOCK).to(tl.int32), 16)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < limit
     if kind == 1:
-        bits = tl.load(src + offs, mask=mask, other=0)
+        bits = tl.load(src + first + offs, mask=mask, other=0)
         if NATIVE_FP8:
             x = bits.to(FP8_DTYPE, bitcast=True).to(tl.float32)
         else:
             x = decode_fp8_bits(bits, MANTISSA_BITS, EXPONENT_BIAS)
-        row_len = tl.load(row + 5).to(tl.int32)
-        last_row = (tl.load(row + 4).to(tl.int32) - 1) // row_len  # padding elements reuse the last row's scale
-        scales = (src_ptr + tl.multiple_of(tl.load(row + 6), 256)).to(tl.pointer_type(tl.float32), bitcast=True)
-        s = tl.load(scales + tl.minimum(offs // row_len, last_row), mask=mask, other=1.0)
+        row_len = tl.load(row + 5)
+        last_row = (tl.load(row + 4) - 1) // row_len  # padding elements reuse the last row's scale
+        scales = (src_ptr + tl.load(row + 6)).to(tl.pointer_type(tl.float32), bitcast=True)
+        r0 = first // row_len
+        if row_len >= BLOCK:
+            # the chunk spans at most two rows: two scalar loads and a select, no per-element division or gather
+            s0 = tl.load(scales + tl.minimum(r0, last_row))
+            s1 = tl.load(scales + tl.minimum(r0 + 1, last_row))
+            boundary = tl.minimum((r0 + 1) * row_len - first, BLOCK).to(tl.int32)
+            s = tl.where(offs < boundary, s0, s1)
+        else:
+            # short rows (small layers, per-tensor scales of small tensors): one gathered scale per element
+            local = (first - r0 * row_len).to(tl.int32)
+            rows = r0 + ((offs + local) // row_len.to(tl.int32))
+            s = tl.load(scales + tl.minimum(rows, last_row), mask=mask, other=1.0)
         # scale is a power of two: the product is exact, and so is the cast to the out dtype
+        out = dst.to(tl.pointer_type(OUT_DTYPE), bitcast=True) + first
         tl.store(out + offs, (x * s).to(OUT_DTYPE), mask=mask)
     else:
-        words = tl.load(src.to(tl.pointer_type(tl.int32), bitcast=True) + offs, mask=mask, other=0)
-        tl.store(dst.to(tl.pointer_type(tl.int32), bitcast=True) + offs, words, mask=mask)
+        words = tl.load(src.to(tl.pointer_type(tl.int32), bitcast=True) + first + offs, mask=mask, other=0)
+        tl.store(dst.to(tl.pointer_type(tl.int32), bitcast=True) + first + offs, words, mask=mask)
+
+
+@triton.jit
+def _upcast_pack_kernel(
+    src_ptr,
+    dst_ptr,
+    table_ptr,
+    n_tensors,
+    n_chunks,
+    OUT_DTYPE: tl.constexpr,
+    FP8_DTYPE: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    EXPONENT_BIAS: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+    MAX_TENSORS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # Programs stride over the pack's chunks. The staged launch runs one program per chunk (the loop runs once);
+    # the zero-copy launch runs a bounded grid so the PCIe read does not hold every SM while blocks compute.
+    for pid in tl.range(tl.program_id(0), n_chunks, tl.num_programs(0)):
+        _upcast_chunk(
+            pid,
+            src_ptr,
+            dst_ptr,
+            table_ptr,
+            n_tensors,
+            OUT_DTYPE,
+            FP8_DTYPE,
+            MANTISSA_BITS,
+            EXPONENT_BIAS,
+            NATIVE_FP8,
+            MAX_TENSORS,
+            BLOCK,
+        )
 
 
 def _max_tensors(n: int) -> int:
@@ -119,13 +173,15 @@ def _upcast_pack_op(
     fp8_e5m2: bool,
     native: bool,
     block: int,
+    grid: int = 0,
 ) -> None:
     n_tensors = table.shape[0]
-    launch(_upcast_pack_kernel)[(n_programs,)](
+    launch(_upcast_pack_kernel)[(grid or n_programs,)](
         src,
         dst,
         table,
         n_tensors,
+        n_programs,
         OUT_DTYPE=_OUT_TL[out_code],
         FP8_DTYPE=tl.float8e5 if fp8_e5m2 else tl.float8e4nv,
         MANTISSA_BITS=2 if fp8_e5m2 else 3,
@@ -149,13 +205,14 @@ def _check(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, out_dtype:
         raise ValueError(f"out dtype must be bf16, fp16 or fp32, got {out_dtype}")
 
 
-def _run(src, dst, table, n_programs, out_dtype, fmt, native, block):
+def _run(src, dst, table, n_programs, out_dtype, fmt, native, block, grid=0):
     _check(src, dst, table, out_dtype)
     if n_programs == 0:
         return dst
     use_native = native_fp8(dst.device) if native is None else native
     e5m2 = fmt.dtype == torch.float8_e5m2
-    _upcast_pack_op(src, dst, table, n_programs, _OUT_CODES[out_dtype], e5m2, use_native, block)
+    grid = min(grid, n_programs) if grid else 0
+    _upcast_pack_op(src, dst, table, n_programs, _OUT_CODES[out_dtype], e5m2, use_native, block, grid)
     return dst
 
 
@@ -171,8 +228,8 @@ def upcast_pack(
 ) -> torch.Tensor:
     """Upcast a pack staged in device memory into ``dst`` (uint8) in one launch; returns ``dst``.
 
-    ``table`` and ``n_programs`` come from the pack (built with ``BLOCK``); ``native`` forces the hardware fp8
-    conversion on or off (default: on where the device has it).
+    ``table`` and ``n_programs`` (its chunk count) come from the pack (built with ``BLOCK``); ``native`` forces the
+    hardware fp8 conversion on or off (default: on where the device has it).
     """
     return _run(staged, dst, table, n_programs, out_dtype, fmt, native, BLOCK)
 
@@ -186,13 +243,15 @@ def upcast_pack_zero_copy(
     fmt: StorageFormat,
     *,
     native: bool | None = None,
+    programs: int = ZERO_COPY_PROGRAMS,
 ) -> torch.Tensor:
     """Upcast a pack read directly from page-locked host memory into ``dst``; returns ``dst``.
 
     ``host`` is a device-accessible view of the pack (see ``HostArena.device_view``; on the CPU, the pack itself).
-    ``table`` and ``n_programs`` come from the pack built with ``BLOCK_ZERO_COPY``.
+    ``table`` and ``n_programs`` come from the pack built with ``BLOCK_ZERO_COPY``. ``programs`` bounds the grid:
+    that many programs stride over the chunks, leaving the other SMs to the blocks computing meanwhile.
     """
-    return _run(host, dst, table, n_programs, out_dtype, fmt, native, BLOCK_ZERO_COPY)
+    return _run(host, dst, table, n_programs, out_dtype, fmt, native, BLOCK_ZERO_COPY, programs)
 
 
 def upcast_pack_reference(

@@ -16,7 +16,7 @@ from tritoff.kernels.quantize import _quantize_rows_kernel
 from tritoff.kernels.upcast import _upcast_pack_kernel
 
 ALIGNED = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
-UPCAST_SIGNATURE = {"src_ptr": "*u8", "dst_ptr": "*u8", "table_ptr": "*i64", "n_tensors": "i32"}
+UPCAST_SIGNATURE = {"src_ptr": "*u8", "dst_ptr": "*u8", "table_ptr": "*i64", "n_tensors": "i32", "n_chunks": "i32"}
 UPCAST_SIGNATURE |= dict.fromkeys(
     ("OUT_DTYPE", "FP8_DTYPE", "MANTISSA_BITS", "EXPONENT_BIAS", "NATIVE_FP8", "MAX_TENSORS", "BLOCK"), "constexpr"
 )

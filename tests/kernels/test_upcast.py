@@ -162,3 +162,40 @@ def test_bad_buffers_are_refused():
         upcast_pack(data.float(), out, layout.table(), layout.n_programs(), torch.bfloat16, E4M3)
     with pytest.raises(ValueError, match="table"):
         upcast_pack(data, out, layout.table()[:, :4], layout.n_programs(), torch.bfloat16, E4M3)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        pytest.param((5, 4096), id="rows-of-one-block"),
+        pytest.param((3, 6000), id="rows-between-one-and-two-blocks"),
+        pytest.param((2, 9000), id="rows-over-two-blocks"),
+        pytest.param((70, 130), id="many-rows-per-block"),
+    ],
+)
+def test_scales_at_row_boundaries(shape, device):
+    # each program loads its one or two row scales (rows >= BLOCK) or gathers them (shorter rows): rows spanning
+    # a block boundary must take the right scale on each side, scales differing by powers of two from row to row
+    layout, data, _ = _build([TensorSpec("w", shape, torch.bfloat16, True)], E4M3)
+    out = poisoned(layout.out_nbytes, device)
+    upcast_pack(data.to(device), out, layout.table(BLOCK, device), layout.n_programs(), layout.out_dtype, E4M3)
+    _compare(layout, out, data)
+
+
+@pytest.mark.parametrize("programs", [1, 3, 1000], ids=["one-program", "three-programs", "more-than-chunks"])
+def test_zero_copy_bounded_grid_covers_every_chunk(programs, device):
+    if device.type == "cuda":
+        pytest.skip("the GPU version reads a registered arena: tests/tritoff/test_arena.py")
+    layout, data, _ = _build(MIXED, E4M3)
+    assert layout.n_programs(BLOCK_ZERO_COPY) > 3  # the programs really stride over several chunks each
+    out = poisoned(layout.out_nbytes, device)
+    upcast_pack_zero_copy(
+        data,
+        out,
+        layout.table(BLOCK_ZERO_COPY),
+        layout.n_programs(BLOCK_ZERO_COPY),
+        layout.out_dtype,
+        E4M3,
+        programs=programs,
+    )
+    _compare(layout, out, data)
