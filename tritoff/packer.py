@@ -90,6 +90,7 @@ def pack_model(
     snr: dict | None = None,
     read_group=None,
     layouts: list[PackLayout] | None = None,
+    desc: str | None = None,
 ) -> PackedModel:
     """Quantize ``model`` into packs, one per group (default: its blocks, then the rest), in one host arena.
 
@@ -112,7 +113,12 @@ def pack_model(
     device = torch.device(quantize_on) if quantize_on is not None else _default_quantize_device()
     quantizer = _quantizer(device)
     packs = []
-    bar = tqdm(zip(groups, layouts, offsets, strict=True), total=len(groups), desc="packing", disable=not progress)
+    bar = tqdm(
+        zip(groups, layouts, offsets, strict=True),
+        total=len(groups),
+        desc=desc or f"packing {type(model).__name__}",
+        disable=not progress,
+    )
     for group, layout, offset in bar:
         data = arena.view(offset, layout.nbytes)
         with torch.no_grad():
