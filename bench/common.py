@@ -20,13 +20,17 @@ def environment() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
-    for name in ("triton", "diffusers", "tritoff"):
+    for name in ("triton", "diffusers", "transformers", "accelerate", "huggingface_hub", "safetensors", "tritoff"):
         try:
             env[name] = __import__(name).__version__
         except ImportError:
             env[name] = None
+    env["host_memory_bytes"] = _host_memory()
     if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
         env["device"] = torch.cuda.get_device_name()
+        env["device_memory_bytes"] = props.total_memory
+        env["multiprocessors"] = props.multi_processor_count
         env["cuda"] = torch.version.cuda
         env["compute_capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
         try:
@@ -42,11 +46,24 @@ def environment() -> dict:
     return env
 
 
-def write_result(name: str, data: dict, smoke: bool = False) -> Path:
-    """Write ``data`` with the environment to ``bench/results/<name>[-smoke].json``; returns the path."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}{'-smoke' if smoke else ''}.json"
-    path.write_text(json.dumps({"environment": environment(), **data}, indent=2) + "\n")
+def _host_memory() -> int | None:
+    try:
+        import psutil
+
+        return psutil.virtual_memory().total
+    except ImportError:
+        return None
+
+
+def write_result(name: str, data: dict, smoke: bool = False, out: str | Path | None = None) -> Path:
+    """Write ``data`` with the environment to ``<out>/<name>[-smoke].json`` (``out`` defaults to bench/results);
+    returns the path. Written to a temporary file and renamed, so a run killed mid-write leaves the previous file."""
+    out = Path(out) if out is not None else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}{'-smoke' if smoke else ''}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"environment": environment(), **data}, indent=2) + "\n")
+    tmp.replace(path)
     return path
 
 
@@ -65,9 +82,10 @@ def plot_lines(
     title: str,
     logx: bool = False,
     smoke: bool = False,
+    out: str | Path | None = None,
 ) -> Path | None:
-    """A PNG line plot at ``bench/results/<name>[-smoke].png`` of ``series`` (label -> (xs, ys)); None without
-    matplotlib (``pip install tritoff[bench]``)."""
+    """A PNG line plot at ``<out>/<name>[-smoke].png`` (``out`` defaults to bench/results) of ``series``
+    (label -> (xs, ys)); None without matplotlib (``pip install tritoff[bench]``)."""
     try:
         import matplotlib
 
@@ -87,7 +105,9 @@ def plot_lines(
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = RESULTS / f"{name}{'-smoke' if smoke else ''}.png"
+    out = Path(out) if out is not None else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}{'-smoke' if smoke else ''}.png"
     fig.savefig(path)
     plt.close(fig)
     return path
