@@ -6,7 +6,10 @@ For packs from 1 MB to 1 GB built from Wan-14B block tensor shapes (rows of 5120
 (``w.to("cuda", non_blocking=True).to(bf16) * scale``), (f) the HBM-side upcast alone against a device-to-device copy.
 Then (c) and (d) beside a large matmul: how much each slows it.
 
-Usage: python bench/kernels.py [--smoke]    (--smoke: tiny packs on the CPU through the Triton interpreter)
+Usage: python bench/kernels.py [--smoke] [--out DIR] [--deadline SECONDS]
+  --smoke: tiny packs on the CPU through the Triton interpreter. --out: where kernels.json goes (default
+  bench/results). --deadline: seconds since the epoch after which no further pack size is started (the JSON is
+  rewritten after every size, so a run stopped from outside keeps what it measured).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from common import markdown_table, plot_lines, write_result  # noqa: E402
 
 from tritoff.arena import HostArena  # noqa: E402
 from tritoff.formats import get_format  # noqa: E402
-from tritoff.kernels.quantize import quantize_reference  # noqa: E402
+from tritoff.kernels.quantize import quantize, quantize_reference  # noqa: E402
 from tritoff.kernels.upcast import (  # noqa: E402
     BLOCK,
     BLOCK_ZERO_COPY,
@@ -58,15 +61,20 @@ def block_specs(target_bytes: int, width: int = WIDTH) -> list[TensorSpec]:
 
 
 def build_pack(target_bytes: int, width: int, register: bool):
+    """A pack of ~``target_bytes`` in its own arena. On a GPU its tensors are drawn there and quantized by tritoff's
+    Triton kernel (a 1 GB pack in about a second; drawing and quantizing 1e9 weights on the host takes tens of
+    seconds)."""
     fmt = get_format("fp8_e4m3")
     layout = PackLayout.plan(block_specs(target_bytes, width), fmt)
     arena = HostArena(layout.nbytes, register=register)
-    gen = torch.Generator().manual_seed(0)
+    work = torch.device("cuda" if register and torch.cuda.is_available() else "cpu")
+    gen = torch.Generator(work).manual_seed(0)
     tensors = {
-        e.name: (torch.randn(e.shape, generator=gen) * (0.02 if len(e.shape) > 1 else 1.0)).to(e.dtype)
+        e.name: (torch.randn(e.shape, generator=gen, device=work) * (0.02 if len(e.shape) > 1 else 1.0)).to(e.dtype)
         for e in layout.entries
     }
-    write_pack(layout, arena.buffer, tensors, quantize_reference)
+    quantizer = (lambda w, f, granularity: quantize(w, f, granularity)) if work.type == "cuda" else quantize_reference
+    write_pack(layout, arena.buffer, tensors, quantizer)
     return layout, arena, fmt
 
 
@@ -110,6 +118,18 @@ def measure_size(target_bytes: int, device: torch.device, width: int, reps: int)
         }
 
     record("a_h2d_fp8", timed(lambda: staged.copy_(host, non_blocking=True), device, reps), wire, 0)
+    # the reference runs where the pack is (on a GPU: the staged bytes), so checking a 1 GB pack takes no host time
+    expected = upcast_pack_reference(
+        staged, torch.empty(out_bytes, dtype=torch.uint8, device=device), layout.table(), layout.out_dtype, fmt
+    )
+    exact = {"h2d": torch.equal(staged.cpu(), host)}
+
+    def check(name):
+        exact[name] = all(
+            torch.equal(a, b) for a, b in zip(layout.views(out).values(), layout.views(expected).values(), strict=True)
+        )
+        out.fill_(0xFF)  # NaN in bf16: whatever the next path leaves unwritten fails its check
+
     bf16_host = HostArena(out_bytes, register=cuda)
     bf16_host.buffer.fill_(1)
     record(
@@ -120,7 +140,9 @@ def measure_size(target_bytes: int, device: torch.device, width: int, reps: int)
         staged.copy_(host, non_blocking=True)
         upcast_pack(staged, out, table, programs, layout.out_dtype, fmt)
 
+    out.fill_(0xFF)
     record("c_staged", timed(staged_path, device, reps), wire, out_bytes)
+    check("staged")
     if cuda:
         zc_table, zc_programs = layout.table(BLOCK_ZERO_COPY, device), layout.n_programs(BLOCK_ZERO_COPY)
         host_view = arena.device_view(0, wire, device)
@@ -134,6 +156,7 @@ def measure_size(target_bytes: int, device: torch.device, width: int, reps: int)
             wire,
             out_bytes,
         )
+        check("zero_copy")
 
         def torch_way():
             for e in layout.entries:
@@ -152,14 +175,9 @@ def measure_size(target_bytes: int, device: torch.device, width: int, reps: int)
         results["hbm_d2d"] = {"seconds": seconds, "GBps_read_plus_write": 2 * out_bytes / seconds / 1e9}
     seconds = timed(lambda: upcast_pack(staged, out, table, programs, layout.out_dtype, fmt), device, reps)
     results["f_hbm_upcast"] = {"seconds": seconds, "GBps_read_plus_write": (wire + out_bytes) / seconds / 1e9}
-    # correctness of what was timed, against the reference
-    expected = upcast_pack_reference(
-        host, torch.empty(out_bytes, dtype=torch.uint8), layout.table(), layout.out_dtype, fmt
-    )
-    results["exact"] = all(
-        torch.equal(a, b)
-        for a, b in zip(layout.views(out.cpu()).values(), layout.views(expected).values(), strict=True)
-    )
+    check("hbm_upcast")
+    results["exact_by_path"] = exact
+    results["exact"] = all(exact.values())
     arena.close()
     bf16_host.close()
     return results
@@ -208,19 +226,31 @@ def overlap(device: torch.device, target_bytes: int, reps: int) -> dict:
 
 
 def main() -> None:
-    """Run, print tables, write bench/results/kernels.json."""
+    """Run, print tables, write kernels.json (after every pack size, so a stopped run keeps what it measured)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny packs on the CPU (CI)")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", default=None, help="where kernels.json and .png go (default bench/results)")
+    parser.add_argument("--deadline", type=float, default=None, help="epoch seconds: start no pack size after this")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     sizes = [2**16, 2**18] if args.smoke else [mb * 2**20 for mb in SIZES_MB]
     width = 256 if args.smoke else WIDTH
     reps = 2 if args.smoke else args.reps
     rows, table = [], []
+    data = {"sizes": rows, "reps": reps}
+    slowest = 0.0
     for size in sizes:
+        if args.deadline and time.time() + 2 * slowest > args.deadline:
+            data["stopped"] = f"time budget: sizes from {size / 2**20:.0f} MiB on were not run"
+            print(data["stopped"])
+            break
+        start = time.perf_counter()
         r = measure_size(size, device, width, reps)
+        r["wall_s"] = time.perf_counter() - start
+        slowest = max(slowest, r["wall_s"])
         rows.append(r)
+        write_result("kernels", data, smoke=args.smoke, out=args.out)
         roof = r["a_h2d_fp8"]["wire_GBps"]
         cells = [f"{r['pack_bytes'] / 2**20:.1f}", f"{roof:.1f}", f"{r['b_h2d_bf16']['wire_GBps']:.1f}"]
         for key in ("c_staged", "d_zero_copy", "e_torch_per_tensor"):
@@ -245,14 +275,13 @@ def main() -> None:
     ]
     print(f"device: {device}; wire GB/s (fp8 bytes per second; % of (a)); (f) counts read + write bytes")
     print(markdown_table(header, table))
-    data = {"sizes": rows}
-    if device.type == "cuda":
+    if device.type == "cuda" and "stopped" not in data:
         data["overlap_351MB"] = ov = overlap(device, 351 * 2**20, max(3, reps // 4))
         print(
             f"\nmatmul slowdown while onloading: staged {ov['slowdown_staged_pct']:.1f}%, "
             f"zero-copy {ov['slowdown_zero_copy_pct']:.1f}%"
         )
-    print(f"\nwrote {write_result('kernels', data, smoke=args.smoke)}")
+    print(f"\nwrote {write_result('kernels', data, smoke=args.smoke, out=args.out)}")
     mib = [r["pack_bytes"] / 2**20 for r in rows]
     series = {
         label: (mib, [r[key]["delivered_bf16_GBps"] if key != "a_h2d_fp8" else r[key]["wire_GBps"] for r in rows])
@@ -263,10 +292,17 @@ def main() -> None:
             ("d_zero_copy", "(d) zero-copy: bf16 delivered"),
             ("e_torch_per_tensor", "(e) torch per tensor: bf16 delivered"),
         )
-        if key in rows[0]
+        if rows and key in rows[0]
     }
     plot = plot_lines(
-        "kernels", series, "pack size (MiB)", "GB/s", f"onload rates on {device}", logx=True, smoke=args.smoke
+        "kernels",
+        series,
+        "pack size (MiB)",
+        "GB/s",
+        f"onload rates on {device}",
+        logx=True,
+        smoke=args.smoke,
+        out=args.out,
     )
     if plot:
         print(f"wrote {plot}")
