@@ -1,15 +1,28 @@
 """End to end: transformer forwards (the step that repeats) and whole pipelines under a GPU memory cap.
 
-Rows, same weights and inputs: all-resident bf16 (no cap, where it fits); tritoff group fp8 and tritoff auto at the cap;
-diffusers ``enable_layerwise_casting(fp8)`` then ``enable_group_offload(block_level, 1 block, use_stream=True)`` (the
-order that really sends fp8) at the cap; diffusers model CPU offload where it fits. Columns: seconds per forward
-(median after warm-up), ratio to all-resident, peak VRAM, host RSS, bytes moved per forward, compute-stream wait, host
-time in tritoff's hooks per group.
+Transformer rows, same weights and inputs: all-resident bf16 (no cap); tritoff group fp8 and tritoff auto at the cap;
+diffusers at the same cap: bf16 ``enable_group_offload(block_level, 1 block, use_stream=True, record_stream=True)``
+(its fastest published configuration), ``enable_layerwise_casting(fp8)`` then the same group offload (the order that
+really sends fp8), and model offload (accelerate's ``cpu_offload_with_hook``, what ``enable_model_cpu_offload`` does
+per component). ``--compile`` adds all-resident + regional compile and tritoff group + regional compile (each block's
+forward compiled; tritoff's hooks stay outside the compiled region). Columns: seconds per forward (median after a
+warm-up forward), ratio to all-resident, peak VRAM, host RSS over the process's baseline, bytes moved per forward and
+the transfer bound they imply at the measured H2D rate, compute-stream wait, host time in tritoff's hooks per group.
+
+``--configs video@12GB,image@12GB,video@8GB`` measures several tables in one process with one build per row kind:
+the resident model is measured once per shape, tritoff packs once and re-plans for every row, and each diffusers
+setup is measured under every cap. Models are built directly on the GPU (bench/models.py), and each row's setup
+(packing, offloading) runs before its cap is set: the cap and the peak cover the forwards, counting every buffer the
+setup left on the GPU. Every table's JSON is rewritten after every measurement, and ``--deadline`` stops starting
+measurements that would not finish in time, so a part stopped from outside keeps what it measured.
 
 Usage:
-  python bench/e2e.py [--model wan|cogvideox] [--budget 12GB] [--shape video|image]
-  python bench/e2e.py --pipeline [--model wan|cogvideox]     whole pipeline, peak VRAM and time per stage
-  python bench/e2e.py --smoke                                 small models on the CPU (CI)
+  python bench/e2e.py [--model wan|cogvideox] [--shape video|image] [--budget 12GB]
+  python bench/e2e.py --model wan --configs video@12GB,image@12GB,video@8GB
+  python bench/e2e.py --pipeline [--model wan|cogvideox]     whole pipeline: peak VRAM and time per stage, per row
+  python bench/e2e.py --smoke [...]                          small models on the CPU (CI)
+Options: --rows KIND,... (a subset of the row kinds), --reps N, --out DIR (default bench/results), --tag TAG
+  (appended to the JSON names), --deadline EPOCH_SECONDS, --compile.
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +54,30 @@ SHAPES = {
     ("wan", "image"): (1, 480, 832),
     ("cogvideox", "video"): (49, 480, 720),
     ("cogvideox", "image"): (1, 480, 720),
+}
+SMOKE_SHAPES = {"video": (5, 32, 32), "image": (1, 32, 32)}
+DEFAULT_BUDGET, SMOKE_BUDGET = "12GB", "5MB"
+
+TRANSFORMER_ROWS = (
+    "resident",
+    "tritoff-group",
+    "tritoff-auto",
+    "diffusers-bf16-group",
+    "diffusers-fp8-group",
+    "diffusers-model-offload",
+)
+COMPILE_ROWS = ("resident-compile", "tritoff-group-compile")
+PIPELINE_ROWS = ("resident", "tritoff", "diffusers-bf16-group", "diffusers-fp8-group", "diffusers-model-offload")
+LABELS = {
+    "resident": "all-resident bf16 (no cap)",
+    "resident-compile": "all-resident bf16 + regional compile (no cap)",
+    "tritoff": "tritoff auto @ {b}",
+    "tritoff-group": "tritoff group fp8 @ {b}",
+    "tritoff-auto": "tritoff auto @ {b}",
+    "tritoff-group-compile": "tritoff group fp8 + regional compile @ {b}",
+    "diffusers-bf16-group": "diffusers bf16 group offload (block, streams, record_stream) @ {b}",
+    "diffusers-fp8-group": "diffusers layerwise fp8 + group offload (block, streams, record_stream) @ {b}",
+    "diffusers-model-offload": "diffusers model offload @ {b}",
 }
 
 
@@ -84,18 +122,20 @@ def make_inputs(model: str, config: dict, frames: int, height: int, width: int, 
 
 
 class Cap:
-    """Enforce a GPU memory cap with set_per_process_memory_fraction (no-op on the CPU)."""
+    """Enforce a GPU memory cap with set_per_process_memory_fraction and track the peak (no-op on the CPU).
+
+    ``budget=None``: no cap (the peak is still tracked)."""
 
     def __init__(self, budget: int | None, device):
         self.budget, self.device = budget, device
 
     def __enter__(self):
         if self.device.type == "cuda":
-            gc.collect()
-            torch.cuda.empty_cache()
+            free_memory(self.device)
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, (self.budget or total) / total), self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
         return self
 
     def __exit__(self, *exc):
@@ -106,107 +146,362 @@ class Cap:
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
 
 
-def time_forwards(module, inputs, device, reps: int) -> float:
-    """Median seconds per forward after one warm-up forward."""
-    times = []
-    with torch.no_grad():
-        for i in range(reps + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            module(**inputs)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i:
-                times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def run_row(name, setup, model_name, config, inputs, device, budget, reps) -> dict:
-    """Build a fresh model, apply ``setup`` under the cap, time its forwards; errors become the row's note."""
-    row = {"row": name}
-    model = build(transformer_class(model_name), config)
-    try:
-        with Cap(budget, device) as cap:
-            engine = setup(model)
-            row["seconds_per_forward"] = time_forwards(model, inputs, device, reps)
-            row["peak_vram_bytes"] = cap.peak()
-        row["host_rss_bytes"] = psutil.Process().memory_info().rss
-        if engine is not None:
-            stats = engine.stats
-            forwards = reps + 1
-            row["bytes_moved_per_forward"] = stats["total"]["bytes_h2d"] / forwards
-            row["compute_wait_s_per_forward"] = stats["total"].get("compute_wait_s", 0.0) / forwards
-            row["hook_us_per_group"] = stats["components"]["model"]["hook_us_per_group"]
-            row["packed_bytes"] = stats["total"]["packed_bytes"]
-            row["plan"] = engine.plan.summary()
-    except (torch.OutOfMemoryError, RuntimeError, ValueError) as err:
-        row["note"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
-    del model
+def free_memory(device) -> None:
+    """Collect garbage and hand cached GPU memory (and PyTorch's cached pinned host memory) back."""
     gc.collect()
     if device.type == "cuda":
+        torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+        empty_host = getattr(torch._C, "_host_emptyCache", None)  # diffusers' offloading pins through this cache
+        if empty_host is not None:
+            empty_host()
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def time_forwards(module, inputs, device, reps: int) -> tuple[list[float], torch.Tensor]:
+    """Seconds of ``reps + 1`` forwards, the first being the warm-up (compilation, tracing, first onloads), and the
+    last forward's output (fp32, on the host)."""
+    times = []
+    with torch.no_grad():
+        for _ in range(reps + 1):
+            sync(device)
+            start = time.perf_counter()
+            out = module(**inputs)
+            sync(device)
+            times.append(time.perf_counter() - start)
+    out = out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", out)
+    return times, out.detach().float().cpu()
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| (NaN anywhere gives NaN)."""
+    return float((out - ref).norm() / ref.norm())
+
+
+def measure_h2d(device) -> float | None:
+    """Host-to-device GB/s of a 256 MiB copy from a registered (page-locked) arena: the rate streamed bytes move at."""
+    if device.type != "cuda":
+        return None
+    from tritoff.arena import HostArena
+
+    arena = HostArena(256 * 2**20, register=True)
+    arena.buffer.fill_(1)
+    dst = torch.empty(arena.nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(arena.buffer, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    arena.close()
+    return arena.nbytes / statistics.median(times[1:]) / 1e9
+
+
+def regional_compile(model, backend: str) -> int:
+    """Compile each repeated block's forward (diffusers' ``_repeated_blocks``); returns how many were wrapped.
+
+    The blocks' ``forward`` attributes are replaced before any hook is added, so accelerate hooks (tritoff's) wrap the
+    compiled forward and stay outside the compiled region."""
+    names = set(getattr(model, "_repeated_blocks", None) or ())
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ in names:
+            module.forward = torch.compile(module.forward, backend=backend, dynamic=False)
+            count += 1
+    if not count:
+        raise ValueError(f"{type(model).__name__} names no _repeated_blocks to compile")
+    return count
+
+
+@dataclass
+class Table:
+    """One table: a model at one shape under one cap, its rows keyed by row kind."""
+
+    model: str
+    shape: str
+    budget_text: str
+    budget: int
+    reserve: int
+    frames_hw: tuple[int, int, int]
+    inputs: dict
+    reps: int
+    tag: str = ""
+    rows: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        default = self.budget_text in (DEFAULT_BUDGET, SMOKE_BUDGET)
+        budget = "" if default else f"-{self.budget_text}"
+        return f"e2e-{self.model}-{self.shape}{budget}" + (f"-{self.tag}" if self.tag else "")
+
+    def label(self, kind: str) -> str:
+        return LABELS[kind].format(b=self.budget_text)
+
+    def data(self, h2d, kinds) -> dict:
+        rows = [self.rows[k] for k in kinds if k in self.rows]
+        for row in rows:
+            base_kind = "resident-compile" if row["kind"].endswith("-compile") else "resident"
+            base = self.rows.get(base_kind, {}).get("seconds_per_forward")
+            if base and row.get("seconds_per_forward"):
+                row["ratio_to_resident"] = row["seconds_per_forward"] / base
+        return {
+            "model": self.model,
+            "shape": list(self.frames_hw),
+            "shape_name": self.shape,
+            "budget_bytes": self.budget,
+            "reserve_bytes": self.reserve,
+            "reps": self.reps,
+            "h2d_GBps": h2d,
+            "rows": rows,
+        }
+
+
+class Clock:
+    """The part's deadline and what each table's measurements have cost so far (to skip what cannot finish)."""
+
+    def __init__(self, deadline: float | None):
+        self.deadline = deadline
+        self.cost: dict[str, float] = {}
+
+    def allows(self, key: str, extra: float = 0.0) -> bool:
+        if self.deadline is None:
+            return True
+        return time.time() + self.cost.get(key, 0.0) + extra < self.deadline
+
+    def spent(self, key: str, seconds: float) -> None:
+        self.cost[key] = max(self.cost.get(key, 0.0), seconds)
+
+
+def _error_note(err: BaseException) -> str:
+    lines = str(err).strip().splitlines() or [""]
+    return f"{type(err).__name__}: {lines[0][:200]}"
+
+
+def measure(model, table: Table, kind: str, device, budget: int | None, engine=None, h2d=None, reference=None) -> dict:
+    """Time ``table.reps`` forwards after a warm-up under ``budget``; errors become the row's note.
+
+    ``reference``: shape -> the resident row's output, which this row's output is compared with (and which the
+    resident row fills in)."""
+    row = {"row": table.label(kind), "kind": kind}
+    start = time.perf_counter()
+    try:
+        with Cap(budget, device) as cap:
+            times, out = time_forwards(model, table.inputs, device, table.reps)
+            peak = cap.peak()
+        if reference is not None:
+            if kind == "resident":
+                reference[table.frames_hw] = out
+            elif table.frames_hw in reference:  # fp8 rows differ by quantization; a wrong onload differs far more
+                row["rel_err_vs_resident"] = relative_error(out, reference[table.frames_hw])
+        row["first_forward_s"] = times[0]
+        row["forward_seconds"] = times[1:]
+        row["seconds_per_forward"] = statistics.median(times[1:])
+        if engine is not None:
+            stats = engine.stats
+            total = stats["total"]
+            if peak is not None:  # tritoff resets the allocator's peak to measure activations: take both
+                peak = max(peak, total.get("peak_vram_bytes") or 0)
+            forwards = table.reps + 1
+            row["bytes_moved_per_forward"] = total["bytes_h2d"] / forwards
+            row["compute_wait_s_per_forward"] = total.get("compute_wait_s", 0.0) / forwards
+            row["hook_us_per_group"] = stats["components"]["model"]["hook_us_per_group"]
+            row["packed_bytes"] = total["packed_bytes"]
+            row["activation_bytes"] = total.get("activation_bytes")
+            row["sync_onloads"] = total["sync_onloads"]
+            row["plan"] = engine.plan.summary()
+            if h2d:
+                row["transfer_bound_s"] = row["bytes_moved_per_forward"] / (h2d * 1e9)
+                if row["transfer_bound_s"] > 0:
+                    row["ratio_to_transfer_bound"] = row["seconds_per_forward"] / row["transfer_bound_s"]
+        elif peak is not None and kind.startswith("resident"):  # what the forward itself allocates at this shape
+            row["activation_peak_bytes"] = peak - cap.base
+        row["peak_vram_bytes"] = peak
+        if peak is not None and budget is not None:
+            row["peak_within_budget"] = peak <= budget
+    except Exception as err:  # a peer that does not fit is a result; tritoff rows that fail fail the run
+        row["note"] = _error_note(err)
+    row["measure_s"] = time.perf_counter() - start
+    row["host_rss_bytes"] = host_rss()
+    free_memory(device)
     return row
 
 
-def transformer_rows(args, device) -> dict:
+def transformer_tables(args, device) -> tuple[list[Table], float | None, list[str]]:
+    """Measure every requested row kind for every table; returns the tables, the H2D rate and the row kinds."""
     config = (
         (WAN_SMOKE if args.model == "wan" else COGVIDEOX_SMOKE)
         if args.smoke
         else (WAN_14B if args.model == "wan" else COGVIDEOX_5B)
     )
-    frames, height, width = (5, 32, 32) if args.smoke else SHAPES[(args.model, args.shape)]
-    budget = parse_size(args.budget)
-    reserve = parse_size(args.reserve, what="reserve", total=budget)
-    inputs = make_inputs(args.model, config, frames, height, width, device)
-    kernels = "auto"
-
-    def resident(model):
-        model.to(device)
-
-    def tritoff_mode(mode):
-        return lambda model: tritoff.enable(
-            model, mode=mode, budget=budget, reserve=reserve, device=device, kernels=kernels, progress=False
+    cls = transformer_class(args.model)
+    tables = []
+    for shape, budget_text in args.configs:
+        frames_hw = SMOKE_SHAPES[shape] if args.smoke else SHAPES[(args.model, shape)]
+        budget = parse_size(budget_text)
+        reps = args.reps if shape == "video" else max(args.reps, 5)  # image forwards are short: time more
+        tables.append(
+            Table(
+                args.model,
+                shape,
+                budget_text,
+                budget,
+                parse_size(args.reserve, what="reserve", total=budget),
+                frames_hw,
+                make_inputs(args.model, config, *frames_hw, device),
+                reps,
+                args.tag,
+            )
         )
+    kinds = args.rows or (list(TRANSFORMER_ROWS) + (list(COMPILE_ROWS) if args.compile else []))
+    h2d = measure_h2d(device)
+    clock = Clock(args.deadline)
+    backend = "eager" if args.smoke else "inductor"  # inductor's CPU compile would take minutes on the CI machine
 
-    def diffusers_group(model):
-        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
-        model.enable_group_offload(
-            onload_device=device,
-            offload_device=torch.device("cpu"),
-            offload_type="block_level",
-            num_blocks_per_group=1,
-            use_stream=device.type == "cuda",
-        )
+    def save():
+        for t in tables:
+            write_result(t.name, t.data(h2d, kinds), smoke=args.smoke, out=args.out)
 
-    def diffusers_model_offload(model):
+    def skipped(table, kind, why):
+        table.rows[kind] = {"row": table.label(kind), "kind": kind, "note": f"not run: {why}"}
+
+    def run(kind, table, model, budget, engine=None, setup=None):
+        key = table.shape  # one shape costs about the same under any cap
+        if not clock.allows(key):
+            skipped(table, kind, "the part's time budget ran out")
+        else:
+            row = measure(model, table, kind, device, budget, engine, h2d, outputs)
+            row.update(setup or {})
+            table.rows[kind] = row
+            clock.spent(key, row["measure_s"])
+        save()
+
+    def built(with_compile=False):
+        baseline = host_rss()
+        start = time.perf_counter()
+        model = build(cls, config, device=device)
+        info = {"build_s": time.perf_counter() - start, "host_rss_baseline_bytes": baseline}
+        if with_compile:
+            info["compiled_blocks"] = regional_compile(model, backend)
+        return model, info
+
+    first = tables[0].shape
+    activations: dict[tuple, int] = {}  # shape -> the resident row's activation peak
+    outputs: dict[tuple, torch.Tensor] = {}  # shape -> the resident row's output
+    for kind in kinds:
+        if kind == "tritoff-auto" and "tritoff-group" in kinds:
+            continue  # measured with tritoff-group: one pack, re-planned for every row
+        if not clock.allows(first, clock.cost.get("build", 0.0)):
+            for t in tables:
+                skipped(t, kind, "the part's time budget ran out")
+            save()
+            continue
+        if kind.startswith("resident"):
+            model, info = built(kind.endswith("-compile"))
+            done: dict[tuple, dict] = {}
+            for t in tables:  # no cap: one measurement per shape serves every table of that shape
+                if t.frames_hw in done:
+                    t.rows[kind] = {**done[t.frames_hw], "row": t.label(kind), "shared": "measured once per shape"}
+                    save()
+                    continue
+                run(kind, t, model, None, setup=info)
+                done[t.frames_hw] = t.rows[kind]
+                if t.rows[kind].get("activation_peak_bytes") and kind == "resident":
+                    activations[t.frames_hw] = t.rows[kind]["activation_peak_bytes"]
+        elif kind.startswith("tritoff"):
+            model, info = built(kind.endswith("-compile"))
+            modes = [("auto" if kind == "tritoff-auto" else "group", kind)]
+            if kind == "tritoff-group" and "tritoff-auto" in kinds:
+                modes.append(("auto", "tritoff-auto"))
+            engine = None
+            for mode, row_kind in modes:
+                for t in tables:
+                    reserve, rule = reserve_for(t, activations)
+                    setup_start = time.perf_counter()
+                    try:
+                        engine = tritoff.enable(
+                            model, mode=mode, budget=t.budget, reserve=reserve, device=device, progress=False
+                        )
+                    except Exception as err:
+                        t.rows[row_kind] = {"row": t.label(row_kind), "kind": row_kind, "note": _error_note(err)}
+                        save()
+                        continue
+                    what = "re-plan (packs reused)" if "build_s" not in info else "quantize on the GPU, pack, plan"
+                    setup = {**info, "setup_s": time.perf_counter() - setup_start, "setup": what}
+                    setup.update(reserve_bytes=reserve, reserve_rule=rule)
+                    clock.spent("build", info.get("build_s", 0.0) + setup["setup_s"])
+                    info = {"host_rss_baseline_bytes": info["host_rss_baseline_bytes"]}  # packed once, re-planned
+                    run(row_kind, t, model, t.budget, engine, setup)
+            if engine is not None:
+                engine.teardown()
+                for packed in engine.packed.values():
+                    packed.arena.close()
+            del engine
+        else:
+            model, info = built()
+            setup_start = time.perf_counter()
+            try:
+                reset = diffusers_setup(kind, model, device)
+                info["setup_s"] = time.perf_counter() - setup_start
+            except Exception as err:
+                for t in tables:
+                    t.rows[kind] = {"row": t.label(kind), "kind": kind, "note": _error_note(err), **info}
+                save()
+                del model
+                free_memory(device)
+                continue
+            clock.spent("build", info["build_s"] + info["setup_s"])
+            for t in tables:  # the same offloaded model under every table's cap, starting offloaded each time
+                reset()
+                run(kind, t, model, t.budget, setup=info)
+        del model
+        free_memory(device)
+    save()
+    return tables, h2d, kinds
+
+
+def reserve_for(table: Table, activations: dict) -> tuple[int, str]:
+    """tritoff's activation reserve for a table: ``--reserve`` of the budget, raised to 1.15x the activations the
+    resident row measured at that shape (the cap counts them; tritoff only warns when they exceed its reserve)."""
+    measured = activations.get(table.frames_hw)
+    if measured and 1.15 * measured > table.reserve:
+        return min(int(1.15 * measured), table.budget - 1), "1.15 x the resident row's activation peak"
+    return table.reserve, "--reserve of the budget"
+
+
+def diffusers_setup(kind: str, model, device):
+    """Apply one of diffusers' offloading configurations to a transformer (``kind`` from TRANSFORMER_ROWS); returns a
+    function that puts the weights back off the GPU before a measurement (model offload leaves them on it)."""
+    streams = device.type == "cuda"  # diffusers refuses streams on the CPU
+    if kind == "diffusers-model-offload":
         from accelerate import cpu_offload_with_hook
 
-        cpu_offload_with_hook(model, device)
-
-    setups = [
-        ("all-resident bf16 (no cap)", resident, None),
-        (f"tritoff group fp8 @ {args.budget}", tritoff_mode("group"), budget),
-        (f"tritoff auto @ {args.budget}", tritoff_mode("auto"), budget),
-        (f"diffusers layerwise fp8 + group offload @ {args.budget}", diffusers_group, budget),
-        (f"diffusers model cpu offload @ {args.budget}", diffusers_model_offload, budget),
-    ]
-    rows = [run_row(label, setup, args.model, config, inputs, device, cap, args.reps) for label, setup, cap in setups]
-    base = rows[0].get("seconds_per_forward")
-    for row in rows:
-        if base and row.get("seconds_per_forward"):
-            row["ratio_to_resident"] = row["seconds_per_forward"] / base
-    return {
-        "model": args.model,
-        "shape": [frames, height, width],
-        "budget_bytes": budget,
-        "reserve_bytes": reserve,
-        "rows": rows,
-    }
+        _, hook = cpu_offload_with_hook(model, device)
+        return hook.offload
+    if kind == "diffusers-fp8-group":
+        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    model.enable_group_offload(
+        onload_device=device,
+        offload_device=torch.device("cpu"),
+        offload_type="block_level",
+        num_blocks_per_group=1,
+        use_stream=streams,
+        record_stream=streams,
+    )
+    return lambda: None  # group offloading offloads each group after its forward
 
 
-def pipeline_run(args, device) -> dict:
-    """Whole pipeline under the cap: text encoding, denoising with CFG, VAE decode (tiled), per stage."""
+def build_pipeline(args, device):
+    """The whole pipeline for ``args.model``, every component built on ``device`` (random weights)."""
     from diffusers import (
         AutoencoderKLCogVideoX,
         AutoencoderKLWan,
@@ -219,19 +514,12 @@ def pipeline_run(args, device) -> dict:
 
     from tritoff.tiny import COGVIDEOX_VAE_TINY, UMT5_TINY, WAN_VAE_TINY, tiny_tokenizer
 
-    budget = parse_size(args.budget)
-    if args.smoke:
-        t5 = UMT5_TINY
-        frames, height, width = (5, 32, 32) if args.model == "wan" else (9, 32, 32)
-    else:
-        t5 = UMT5_XXL
-        frames, height, width = SHAPES[(args.model, "video")]
-    encoder = build(UMT5EncoderModel, {"config": UMT5Config(**t5)})
+    t5 = UMT5_TINY if args.smoke else UMT5_XXL
+    encoder = build(UMT5EncoderModel, {"config": UMT5Config(**t5)}, device=device)
     tokenizer = tiny_tokenizer(min(t5["vocab_size"], 32000))
     if args.model == "wan":
-        transformer = build(transformer_class("wan"), WAN_SMOKE if args.smoke else WAN_14B)
-        vae_config = WAN_VAE_TINY if args.smoke else {}
-        vae = build(AutoencoderKLWan, vae_config, dtype=torch.float32)
+        transformer = build(transformer_class("wan"), WAN_SMOKE if args.smoke else WAN_14B, device=device)
+        vae = build(AutoencoderKLWan, WAN_VAE_TINY if args.smoke else {}, dtype=torch.float32, device=device)
         pipe = WanPipeline(
             tokenizer=tokenizer,
             text_encoder=encoder,
@@ -240,9 +528,10 @@ def pipeline_run(args, device) -> dict:
             scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
         )
     else:
-        transformer = build(transformer_class("cogvideox"), COGVIDEOX_SMOKE if args.smoke else COGVIDEOX_5B)
-        vae_config = COGVIDEOX_VAE_TINY if args.smoke else {}
-        vae = build(AutoencoderKLCogVideoX, vae_config)
+        transformer = build(
+            transformer_class("cogvideox"), COGVIDEOX_SMOKE if args.smoke else COGVIDEOX_5B, device=device
+        )
+        vae = build(AutoencoderKLCogVideoX, COGVIDEOX_VAE_TINY if args.smoke else {}, device=device)
         pipe = CogVideoXPipeline(
             tokenizer=tokenizer,
             text_encoder=encoder,
@@ -251,51 +540,158 @@ def pipeline_run(args, device) -> dict:
             scheduler=CogVideoXDDIMScheduler(),
         )
     pipe.vae.enable_tiling()
-    result = {
+    return pipe
+
+
+def pipeline_setup(kind: str, pipe, device, budget: int, reserve: int):
+    """Apply a row's configuration to a pipeline; returns tritoff's engine for the tritoff row."""
+    streams = device.type == "cuda"
+    if kind == "tritoff":
+        return tritoff.enable(pipe, budget=budget, reserve=reserve, device=device, progress=False)
+    if kind == "diffusers-model-offload":
+        pipe.enable_model_cpu_offload(device=device)
+    elif kind in ("diffusers-bf16-group", "diffusers-fp8-group"):
+        if kind == "diffusers-fp8-group":  # the transformer only: the text encoder casts activations to its weights
+            pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        pipe.enable_group_offload(
+            onload_device=device,
+            offload_device=torch.device("cpu"),
+            offload_type="block_level",
+            num_blocks_per_group=1,
+            use_stream=streams,
+            record_stream=streams,
+        )
+    return None
+
+
+def run_pipeline(args, pipe, device, frames_hw) -> dict:
+    """Text encoding, denoising with CFG (seconds per step), VAE decode (tiled): seconds per stage."""
+    frames, height, width = frames_hw
+    seq = 16 if args.smoke else (512 if args.model == "wan" else 226)
+    stages: dict = {}
+    with torch.no_grad():
+        start = time.perf_counter()
+        embeds, negative = pipe.encode_prompt(
+            "a cat surfing a wave at sunset", "blurry", device=device, max_sequence_length=seq
+        )[:2]
+        sync(device)
+        stages["text_encode_s"] = time.perf_counter() - start
+        marks = []
+
+        def on_step(_pipe, _step, _timestep, kwargs):
+            sync(device)
+            marks.append(time.perf_counter())
+            return kwargs
+
+        start = time.perf_counter()
+        latents = pipe(
+            prompt_embeds=embeds,
+            negative_prompt_embeds=negative,
+            num_frames=frames,
+            height=height,
+            width=width,
+            num_inference_steps=args.steps,
+            guidance_scale=5.0,
+            output_type="latent",
+            generator=torch.Generator().manual_seed(0),
+            callback_on_step_end=on_step,
+        ).frames
+        sync(device)
+        stages["denoise_s"] = time.perf_counter() - start
+        steps = [b - a for a, b in zip([start, *marks], marks, strict=False)]
+        stages["step_seconds"] = steps
+        # the first step pays for warm-up (kernel compilation, tracing, first onloads)
+        stages["denoise_s_per_step"] = statistics.median(steps[1:] or steps)
+        start = time.perf_counter()
+        decode_in = latents.to(pipe.vae.dtype)
+        if args.model == "cogvideox":
+            decode_in = decode_in.permute(0, 2, 1, 3, 4) / pipe.vae.config.scaling_factor
+        pipe.vae.decode(decode_in)
+        sync(device)
+        stages["vae_decode_s"] = time.perf_counter() - start
+    return stages
+
+
+def pipeline_rows(args, device) -> dict:
+    """Every pipeline row kind, each with a freshly built pipeline, under the cap (the resident row uncapped)."""
+    budget_text = args.configs[0][1]
+    budget = parse_size(budget_text)
+    reserve = parse_size(args.reserve, what="reserve", total=budget)
+    frames_hw = (
+        (SMOKE_SHAPES["video"] if args.model == "wan" else (9, 32, 32)) if args.smoke else SHAPES[(args.model, "video")]
+    )
+    kinds = args.rows or list(PIPELINE_ROWS)
+    data = {
         "model": args.model,
-        "shape": [frames, height, width],
+        "shape": list(frames_hw),
         "budget_bytes": budget,
+        "reserve_bytes": reserve,
         "vae": "tiling enabled",
         "steps": args.steps,
+        "rows": [],
     }
-    with Cap(budget, device) as cap:
+    name = f"e2e-pipeline-{args.model}" + ("" if budget_text in (DEFAULT_BUDGET, SMOKE_BUDGET) else f"-{budget_text}")
+    name += f"-{args.tag}" if args.tag else ""
+    clock = Clock(args.deadline)
+    activations = None  # the resident row's activation peak: tritoff's reserve is raised to 1.15x it
+    for kind in kinds:
+        label = LABELS[kind].format(b=budget_text)
+        row: dict = {"row": label, "kind": kind}
+        if not clock.allows("row"):
+            row["note"] = "not run: the part's time budget ran out"
+            data["rows"].append(row)
+            write_result(name, data, smoke=args.smoke, out=args.out)
+            continue
         start = time.perf_counter()
-        reserve = parse_size(args.reserve, what="reserve", total=budget)
-        engine = tritoff.enable(pipe, budget=budget, reserve=reserve, device=device, progress=not args.smoke)
-        result["enable_s"] = time.perf_counter() - start
-        seq = 16 if args.smoke else (512 if args.model == "wan" else 226)
-        stages = {}
-        with torch.no_grad():
-            start = time.perf_counter()
-            embeds, negative = pipe.encode_prompt(
-                "a cat surfing a wave at sunset", "blurry", device=device, max_sequence_length=seq
-            )[:2]
-            stages["text_encode_s"] = _elapsed(start, device)
-            start = time.perf_counter()
-            latents = pipe(
-                prompt_embeds=embeds,
-                negative_prompt_embeds=negative,
-                num_frames=frames,
-                height=height,
-                width=width,
-                num_inference_steps=args.steps,
-                guidance_scale=5.0,
-                output_type="latent",
-                generator=torch.Generator().manual_seed(0),
-            ).frames
-            stages["denoise_s"] = _elapsed(start, device)
-            stages["denoise_s_per_step"] = stages["denoise_s"] / args.steps
-            start = time.perf_counter()
-            decode_in = latents.to(pipe.vae.dtype)
-            if args.model == "cogvideox":
-                decode_in = decode_in.permute(0, 2, 1, 3, 4) / pipe.vae.config.scaling_factor
-            pipe.vae.decode(decode_in)
-            stages["vae_decode_s"] = _elapsed(start, device)
-        result.update(stages)
-        result["peak_vram_bytes"] = cap.peak()
-    result["host_rss_bytes"] = psutil.Process().memory_info().rss
-    result["report"] = engine.report()
-    return result
+        row["host_rss_baseline_bytes"] = host_rss()
+        pipe, engine = None, None
+        try:
+            pipe = build_pipeline(args, device)
+            row["build_s"] = time.perf_counter() - start
+            setup_start = time.perf_counter()
+            row_reserve = reserve
+            if kind == "tritoff" and activations and 1.15 * activations > reserve:
+                row_reserve = min(int(1.15 * activations), budget - 1)
+                row["reserve_rule"] = "1.15 x the resident row's activation peak"
+            row["reserve_bytes"] = row_reserve
+            engine = pipeline_setup(kind, pipe, device, budget, row_reserve)
+            row["setup_s"] = time.perf_counter() - setup_start
+            cap_budget = None if kind == "resident" else budget
+            with Cap(cap_budget, device) as cap:
+                row.update(run_pipeline(args, pipe, device, frames_hw))
+                peak = cap.peak()
+            if kind == "resident" and peak is not None:  # every stage's activations, the weights all resident
+                activations = row["activation_peak_bytes"] = peak - cap.base
+            if engine is not None:
+                stats = engine.stats["total"]
+                if peak is not None:
+                    peak = max(peak, stats.get("peak_vram_bytes") or 0)
+                row["bytes_h2d"] = stats["bytes_h2d"]
+                row["sync_onloads"] = stats["sync_onloads"]
+                row["activation_bytes"] = stats.get("activation_bytes")
+                row["packed_bytes"] = stats["packed_bytes"]
+                row["report"] = engine.report()
+            row["peak_vram_bytes"] = peak
+            if peak is not None and cap_budget is not None:
+                row["peak_within_budget"] = peak <= cap_budget
+        except Exception as err:
+            row["note"] = _error_note(err)
+        row["host_rss_bytes"] = host_rss()
+        row["wall_s"] = time.perf_counter() - start
+        clock.spent("row", row["wall_s"])
+        if engine is not None:
+            engine.teardown()
+            for packed in engine.packed.values():
+                packed.arena.close()
+        del pipe, engine
+        free_memory(device)
+        data["rows"].append(row)
+        base = next((r for r in data["rows"] if r["kind"] == "resident" and "denoise_s_per_step" in r), None)
+        for r in data["rows"]:
+            if base and "denoise_s_per_step" in r:
+                r["step_ratio_to_resident"] = r["denoise_s_per_step"] / base["denoise_s_per_step"]
+        write_result(name, data, smoke=args.smoke, out=args.out)
+    return data
 
 
 def gib(value) -> str:
@@ -303,69 +699,137 @@ def gib(value) -> str:
     return f"{value / 2**30:.2f}" if value else "-"
 
 
-def _elapsed(start: float, device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+def seconds(value, digits: int = 3) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, (int, float)) else "-"
+
+
+def print_transformer_table(table: dict) -> None:
+    f, h, w = table["shape"]
+    print(f"\n{table['model']} transformer, {f}x{h}x{w}, cap {gib(table['budget_bytes'])} GiB, H2D {table['h2d_GBps']}")
+    rows = []
+    for r in table["rows"]:
+        rss = r.get("host_rss_bytes", 0) - r.get("host_rss_baseline_bytes", 0) if "host_rss_bytes" in r else None
+        rows.append(
+            [
+                r["row"],
+                seconds(r["seconds_per_forward"]) if "seconds_per_forward" in r else r.get("note", "-"),
+                seconds(r.get("ratio_to_resident")),
+                gib(r.get("peak_vram_bytes")),
+                gib(rss),
+                gib(r.get("bytes_moved_per_forward")),
+                seconds(r.get("transfer_bound_s")),
+                f"{r['compute_wait_s_per_forward'] * 1e3:.1f}" if "compute_wait_s_per_forward" in r else "-",
+                f"{r['hook_us_per_group']:.1f}" if r.get("hook_us_per_group") else "-",
+                f"{r['rel_err_vs_resident']:.1e}" if "rel_err_vs_resident" in r else "-",
+            ]
+        )
+    print(
+        markdown_table(
+            [
+                "row",
+                "s / forward",
+                "x resident",
+                "peak VRAM GiB",
+                "host RSS over baseline GiB",
+                "moved GiB / fwd",
+                "transfer bound s",
+                "wait ms / fwd",
+                "hook us / group",
+                "rel err vs resident",
+            ],
+            rows,
+        )
+    )
+
+
+def print_pipeline_table(data: dict) -> None:
+    f, h, w = data["shape"]
+    cap = gib(data["budget_bytes"])
+    print(f"\n{data['model']} pipeline, {f}x{h}x{w}, {data['steps']} steps with CFG, cap {cap} GiB")
+    rows = [
+        [
+            r["row"],
+            seconds(r.get("text_encode_s")),
+            seconds(r.get("denoise_s_per_step")) if "denoise_s_per_step" in r else r.get("note", "-"),
+            seconds(r.get("step_ratio_to_resident")),
+            seconds(r.get("vae_decode_s")),
+            gib(r.get("peak_vram_bytes")),
+            gib(r["host_rss_bytes"] - r["host_rss_baseline_bytes"]) if "host_rss_baseline_bytes" in r else "-",
+        ]
+        for r in data["rows"]
+    ]
+    print(
+        markdown_table(
+            ["row", "text encode s", "s / step", "x resident", "VAE decode s", "peak VRAM GiB", "host RSS +GiB"],
+            rows,
+        )
+    )
+    for r in data["rows"]:
+        if "report" in r:
+            print(r["report"])
+
+
+def parse_configs(args) -> list[tuple[str, str]]:
+    """``--configs video@12GB,image@12GB`` (or ``--shape``/``--budget``) as (shape, budget) pairs, checked."""
+    if not args.configs:
+        return [(args.shape, args.budget or (SMOKE_BUDGET if args.smoke else DEFAULT_BUDGET))]
+    configs = []
+    for item in args.configs.split(","):
+        shape, _, budget = item.strip().partition("@")
+        if shape not in ("video", "image"):
+            raise SystemExit(f"--configs: unknown shape {shape!r} in {item!r} (video or image)")
+        budget = budget or (SMOKE_BUDGET if args.smoke else DEFAULT_BUDGET)
+        parse_size(budget)
+        configs.append((shape, budget))
+    return configs
 
 
 def main() -> None:
-    """Parse arguments, run, print a table, write bench/results/e2e-<model>-<shape>.json."""
+    """Parse arguments, run, print tables, write bench/results/e2e-*.json (or under --out)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("wan", "cogvideox"), default="wan")
     parser.add_argument("--shape", choices=("video", "image"), default="video")
     parser.add_argument("--budget", default=None, help="GPU memory cap (default 12GB; --smoke: 5MB)")
+    parser.add_argument("--configs", default=None, help="several tables: SHAPE@BUDGET,... e.g. video@12GB,image@12GB")
     parser.add_argument(
         "--reserve", default="25%", help="activation reserve given to tritoff (default 25%% of the budget)"
     )
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--rows", default=None, help="comma-separated row kinds (default: all)")
+    parser.add_argument("--reps", type=int, default=3, help="timed forwards after the warm-up (image: at least 5)")
     parser.add_argument("--steps", type=int, default=2, help="--pipeline: denoising steps")
     parser.add_argument("--pipeline", action="store_true", help="whole pipeline instead of transformer forwards")
+    parser.add_argument("--compile", action="store_true", help="add the regional-compile rows")
+    parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results)")
+    parser.add_argument("--tag", default="", help="appended to the JSON names (e2e-wan-video-TAG.json)")
+    parser.add_argument("--deadline", type=float, default=None, help="epoch seconds: start nothing that ends after")
     parser.add_argument("--smoke", action="store_true", help="small models on the CPU (CI)")
     args = parser.parse_args()
-    args.budget = args.budget or ("5MB" if args.smoke else "12GB")
+    args.configs = parse_configs(args)
+    known = PIPELINE_ROWS if args.pipeline else TRANSFORMER_ROWS + COMPILE_ROWS
+    args.rows = [r.strip() for r in args.rows.split(",")] if args.rows else None
+    for r in args.rows or ():
+        if r not in known:
+            raise SystemExit(f"--rows: unknown row kind {r!r}; known: {', '.join(known)}")
     if args.smoke:
         args.reps = 1
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    failed = []
     if args.pipeline:
-        data = pipeline_run(args, device)
-        print(data.pop("report"))
-        print({k: v for k, v in data.items()})
-        name = f"e2e-pipeline-{args.model}"
+        data = pipeline_rows(args, device)
+        print_pipeline_table(data)
+        failed = [r for r in data["rows"] if r["kind"] == "tritoff" and "note" in r and "not run" not in r["note"]]
     else:
-        data = transformer_rows(args, device)
-        table = []
-        for r in data["rows"]:
-            table.append(
-                [
-                    r["row"],
-                    f"{r['seconds_per_forward']:.3f}" if "seconds_per_forward" in r else r.get("note", "-"),
-                    f"{r['ratio_to_resident']:.3f}" if "ratio_to_resident" in r else "-",
-                    gib(r.get("peak_vram_bytes")),
-                    gib(r.get("host_rss_bytes")),
-                    gib(r.get("bytes_moved_per_forward")),
-                    f"{r['compute_wait_s_per_forward'] * 1e3:.1f}" if "compute_wait_s_per_forward" in r else "-",
-                    f"{r['hook_us_per_group']:.1f}" if r.get("hook_us_per_group") else "-",
-                ]
-            )
-        print(
-            markdown_table(
-                [
-                    "row",
-                    "s / forward",
-                    "x resident",
-                    "peak VRAM GiB",
-                    "host RSS GiB",
-                    "moved GiB / fwd",
-                    "wait ms / fwd",
-                    "hook us / group",
-                ],
-                table,
-            )
-        )
-        name = f"e2e-{args.model}-{args.shape}"
-    print(f"wrote {write_result(name, data, smoke=args.smoke)}")
-    failed = [r for r in data.get("rows", []) if r["row"].startswith("tritoff") and "note" in r]
+        tables, h2d, kinds = transformer_tables(args, device)
+        for t in tables:
+            data = t.data(h2d, kinds)
+            print_transformer_table(data)
+            # compile rows are findings, not failures: where torch.compile and tritoff do not work together yet
+            failed += [
+                r
+                for r in data["rows"]
+                if r["kind"] in ("tritoff-group", "tritoff-auto") and "note" in r and "not run" not in r["note"]
+            ]
+    print(f"\nwrote JSON under {args.out or 'bench/results'}")
     if failed:  # a peer that does not fit is a result; tritoff failing is a bug
         sys.exit(f"tritoff rows failed: {'; '.join(r['note'] for r in failed)}")
 
