@@ -1,0 +1,442 @@
+"""The GPU suite: one command that a bare GPU machine runs, part by part, each part ending well inside 9 minutes.
+
+It installs what the machine lacks (the wheels pinned in bench/gpu_wheels.txt, from a wheel directory, with
+``pip --no-index`` into a target directory put on PYTHONPATH; tritoff itself with
+``pip install --no-deps --no-build-isolation -e .``), runs the part's steps as child processes, writes JSON into the
+output directory and prints a summary table with the issue's targets last (the run tool returns the output's tail).
+
+Parts (issue 8):
+  1  every GPU-marked test and opcheck of the custom ops on CUDA (junit XML, summarized in suite-part1.json),
+     bench/kernels.py (kernels.json: 1 MB .. 1 GB packs, staged and zero-copy, beside the H2D memcpy and
+     device-to-device rooflines), then the rest of the test suite on CUDA with whatever time is left
+  2  bench/e2e.py, Wan-14B transformer: 480x832x81 and 1 frame under a 12 GB cap, 480x832x81 under 8 GB
+  3  bench/e2e.py, CogVideoX-5B transformer at 480x720x49, and the whole Wan pipeline at 12 GB
+  4  bench/e2e.py --compile, Wan-14B at 480x832x81 under 12 GB: regional compile, all-resident and tritoff
+
+Watchdog: the part has a time budget (--budget, default 480 s from the start of the command). Each step gets a
+deadline inside it and is told so (--deadline): the benchmarks start no measurement that would end after it and
+rewrite their JSON after every measurement. A step still running at its deadline (plus a short grace) is stopped
+(SIGTERM, then SIGKILL), keeping what it wrote.
+
+Usage: bench/gpu_suite.sh PART [--smoke] [--out DIR] [--wheels DIR] [--budget SECONDS]
+  --smoke: tiny shapes on the CPU (Triton's interpreter): the rehearsal. --out: default $OUT when set, else
+  out/gpu-suite. --wheels: default .whl when it exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "bench"
+# where carried wheels are installed: one directory per interpreter (a wheel built for another Python must never
+# shadow this one's packages); a warm machine keeps it between calls
+SITE = Path(
+    os.environ.get("TRITOFF_SUITE_SITE")
+    or f"/tmp/tritoff-suite-site-py{sys.version_info[0]}{sys.version_info[1]}-"
+    + hashlib.sha1(sys.prefix.encode()).hexdigest()[:8]
+)
+GRACE_S = 15  # after a step's deadline, before it is stopped: time to finish writing
+# What each part is expected to take on an H100 (estimates from FLOP counts and transfer sizes; see
+# docs/benchmarks.md): printed first, and the measured time is printed beside it at the end.
+ESTIMATES = {
+    "1": "~4 min: tests ~1 min (Triton compiles), kernels 1-2 min (packs built on the GPU), then the rest of the "
+    "suite on CUDA with what is left",
+    "2": "~5 min: Wan-14B forward ~4-6 s at 480x832x81; 3 tables x 6 rows, one build per row kind (~1 s on the GPU), "
+    "one tritoff pack (~15 s), diffusers offload setups ~20 s each",
+    "3": "~6 min: CogVideoX-5B table ~1.5 min; Wan pipeline 5 rows x (build ~3 s, setup <= 30 s, 2 CFG steps "
+    "~20 s, tiled VAE decode)",
+    "4": "~4 min: two regional compiles (~1 min each) and four rows at 480x832x81",
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("part", choices=sorted(ESTIMATES))
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: rehearse the part")
+    parser.add_argument("--out", default=None, help="output directory (default $OUT, else out/gpu-suite)")
+    parser.add_argument("--wheels", default=None, help="wheel directory (default .whl when it exists)")
+    parser.add_argument("--budget", type=float, default=480.0, help="seconds for the whole part (default 480)")
+    return parser.parse_args(argv)
+
+
+class Suite:
+    """One part's run: setup, steps under a watchdog, JSON and a summary."""
+
+    def __init__(self, args):
+        self.args = args
+        self.start = time.time()
+        self.deadline = self.start + args.budget
+        default_out = os.environ.get("OUT") or str(REPO / "out" / "gpu-suite")
+        self.out = Path(args.out or default_out).resolve()
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"tritoff-suite-{os.getpid()}"
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        suffix = "-smoke" if args.smoke else ""
+        self.name = f"suite-part{args.part}{suffix}"
+        self.log = open(self.out / f"{self.name}.log", "w")  # closed in finish()
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.record: dict = {"part": args.part, "smoke": args.smoke, "estimate": ESTIMATES[args.part], "steps": []}
+        self.smoke = args.smoke
+        self.suffix = suffix
+
+    # output -------------------------------------------------------------------------------------------------------
+    def say(self, text: str = "") -> None:
+        print(text, flush=True)
+        self.log.write(text + "\n")
+        self.log.flush()
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    # setup --------------------------------------------------------------------------------------------------------
+    def install(self) -> None:
+        """Wheels whose pinned version is missing, then tritoff (editable) unless this checkout is importable."""
+        started = time.time()
+        pins = {}
+        for line in (BENCH / "gpu_wheels.txt").read_text().splitlines():
+            line = line.split("#")[0].strip()
+            if line:
+                name, _, version = line.partition("==")
+                pins[name] = version
+        if SITE.is_dir():  # a warm machine keeps what an earlier call installed
+            sys.path.insert(0, str(SITE))
+            importlib.invalidate_caches()
+            self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), self.env.get("PYTHONPATH")]))
+        other = {n: v for n, v in pins.items() if _installed(n) != v}
+        self.record["wheels_pinned"] = pins
+        wheels_dir = Path(self.args.wheels) if self.args.wheels else REPO / ".whl"
+        wheels, missing = [], {}
+        for name, version in other.items():
+            stem = re.sub(r"[-_.]+", "_", name).lower()
+            found = [w for w in wheels_dir.glob("*.whl") if w.name.lower().startswith(f"{stem}-{version}-")]
+            if found:
+                wheels.append(str(found[0]))
+                missing[name] = version
+            elif _installed(name):  # another version is there and none was carried: use it (CI, a dev venv)
+                self.say(f"{name} {_installed(name)} is installed (pinned: {version}, no wheel in {wheels_dir})")
+            else:
+                raise SystemExit(
+                    f"{name}=={version} is not installed and no wheel for it is in {wheels_dir}: "
+                    "run bench/fetch_wheels.sh where PyPI is reachable and carry .whl"
+                )
+        if missing:
+            self.say(f"installing {', '.join(f'{n}=={v}' for n, v in missing.items())} into {SITE}")
+            self.run_quiet(
+                [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+                + ["--no-cache-dir", "--upgrade", "--target", str(SITE), *wheels]
+            )
+            if str(SITE) not in self.env.get("PYTHONPATH", ""):
+                self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), self.env.get("PYTHONPATH")]))
+        self.record["wheels_installed"] = missing
+        probe = "import tritoff, tritoff.kernels; print(tritoff.__file__); print(tritoff.kernels.__file__)"
+        where = subprocess.run(
+            [sys.executable, "-c", probe], env=self.env, capture_output=True, text=True, cwd=self.tmp
+        ).stdout.split()
+        ours = len(where) == 2 and [Path(w).parent for w in where] == [REPO / "tritoff", REPO / "kernels"]
+        if not ours:  # tritoff.kernels maps to kernels/ only through an install
+            self.say("installing tritoff from this checkout (pip install --no-deps --no-build-isolation -e .)")
+            self.run_quiet(
+                [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(REPO)]
+            )
+        self.record["install_s"] = time.time() - started
+        versions = subprocess.run(
+            [sys.executable, "-c", f"import sys, json; sys.path.insert(0, {str(BENCH)!r}); "
+             "from common import environment; print(json.dumps(environment()))"],
+            env=self.env, capture_output=True, text=True, cwd=REPO,
+        )  # fmt: skip
+        if versions.returncode:
+            self.say(versions.stderr[-2000:])
+            raise SystemExit("the environment does not import (see above)")
+        self.record["environment"] = env = json.loads(versions.stdout.strip().splitlines()[-1])
+        keys = ("device", "driver", "python", "torch", "triton", "transformers", "diffusers", "accelerate")
+        self.say(" | ".join(f"{k} {env.get(k)}" for k in keys) + f" | setup {self.record['install_s']:.0f} s")
+
+    def run_quiet(self, cmd: list[str]) -> None:
+        done = subprocess.run(cmd, env=self.env, capture_output=True, text=True, cwd=REPO)
+        self.log.write(done.stdout + done.stderr)
+        if done.returncode:
+            self.say(done.stdout[-3000:] + done.stderr[-3000:])
+            raise SystemExit(f"failed: {' '.join(cmd)}")
+
+    # steps --------------------------------------------------------------------------------------------------------
+    def step(self, name: str, cmd: list[str], until: float, quiet: bool = False) -> dict:
+        """Run ``cmd`` until ``until`` (epoch seconds, within the part's deadline) plus a grace; log its output."""
+        until = min(until, self.deadline)
+        entry = {"step": name, "command": " ".join(cmd), "budget_s": round(until - time.time())}
+        if until - time.time() < 10:
+            entry.update(rc=None, wall_s=0.0, note="not run: the part's time budget ran out")
+            self.say(f"\n== {name}: not run, the part's time budget ran out")
+            self.record["steps"].append(entry)
+            return entry
+        self.say(f"\n== {name} (budget {entry['budget_s']} s): {' '.join(cmd)}")
+        started = time.time()
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        tail = ""
+        timed_out = False
+        fd = proc.stdout.fileno()
+        os.set_blocking(fd, False)  # progress bars print no newline: read what is there, never wait for a line
+        while True:
+            if time.time() > until + GRACE_S and proc.poll() is None and not timed_out:
+                timed_out = True
+                self.say(f"== {name}: past its deadline, stopping it")
+                _stop(proc)
+            ready, _, _ = select.select([fd], [], [], 1.0)
+            if not ready:
+                continue
+            chunk = os.read(fd, 1 << 16).decode(errors="replace")
+            if not chunk:  # end of output
+                try:
+                    proc.wait(timeout=max(1.0, until + GRACE_S - time.time()))
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                    _stop(proc)
+                break
+            self.log.write(chunk)
+            if quiet:
+                tail = (tail + chunk)[-4000:]
+            else:
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+        proc.wait()
+        self.log.flush()
+        if quiet:
+            print("\n".join(tail.splitlines()[-15:]), flush=True)
+        entry.update(rc=proc.returncode, wall_s=time.time() - started, timed_out=timed_out)
+        self.say(f"== {name}: exit {proc.returncode}{' (stopped)' if timed_out else ''} in {entry['wall_s']:.0f} s")
+        self.record["steps"].append(entry)
+        return entry
+
+    def pytest(self, name: str, args: list[str], until: float, quiet: bool = False) -> None:
+        xml = self.out / f"tests-{name}{self.suffix}.xml"
+        cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", f"--junitxml={xml}", *args]
+        entry = self.step(f"pytest {name}", cmd, until, quiet)
+        self.record.setdefault("tests", {})[name] = _junit(xml) if xml.exists() else {"note": entry.get("note")}
+
+    def python(self, name: str, script: str, args: list[str], until: float) -> dict:
+        deadline = min(until, self.deadline) - 5
+        return self.step(name, [sys.executable, str(BENCH / script), *args, "--deadline", f"{deadline:.0f}"], until)
+
+    # parts --------------------------------------------------------------------------------------------------------
+    def part1(self) -> None:
+        now = time.time()
+        timeout = ["--timeout=300"] if _has("pytest_timeout") else []
+        self.pytest("gpu", ["-m", "gpu", "-v", *timeout, "tests"], now + 150)
+        self.pytest("opcheck", ["-v", *timeout, "tests/kernels/test_custom_ops.py"], time.time() + 90)
+        smoke = ["--smoke"] if self.smoke else []
+        self.python("kernels", "kernels.py", [*smoke, "--out", str(self.out)], time.time() + 200)
+        if self.smoke:
+            self.say("\n== rest of the suite: not run with --smoke (CI runs it on the CPU)")
+            return
+        # every other test, now with CUDA present: tests that pass on the CPU may not on a GPU
+        workers = ["-n", "4"] if _has("xdist") else []
+        self.pytest("rest", ["-m", "not gpu", "-q", *workers, *timeout, "tests"], self.deadline - 10, quiet=True)
+
+    def part2(self) -> None:
+        configs = "video@5MB,image@5MB,video@4.5MB" if self.smoke else "video@12GB,image@12GB,video@8GB"
+        args = ["--model", "wan", "--configs", configs, "--reps", "2", "--out", str(self.out)]
+        self.python("e2e wan", "e2e.py", [*(["--smoke"] if self.smoke else []), *args], self.deadline)
+
+    def part3(self) -> None:
+        smoke = ["--smoke"] if self.smoke else []
+        cog = ["--model", "cogvideox", "--configs", "video@5MB" if self.smoke else "video@12GB", "--reps", "3"]
+        self.python("e2e cogvideox", "e2e.py", [*smoke, *cog, "--out", str(self.out)], time.time() + 0.3 * self.left())
+        pipe = ["--pipeline", "--model", "wan", "--budget", "4.6MB" if self.smoke else "12GB", "--steps", "2"]
+        self.python("e2e wan pipeline", "e2e.py", [*smoke, *pipe, "--out", str(self.out)], self.deadline)
+
+    def part4(self) -> None:
+        smoke = ["--smoke"] if self.smoke else []
+        rows = "resident,resident-compile,tritoff-group,tritoff-group-compile"
+        args = ["--model", "wan", "--configs", "video@5MB" if self.smoke else "video@12GB", "--rows", rows]
+        args += ["--tag", "compile", "--reps", "2", "--out", str(self.out)]
+        self.python("e2e wan compile", "e2e.py", [*smoke, *args], self.deadline)
+
+    # summary ------------------------------------------------------------------------------------------------------
+    def finish(self) -> int:
+        self.record["wall_s"] = time.time() - self.start
+        lines = summary_lines(self.record, self.out, self.suffix)
+        self.record["summary"] = lines
+        path = self.out / f"{self.name}.json"
+        path.write_text(json.dumps(self.record, indent=2, default=str) + "\n")
+        self.say("\n" + "\n".join(lines))
+        self.say(f"\nestimated: {ESTIMATES[self.args.part]}")
+        self.say(f"part {self.args.part} took {self.record['wall_s']:.0f} s; JSON and log in {self.out}")
+        self.log.close()
+        bad = [s for s in self.record["steps"] if s.get("rc") not in (0, None) or s.get("timed_out")]
+        failed_tests = [n for t in self.record.get("tests", {}).values() for n in t.get("failed", [])]
+        return 1 if bad or failed_tests else 0
+
+
+def _installed(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the step's process group, then SIGKILL what is left after 10 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _junit(path: Path) -> dict:
+    """Counts, and the names and first message lines of failed tests, from a junit XML file."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    failed, skipped, passed = [], [], []
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if bad is not None:
+            failed.append(f"{name}: {(bad.get('message') or '').splitlines()[0][:200] if bad.get('message') else ''}")
+        elif case.find("skipped") is not None:
+            skipped.append(f"{name}: {(case.find('skipped').get('message') or '')[:120]}")
+        else:
+            passed.append(name)
+    counts["passed"] = len(passed)
+    return {**counts, "failed": failed, "skipped_tests": skipped, "passed_tests": passed}
+
+
+def _load(out: Path, name: str, suffix: str, since: float) -> dict | None:
+    path = out / f"{name}{suffix}.json"
+    return json.loads(path.read_text()) if path.exists() and path.stat().st_mtime >= since else None
+
+
+def _verdict(ok: bool | None) -> str:
+    return "-" if ok is None else ("met" if ok else "NOT met")
+
+
+def summary_lines(record: dict, out: Path, suffix: str) -> list[str]:
+    """The part's summary: step outcomes, test counts, and each measured figure beside its target."""
+    lines = ["## summary", "", "| step | exit | s | note |", "|---|---|---|---|"]
+    for s in record["steps"]:
+        note = s.get("note") or ("stopped at its deadline" if s.get("timed_out") else "")
+        lines.append(f"| {s['step']} | {s.get('rc')} | {s.get('wall_s', 0):.0f} | {note} |")
+    for name, t in record.get("tests", {}).items():
+        if "tests" in t:
+            lines.append(
+                f"\ntests {name}: {t['passed']} passed, {t['failures'] + t['errors']} failed, {t['skipped']} skipped"
+            )
+            lines += [f"  FAILED {f}" for f in t["failed"]]
+        else:
+            lines.append(f"\ntests {name}: no report ({t.get('note') or 'stopped'})")
+    since = record.get("_start", 0)  # the output directory may hold an earlier part's files
+    kernels = _load(out, "kernels", suffix, since)
+    if kernels:
+        lines += ["", "| pack MiB | H2D fp8 GB/s | staged % | zero-copy % | HBM upcast % of D2D | exact | targets |"]
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in kernels["sizes"]:
+            roof = r["a_h2d_fp8"]["wire_GBps"]
+            staged = 100 * r["c_staged"]["wire_GBps"] / roof
+            zc = 100 * r["d_zero_copy"]["wire_GBps"] / roof if "d_zero_copy" in r else None
+            d2d = r.get("hbm_d2d", {}).get("GBps_read_plus_write")
+            up = 100 * r["f_hbm_upcast"]["GBps_read_plus_write"] / d2d if d2d else None
+            big = r["pack_bytes"] >= 32 * 2**20
+            onload = _verdict(staged >= 95 and (zc is None or zc >= 95)) if big else "-"
+            lines.append(
+                f"| {r['pack_bytes'] / 2**20:.0f} | {roof:.1f} | {staged:.0f} | {'-' if zc is None else f'{zc:.0f}'} "
+                f"| {'-' if up is None else f'{up:.0f}'} | {r['exact']} | onload >= 95%: {onload}; "
+                f"upcast >= 80%: {_verdict(None if up is None else up >= 80)} |"
+            )
+        if "overlap_351MB" in kernels:
+            ov = kernels["overlap_351MB"]
+            lines.append(
+                f"matmul slowdown while onloading 351 MB packs: staged {ov['slowdown_staged_pct']:.1f}%, "
+                f"zero-copy {ov['slowdown_zero_copy_pct']:.1f}%"
+            )
+    for path in sorted(out.glob(f"e2e-*{suffix}.json")):
+        if (suffix == "" and path.stem.endswith("-smoke")) or path.stat().st_mtime < since:
+            continue
+        lines += ["", *e2e_lines(path.stem, json.loads(path.read_text()))]
+    env = record.get("environment", {})
+    lines.append(
+        f"\ndevice {env.get('device')}, driver {env.get('driver')}, torch {env.get('torch')}, "
+        f"triton {env.get('triton')}, diffusers {env.get('diffusers')}, transformers {env.get('transformers')}"
+    )
+    return lines
+
+
+def e2e_lines(name: str, data: dict) -> list[str]:
+    """One e2e table with its targets: time against resident, peak against the cap, host RSS against the packs."""
+    budget = data["budget_bytes"]
+    image = data.get("shape_name") == "image" or data["shape"][0] == 1
+    pipeline = name.startswith("e2e-pipeline")
+    lines = [
+        f"{name}: {data['model']} {'x'.join(map(str, data['shape']))}, cap {budget / 1e9:.3g} GB"
+        + (f", H2D {data['h2d_GBps']:.1f} GB/s" if data.get("h2d_GBps") else ""),
+        "| row | s | x resident | rel err | peak GiB | <= cap | RSS +GiB | build s | setup s | hook us | target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        secs = r.get("denoise_s_per_step" if pipeline else "seconds_per_forward")
+        ratio = r.get("step_ratio_to_resident" if pipeline else "ratio_to_resident")
+        rss = r["host_rss_bytes"] - r["host_rss_baseline_bytes"] if "host_rss_baseline_bytes" in r else None
+        target = ""
+        if r["kind"].startswith("tritoff") and secs is not None:
+            checks = []
+            if image and r.get("ratio_to_transfer_bound"):
+                checks.append(f"<= 1.1x transfer bound: {_verdict(r['ratio_to_transfer_bound'] <= 1.1)}")
+            elif ratio and not pipeline and data["budget_bytes"] >= 12e9:
+                checks.append(f"<= 1.02x resident: {_verdict(ratio <= 1.02)}")
+            if r.get("packed_bytes") and rss is not None:
+                checks.append(f"RSS <= 1.1x packs: {_verdict(rss <= 1.1 * r['packed_bytes'])}")
+            if r.get("hook_us_per_group"):
+                checks.append(f"hooks <= 20 us: {_verdict(r['hook_us_per_group'] <= 20)}")
+            target = "; ".join(checks)
+        cells = [
+            r["row"],
+            f"{secs:.3f}" if secs is not None else (r.get("note") or "-")[:90],
+            f"{ratio:.3f}" if ratio else "-",
+            f"{r['rel_err_vs_resident']:.1e}" if "rel_err_vs_resident" in r else "-",
+            f"{r['peak_vram_bytes'] / 2**30:.2f}" if r.get("peak_vram_bytes") else "-",
+            _verdict(r.get("peak_within_budget")),
+            f"{rss / 2**30:.2f}" if rss is not None else "-",
+            f"{r['build_s']:.1f}" if "build_s" in r else "-",
+            f"{r['setup_s']:.1f}" if "setup_s" in r else "-",
+            f"{r['hook_us_per_group']:.1f}" if r.get("hook_us_per_group") else "-",
+            target,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    suite = Suite(args)
+    suite.record["_start"] = suite.start
+    suite.say(f"tritoff GPU suite, part {args.part}{' (smoke)' if args.smoke else ''}: budget {args.budget:.0f} s")
+    suite.say(f"estimated on an H100: {ESTIMATES[args.part]}")
+    suite.install()
+    getattr(suite, f"part{args.part}")()
+    return suite.finish()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
