@@ -12,6 +12,7 @@ Parts (issue 8):
   2  bench/e2e.py, Wan-14B transformer: 480x832x81 and 1 frame under a 12 GB cap, 480x832x81 under 8 GB
   3  bench/e2e.py, CogVideoX-5B transformer at 480x720x49, and the whole Wan pipeline at 12 GB
   4  bench/e2e.py --compile, Wan-14B at 480x832x81 under 12 GB: regional compile, all-resident and tritoff
+  setup  the installs alone, for running one benchmark by hand in the same command
 
 Watchdog: the part has a time budget (--budget, default 480 s from the start of the command). Each step gets a
 deadline inside it and is told so (--deadline): the benchmarks start no measurement that would end after it and
@@ -59,6 +60,7 @@ ESTIMATES = {
     "3": "~6 min: CogVideoX-5B table ~1.5 min; Wan pipeline 5 rows x (build ~3 s, setup <= 30 s, 2 CFG steps "
     "~20 s, tiled VAE decode)",
     "4": "~4 min: two regional compiles (~1 min each) and four rows at 480x832x81",
+    "setup": "~15 s: the installs alone (then run any benchmark with PYTHONPATH=$TRITOFF_SUITE_SITE)",
 }
 
 
@@ -434,6 +436,9 @@ def main(argv=None) -> int:
     suite.say(f"tritoff GPU suite, part {args.part}{' (smoke)' if args.smoke else ''}: budget {args.budget:.0f} s")
     suite.say(f"estimated on an H100: {ESTIMATES[args.part]}")
     suite.install()
+    if args.part == "setup":
+        print(f"installed; run benchmarks with PYTHONPATH={SITE} (set TRITOFF_SUITE_SITE to choose the directory)")
+        return 0
     getattr(suite, f"part{args.part}")()
     return suite.finish()
 
