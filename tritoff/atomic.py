@@ -8,12 +8,30 @@ import tempfile
 from pathlib import Path
 
 
+def umask() -> int:
+    """The process umask, read without changing it (Linux), else by setting it and putting it back at once."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path, suffix: str = ""):
-    """Yield a temporary path in ``path``'s directory; on success rename it to ``path``, on failure remove it."""
+    """Yield a temporary path in ``path``'s directory; on success rename it to ``path``, on failure remove it. The
+    file gets the mode a plain ``open`` would give it (0666 less the umask), not the private one of ``mkstemp``."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
-    os.close(fd)
+    try:
+        os.fchmod(fd, 0o666 & ~umask())
+    finally:
+        os.close(fd)
     try:
         yield tmp
         os.replace(tmp, path)

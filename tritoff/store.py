@@ -1,35 +1,58 @@
 """Saved stores: a model's packs written once, then mapped (not read) at every start.
 
-A store is a directory: ``tritoff_store.json`` (format version, tritoff version, storage, granularity, skip patterns,
-grouping, and per component a fingerprint of its class, config and parameter names/shapes/dtypes) and one safetensors
-file per component holding its whole arena as one uint8 tensor, with the pack tables in the file's metadata. The data
-starts page-aligned, so the file is mapped read-only and viewed in place; on CUDA the mapping is registered read-only
-so the copy engine reads straight from the page cache.
+A store is a directory: ``tritoff_store.json`` (the index) and one safetensors file per component holding its whole
+arena as one uint8 tensor, with the pack tables in the file's metadata. The data starts page-aligned, so the file is
+mapped read-only and viewed in place; on CUDA the mapping is registered read-only so the copy engine reads straight
+from the page cache.
 
-A store that does not match the model (another config, a missing or truncated file, another format version) is refused
-with a one-line error: it is never silently or partly used.
+The index records the format version, tritoff version, storage, granularity, skip patterns, grouping, per component
+a fingerprint of its class, config and parameter names/shapes/dtypes and its file's size and XXH3-128 hash, what the
+store was made from (:func:`describe_source`), and a hash of the index itself. What a store guarantees:
+
+- integrity: every file is hashed as it is written and verified before it is used (:func:`load_store`), so a flipped
+  byte or a file of another conversion is refused, naming the file;
+- atomicity: a store is written into a temporary directory beside its target and renamed into place, so a directory
+  holds one complete store or none (an interrupted write leaves the target as it was);
+- source identity: ``tritoff run MODEL --store DIR`` checks MODEL's weight files against the ones the store was made
+  from (:func:`check_source`) and refuses other weights, even of the same architecture.
+
+Anything that does not match is refused with a one-line error: a store is never silently or partly used.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
+import os
+import shutil
 import struct
+import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn as nn
+import xxhash
 
 from tritoff import __version__
-from tritoff.arena import PAGE, HostArena
-from tritoff.atomic import atomic_path
-from tritoff.formats import get_format
-from tritoff.groups import Group
-from tritoff.pack import PackEntry, PackLayout
-from tritoff.packer import Pack, PackedModel
+from tritoff.atomic import umask
 
-STORE_VERSION = 1
+if TYPE_CHECKING:  # torch and the packer load on use: the command line reads and checks indexes before them
+    import torch
+    import torch.nn as nn
+
+    from tritoff.groups import Group
+    from tritoff.pack import PackEntry
+    from tritoff.packer import PackedModel
+
+STORE_VERSION = 2
 INDEX = "tritoff_store.json"
+HASH = "xxh3_128"
+CHUNK = 64 << 20  # bytes hashed per call: large enough to run at memory speed, small enough for a smooth progress bar
+# source identity: each weight file's header, and this many windows of this size spread evenly over the file
+SAMPLE_WINDOWS = 16
+SAMPLE_BYTES = 64 << 10
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".index.json")
+RECREATE = "recreate the store with `tritoff convert`"
 
 
 class StoreError(ValueError):
@@ -65,6 +88,10 @@ def _entry_dict(e: PackEntry) -> dict:
 
 
 def _entry(d: dict) -> PackEntry:
+    import torch
+
+    from tritoff.pack import PackEntry
+
     return PackEntry(
         d["name"],
         tuple(d["shape"]),
@@ -78,9 +105,145 @@ def _entry(d: dict) -> PackEntry:
     )
 
 
-def _write_atomic(path: Path, write) -> None:
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        write(f)
+# hashing -------------------------------------------------------------------------------------------------------------
+
+
+def file_hash(path: str | Path, progress=None) -> str:
+    """XXH3-128 of the file's bytes (hex), read through a read-only mapping; ``progress`` (a tqdm bar) is advanced by
+    the bytes hashed."""
+    hasher = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return hasher.hexdigest()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapping, memoryview(mapping) as view:
+            for start in range(0, size, CHUNK):
+                hasher.update(view[start : start + CHUNK])
+                if progress is not None:
+                    progress.update(min(CHUNK, size - start))
+    return hasher.hexdigest()
+
+
+def _index_hash(index: dict) -> str:
+    body = {k: v for k, v in index.items() if k != "index_hash"}
+    return xxhash.xxh3_128_hexdigest(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+# (device, inode, size, mtime, ctime) of files verified by this process, with their hash: the command line verifies a
+# store before loading the pipeline, and load_store does not hash the same unchanged file again
+_verified: dict[tuple, str] = {}
+
+
+def _identity(path: Path) -> tuple:
+    st = path.stat()
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _verify_file(path: Path, info: dict, progress=None) -> None:
+    """Refuse ``path`` unless its size and hash are the ones the index records."""
+    if not path.is_file():
+        raise StoreError(f"{path} is missing; {RECREATE}")
+    size = path.stat().st_size
+    if size != info["size"]:
+        raise StoreError(f"{path} is truncated or altered ({size} bytes, the index records {info['size']}); {RECREATE}")
+    key = _identity(path)
+    if _verified.get(key) == info["hash"]:
+        if progress is not None:
+            progress.update(size)
+        return
+    digest = file_hash(path, progress)
+    if digest != info["hash"]:
+        raise StoreError(
+            f"{path} is corrupt or from another conversion (its {HASH} differs from the index's); {RECREATE}"
+        )
+    _verified[key] = digest
+
+
+def verify_store(directory: str | Path, index: dict | None = None, progress: bool = False) -> dict:
+    """Check every file of the store at ``directory`` against the size and hash its index records; returns the index.
+
+    Runs at memory speed once the files are in the page cache (see docs/usage.md for the measured rate)."""
+    directory = Path(directory)
+    index = read_index(directory) if index is None else index
+    infos = list(index["components"].values())
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(i["size"] for i in infos), unit="B", unit_scale=True, desc=f"verifying {directory}")
+    try:
+        for info in infos:
+            _verify_file(directory / info["file"], info, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    return index
+
+
+# writing -------------------------------------------------------------------------------------------------------------
+
+
+def check_target(directory: str | Path, overwrite: bool = False, model: str | Path | None = None) -> Path:
+    """Refuse a store target that is a file, a non-empty directory (unless ``overwrite`` and it is a store), or a
+    directory inside the local model directory ``model``; returns the target as a path."""
+    target = Path(directory)
+    if model is not None and Path(model).is_dir():
+        resolved, source = target.resolve(), Path(model).resolve()
+        if resolved == source or source in resolved.parents:
+            raise StoreError(f"{target} is inside the model directory {model}: write the store somewhere else")
+    if target.exists() and not target.is_dir():
+        raise StoreError(f"{target} exists and is not a directory: choose a new or empty directory for the store")
+    if target.is_dir() and any(target.iterdir()):
+        if not (target / INDEX).is_file():
+            raise StoreError(f"{target} is not empty and holds no tritoff store: choose a new or empty directory")
+        if not overwrite:
+            raise StoreError(f"{target} already holds a store: pass --overwrite (overwrite=True) to replace it")
+    return target
+
+
+def _replace_dir(tmp: Path, target: Path) -> None:
+    """Move the directory ``tmp`` to ``target``, replacing an empty directory or an existing store."""
+    try:
+        os.replace(tmp, target)  # a new target, or an empty directory
+        return
+    except OSError:
+        if not target.is_dir():
+            raise
+    # an existing store: move it aside, move the new one in, then delete the old one (never a mix of the two)
+    old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".old"))
+    os.replace(target, old)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        os.replace(old, target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_hashed(path: Path, chunks) -> tuple[int, str]:
+    """Write the byte chunks to the new file ``path``; returns its size and XXH3-128."""
+    hasher, size = xxhash.xxh3_128(), 0
+    with open(path, "xb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+            hasher.update(chunk)
+            size += len(chunk)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename makes it visible, so a power loss cannot publish a torn file
+    return size, hasher.hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pieces(view: memoryview):
+    for start in range(0, len(view), CHUNK):
+        yield view[start : start + CHUNK]
 
 
 def save_store(
@@ -89,13 +252,20 @@ def save_store(
     packed: dict[str, PackedModel],
     skip: tuple[str, ...],
     grouping: str,
+    *,
+    source: dict | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write every component's packs to ``directory``; files appear complete or not at all.
+    """Write every component's packs as a store at ``directory``, atomically: into a temporary directory beside it,
+    then renamed into place. ``directory`` must be new or empty, or an existing store with ``overwrite``.
 
-    ``fingerprints`` are the components' :func:`fingerprint` taken before packing.
+    ``fingerprints`` are the components' :func:`fingerprint` taken before packing; ``source`` is what the packs were
+    made from (:func:`describe_source`), checked by :func:`check_source`.
     """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    from tritoff.arena import PAGE
+
+    target = check_target(directory, overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
     first = next(iter(packed.values()))
     index = {
         "store_version": STORE_VERSION,
@@ -104,74 +274,136 @@ def save_store(
         "granularity": first.granularity,
         "skip": list(skip),
         "grouping": grouping,
+        "hash": HASH,
+        "source": source,
         "components": {},
     }
-    for name, model in packed.items():
-        meta = {
-            "packs": [
-                {
-                    "name": p.name,
-                    "offset": p.offset,
-                    "nbytes": p.layout.nbytes,
-                    "out_nbytes": p.layout.out_nbytes,
-                    "out_dtype": str(p.layout.out_dtype).split(".")[-1],
-                    "entries": [_entry_dict(e) for e in p.layout.entries],
-                }
-                for p in model.packs
-            ]
-        }
-        nbytes = model.arena.nbytes
-        header = {
-            "arena": {"dtype": "U8", "shape": [nbytes], "data_offsets": [0, nbytes]},
-            "__metadata__": {"tritoff": json.dumps(meta)},
-        }
-        raw = json.dumps(header).encode()
-        # pad the header with spaces so the data starts on a page boundary (safetensors allows trailing spaces)
-        raw += b" " * (-(8 + len(raw)) % PAGE)
-        file = f"{name}.safetensors"
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial"))
+    try:
+        for name, model in packed.items():
+            meta = {
+                "packs": [
+                    {
+                        "name": p.name,
+                        "offset": p.offset,
+                        "nbytes": p.layout.nbytes,
+                        "out_nbytes": p.layout.out_nbytes,
+                        "out_dtype": str(p.layout.out_dtype).split(".")[-1],
+                        "entries": [_entry_dict(e) for e in p.layout.entries],
+                    }
+                    for p in model.packs
+                ]
+            }
+            nbytes = model.arena.nbytes
+            header = {
+                "arena": {"dtype": "U8", "shape": [nbytes], "data_offsets": [0, nbytes]},
+                "__metadata__": {"tritoff": json.dumps(meta)},
+            }
+            raw = json.dumps(header).encode()
+            # pad the header with spaces so the data starts on a page boundary (safetensors allows trailing spaces)
+            raw += b" " * (-(8 + len(raw)) % PAGE)
+            file = f"{name}.safetensors"
+            data = memoryview(model.arena.buffer.numpy()) if nbytes else memoryview(b"")
+            size, digest = _write_hashed(tmp / file, [struct.pack("<Q", len(raw)), raw, *_pieces(data)])
+            index["components"][name] = {
+                "file": file,
+                "fingerprint": fingerprints[name],
+                "nbytes": nbytes,
+                "data_offset": 8 + len(raw),
+                "size": size,
+                "hash": digest,
+            }
+        index["index_hash"] = _index_hash(index)
+        _write_hashed(tmp / INDEX, [json.dumps(index, indent=1).encode()])
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private; a store follows the umask like any directory
+        _fsync_dir(tmp)
+        check_target(target, overwrite)  # again: something may have appeared there while the packs were written
+        _replace_dir(tmp, target)
+        _fsync_dir(target.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
-        def write(f, raw=raw, model=model):
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            f.write(memoryview(model.arena.buffer.numpy()))
 
-        _write_atomic(directory / file, write)
-        index["components"][name] = {
-            "file": file,
-            "fingerprint": fingerprints[name],
-            "nbytes": nbytes,
-            "data_offset": 8 + len(raw),
-        }
-    _write_atomic(directory / INDEX, lambda f: f.write(json.dumps(index, indent=1).encode()))
-    return directory
+# reading -------------------------------------------------------------------------------------------------------------
+
+_INDEX_FIELDS = {
+    "tritoff": str,
+    "storage": str,
+    "granularity": str,
+    "skip": list,
+    "grouping": str,
+    "hash": str,
+    "components": dict,
+    "index_hash": str,
+}
+_COMPONENT_FIELDS = {"file": str, "fingerprint": str, "nbytes": int, "data_offset": int, "size": int, "hash": str}
+
+
+def _check_structure(index, path: Path) -> None:
+    def bad(what: str):
+        return StoreError(f"{path} is not a valid tritoff store index ({what}); {RECREATE}")
+
+    for key, kind in _INDEX_FIELDS.items():
+        if key not in index:
+            raise bad(f"no {key!r}")
+        if not isinstance(index[key], kind):
+            raise bad(f"{key!r} is not a {kind.__name__}")
+    if index["hash"] != HASH:
+        raise bad(f"files hashed with {index['hash']!r}, this tritoff checks {HASH}")
+    if not index["components"]:
+        raise bad("no components")
+    for name, info in index["components"].items():
+        if not isinstance(info, dict):
+            raise bad(f"component {name!r} is not an object")
+        for key, kind in _COMPONENT_FIELDS.items():
+            if not isinstance(info.get(key), kind) or isinstance(info.get(key), bool):
+                raise bad(f"component {name!r} has no {kind.__name__} {key!r}")
+        if Path(info["file"]).name != info["file"] or info["file"] in ("", ".", ".."):
+            raise bad(f"component {name!r} names a file outside the store")
+        if info["data_offset"] < 8 or info["data_offset"] + info["nbytes"] != info["size"]:
+            raise bad(f"component {name!r} has inconsistent sizes")
+    if not isinstance(index.get("source"), (dict, type(None))):
+        raise bad("'source' is not an object")
 
 
 def read_index(directory: str | Path) -> dict:
-    """The store's index, checked for its format version."""
+    """The store's index, checked for its format version, its structure and its own hash."""
     path = Path(directory) / INDEX
     if not path.is_file():
         raise StoreError(f"{directory} is not a tritoff store (no {INDEX}); create one with `tritoff convert`")
     try:
-        index = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise StoreError(f"{path} is corrupt ({err}); recreate the store with `tritoff convert`") from None
+        index = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise StoreError(f"{path} is corrupt ({err}); {RECREATE}") from None
+    if not isinstance(index, dict):
+        raise StoreError(f"{path} is not a valid tritoff store index (not an object); {RECREATE}")
     if index.get("store_version") != STORE_VERSION:
         raise StoreError(
             f"{directory} has store format {index.get('store_version')}, this tritoff reads "
             f"{STORE_VERSION}; recreate it with `tritoff convert`"
         )
+    _check_structure(index, path)
+    if _index_hash(index) != index["index_hash"]:
+        raise StoreError(f"{path} was altered after it was written (its hash differs); {RECREATE}")
     return index
 
 
 def _read_meta(path: Path) -> dict:
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    return json.loads(header["__metadata__"]["tritoff"])
+    try:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        return json.loads(header["__metadata__"]["tritoff"])
+    except (struct.error, ValueError, KeyError, TypeError) as err:
+        raise StoreError(f"{path} has an unreadable header ({err}); {RECREATE}") from None
 
 
 def stored_dtypes(directory: str | Path, component: str) -> dict[str, torch.dtype]:
     """Each stored parameter's dtype (as the model computes with it), for building a model without weights."""
+    import torch
+
     info = read_index(directory)["components"][component]
     meta = _read_meta(Path(directory) / info["file"])
     return {e["name"]: getattr(torch, e["dtype"]) for p in meta["packs"] for e in p["entries"]}
@@ -183,29 +415,40 @@ def load_store(
     group_lists: dict[str, list[Group]],
     fingerprints: dict[str, str],
     register: bool | None = None,
+    verify: bool = True,
 ) -> dict[str, PackedModel]:
     """Map every component's packs from ``directory``, after checking it matches ``components`` (their
-    ``fingerprints``)."""
+    ``fingerprints``) and, with ``verify``, that every file has the size and hash the index records (pass
+    ``verify=False`` only when the files are verified elsewhere: a corrupt store then gives wrong outputs)."""
+    import torch
+
+    from tritoff.arena import HostArena
+    from tritoff.formats import get_format
+    from tritoff.pack import PackLayout
+    from tritoff.packer import Pack, PackedModel
+
     directory = Path(directory)
     index = read_index(directory)
     stored = set(index["components"])
     if stored != set(components):
         raise StoreError(f"{directory} holds components {sorted(stored)} but the model has {sorted(components)}")
     fmt = get_format(index["storage"])
-    result = {}
     for name in components:
-        info = index["components"][name]
-        if info["fingerprint"] != fingerprints[name]:
+        if index["components"][name]["fingerprint"] != fingerprints[name]:
             raise StoreError(
                 f"{directory}: component {name} does not match the store (another config or other "
                 "weights' names/shapes); recreate it with `tritoff convert`"
             )
+    if verify:
+        verify_store(directory, index)
+    result = {}
+    for name in components:
+        info = index["components"][name]
         path = directory / info["file"]
         if not path.is_file():
-            raise StoreError(f"{path} is missing; recreate the store with `tritoff convert`")
-        expected = info["data_offset"] + info["nbytes"]
-        if path.stat().st_size != expected:
-            raise StoreError(f"{path} is truncated or altered ({path.stat().st_size} bytes, expected {expected})")
+            raise StoreError(f"{path} is missing; {RECREATE}")
+        if path.stat().st_size != info["size"]:
+            raise StoreError(f"{path} is truncated or altered ({path.stat().st_size} bytes, expected {info['size']})")
         meta = _read_meta(path)
         arena = HostArena.from_file(str(path), info["data_offset"], info["nbytes"], register=register)
         groups = group_lists[name]
@@ -224,3 +467,74 @@ def load_store(
             packs.append(Pack(p["name"], layout, p["offset"], arena.view(p["offset"], p["nbytes"])))
         result[name] = PackedModel(arena, packs, groups, fmt, index["granularity"])
     return result
+
+
+# source identity -----------------------------------------------------------------------------------------------------
+
+
+def _source_record(path: Path) -> dict:
+    """Size, XXH3-128 of the header (a safetensors file's whole JSON header, else the first window) and XXH3-128 of
+    ``SAMPLE_WINDOWS`` windows of ``SAMPLE_BYTES`` spread evenly from the first byte to the last (the whole file when
+    it is smaller than that): a few reads per file, whatever its size."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        header_len = min(size, SAMPLE_BYTES)
+        if path.name.endswith(".safetensors") and size >= 8:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if 8 + n <= size:
+                header_len = 8 + n
+        f.seek(0)
+        header = xxhash.xxh3_128_hexdigest(f.read(header_len))
+        sample = xxhash.xxh3_128()
+        if size <= SAMPLE_WINDOWS * SAMPLE_BYTES:
+            sample.update(f.read())
+        else:
+            for i in range(SAMPLE_WINDOWS):
+                f.seek(i * (size - SAMPLE_BYTES) // (SAMPLE_WINDOWS - 1))
+                sample.update(f.read(SAMPLE_BYTES))
+    return {"size": size, "header": header, "sample": sample.hexdigest()}
+
+
+def _weight_files(model_dir: Path, components) -> list[str]:
+    files = []
+    for name in components:
+        sub = model_dir / name
+        if sub.is_dir():
+            files += [
+                p.relative_to(model_dir).as_posix()
+                for p in sub.rglob("*")
+                if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES) and not p.name.startswith(".")
+            ]
+    return sorted(files)
+
+
+def describe_source(model_dir: str | Path, components) -> dict:
+    """What a store made from the pipeline directory ``model_dir`` is made from: each weight file of ``components``
+    (``NAME/*.safetensors``, ``.bin``, shard indexes...) with its size, header hash and sampled content hash."""
+    model_dir = Path(model_dir)
+    return {"files": {rel: _source_record(model_dir / rel) for rel in _weight_files(model_dir, components)}}
+
+
+def check_source(directory: str | Path, model_dir: str | Path, index: dict | None = None) -> None:
+    """Refuse the store at ``directory`` if the pipeline directory ``model_dir`` holds other weight files than the
+    ones it was made from (compared by size, header and sampled content: a few reads per file). A store written by
+    ``Engine.save`` records no source and is not checked."""
+    index = read_index(directory) if index is None else index
+    source = index.get("source")
+    if not source or not isinstance(source.get("files"), dict):
+        return
+    model_dir = Path(model_dir)
+    recorded = source["files"]
+    present = _weight_files(model_dir, index["components"])
+    advice = f"run with the model it was made from, or convert {model_dir} into a new store"
+    for rel in sorted(set(recorded) | set(present)):
+        if rel not in present:
+            raise StoreError(f"{directory} was made from {rel}, which {model_dir} lacks; {advice}")
+        if rel not in recorded:
+            raise StoreError(f"{directory} was not made from {model_dir / rel} (a file it does not know); {advice}")
+        now, then = _source_record(model_dir / rel), recorded[rel]
+        for key, what in (("size", "size"), ("header", "header"), ("sample", "content")):
+            if now[key] != then.get(key):
+                raise StoreError(
+                    f"{directory} was made from other weights: {model_dir / rel} differs in {what}; {advice}"
+                )

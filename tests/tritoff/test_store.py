@@ -1,13 +1,17 @@
-"""tritoff/store.py: stores round-trip exactly and refuse whatever does not match."""
+"""tritoff/store.py: stores round-trip exactly, are written atomically, and refuse whatever does not match."""
 
 import json
+import os
+import shutil
+import stat
 
 import pytest
 import torch
 from helpers import run, wan
 
 import tritoff
-from tritoff.store import INDEX, StoreError
+from tritoff import store as store_module
+from tritoff.store import INDEX, StoreError, check_target, load_store, read_index, save_store, verify_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
 
@@ -22,6 +26,22 @@ def saved(tmp_path_factory):
     pipe = wan()
     _enable(pipe).save(directory)
     return directory, run(pipe)
+
+
+@pytest.fixture
+def copy(saved, tmp_path):
+    """A private copy of the saved store, to break."""
+    target = tmp_path / "copy"
+    shutil.copytree(saved[0], target)
+    return target
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
 
 
 def test_round_trip_is_exact_and_maps_the_files(saved):
@@ -43,24 +63,19 @@ def test_other_config_is_refused(saved):
     assert all(torch.equal(p, before[n]) for n, p in pipe.transformer.named_parameters())  # nothing changed
 
 
-def test_truncated_missing_and_other_version_are_refused(saved, tmp_path):
-    directory, _ = saved
-    import shutil
-
-    broken = tmp_path / "broken"
-    shutil.copytree(directory, broken)
-    with open(broken / "transformer.safetensors", "r+b") as f:
+def test_truncated_missing_and_other_version_are_refused(copy, tmp_path):
+    with open(copy / "transformer.safetensors", "r+b") as f:
         f.truncate(f.seek(0, 2) - 100)
     with pytest.raises(StoreError, match="truncated"):
-        _enable(wan(), store=broken)
-    (broken / "transformer.safetensors").unlink()
+        _enable(wan(), store=copy)
+    (copy / "transformer.safetensors").unlink()
     with pytest.raises(StoreError, match="missing"):
-        _enable(wan(), store=broken)
-    index = json.loads((broken / INDEX).read_text())
-    index["store_version"] = 99
-    (broken / INDEX).write_text(json.dumps(index))
-    with pytest.raises(StoreError, match="store format 99"):
-        _enable(wan(), store=broken)
+        _enable(wan(), store=copy)
+    index = json.loads((copy / INDEX).read_text())
+    index["store_version"] = 1
+    (copy / INDEX).write_text(json.dumps(index))
+    with pytest.raises(StoreError, match="store format 1, this tritoff reads 2"):
+        _enable(wan(), store=copy)
     with pytest.raises(StoreError, match="not a tritoff store"):
         _enable(wan(), store=tmp_path)
 
@@ -69,3 +84,126 @@ def test_storage_other_than_the_stores_is_refused(saved):
     directory, _ = saved
     with pytest.raises(ValueError, match="holds fp8_e4m3"):
         _enable(wan(), store=directory, storage="fp8_e5m2")
+
+
+@pytest.mark.parametrize("where", ["data", "header"])
+def test_a_flipped_byte_is_refused_naming_the_file(copy, where):
+    info = read_index(copy)["components"]["transformer"]
+    # the last byte of the packs (a scale or a kept tensor), or a byte of the pack tables in the header
+    _flip(copy / "transformer.safetensors", info["size"] - 1 if where == "data" else 100)
+    pipe = wan()
+    with pytest.raises(StoreError, match=r"transformer\.safetensors is corrupt or from another conversion"):
+        _enable(pipe, store=copy)
+    assert not hasattr(pipe, "_tritoff_engine")  # refused before anything was used
+
+
+def test_files_of_two_conversions_do_not_pass_as_one_store(copy, tmp_path):
+    other = tmp_path / "e5m2"
+    tritoff.enable(wan(), "fp8_e5m2", mode="group", budget="4MB", progress=False, kernels="reference").save(other)
+    assert (other / "transformer.safetensors").stat().st_size == (copy / "transformer.safetensors").stat().st_size
+    shutil.copy(other / "transformer.safetensors", copy / "transformer.safetensors")
+    with pytest.raises(StoreError, match=r"transformer\.safetensors is corrupt or from another conversion"):
+        _enable(wan(), store=copy)
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda index: [1, 2, 3], "not a valid tritoff store index (not an object)"),
+        (lambda index: {k: v for k, v in index.items() if k != "components"}, "no 'components'"),
+        (lambda index: {**index, "skip": "x"}, "'skip' is not a list"),
+        (lambda index: {**index, "components": {"vae": [1]}}, "component 'vae' is not an object"),
+        (lambda index: {**index, "components": {"vae": {"file": "vae.safetensors"}}}, "has no str 'fingerprint'"),
+        (lambda index: {**index, "storage": "fp8_e5m2"}, "was altered after it was written"),
+    ],
+    ids=["list", "missing-key", "wrong-type", "component-not-object", "component-missing-key", "edited-value"],
+)
+def test_a_malformed_or_edited_index_is_refused(copy, edit, message):
+    index = json.loads((copy / INDEX).read_text())
+    (copy / INDEX).write_text(json.dumps(edit(index)))
+    with pytest.raises(StoreError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_index(copy)
+
+
+def test_a_file_outside_the_store_is_refused(copy):
+    index = json.loads((copy / INDEX).read_text())
+    index["components"]["vae"]["file"] = "../vae.safetensors"
+    (copy / INDEX).write_text(json.dumps(index))
+    with pytest.raises(StoreError, match="names a file outside the store"):
+        read_index(copy)
+
+
+def _packed_store_args(storage="fp8_e4m3"):
+    engine = tritoff.enable(wan(), storage, mode="group", budget="4MB", progress=False, kernels="reference")
+    return engine.fingerprints, engine.packed, engine.options.skip, "block"
+
+
+def test_an_interrupted_save_leaves_the_old_store(copy, monkeypatch):
+    before = {p.name: p.read_bytes() for p in copy.iterdir()}
+    args = _packed_store_args("fp8_e5m2")
+    written = []
+    original = store_module._write_hashed
+
+    def fail_on_second_file(path, chunks):
+        written.append(path.name)
+        if len(written) == 2:
+            raise OSError("No space left on device")
+        return original(path, chunks)
+
+    monkeypatch.setattr(store_module, "_write_hashed", fail_on_second_file)
+    with pytest.raises(OSError, match="No space left"):
+        save_store(copy, *args, overwrite=True)
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == before  # untouched, not a mix of two conversions
+    assert sorted(p.name for p in copy.parent.iterdir()) == ["copy"]  # the temporary directory is gone
+
+
+def test_overwrite_replaces_a_store_and_only_a_store(copy, tmp_path):
+    args = _packed_store_args("fp8_e5m2")
+    with pytest.raises(StoreError, match="already holds a store: pass --overwrite"):
+        save_store(copy, *args)
+    save_store(copy, *args, overwrite=True)
+    assert read_index(copy)["storage"] == "fp8_e5m2"
+    verify_store(copy)
+    assert sorted(p.name for p in copy.parent.iterdir()) == ["copy"]  # the old store was removed, not left aside
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(StoreError, match="not empty and holds no tritoff store"):
+        save_store(tmp_path / "mine", *args, overwrite=True)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StoreError, match="exists and is not a directory"):
+        check_target(tmp_path / "file")
+    with pytest.raises(StoreError, match="inside the model directory"):
+        check_target(tmp_path / "mine" / "store", model=tmp_path / "mine")
+    with pytest.raises(StoreError, match="inside the model directory"):
+        check_target(tmp_path / "mine", overwrite=True, model=tmp_path / "mine")
+
+
+def test_store_files_follow_the_umask(tmp_path):
+    args = _packed_store_args()
+    previous = os.umask(0o027)
+    try:
+        save_store(tmp_path / "store", *args)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "store").stat().st_mode) == 0o750
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "store").iterdir()} == {0o640}
+
+
+def test_verification_hashes_each_unchanged_file_once_and_can_be_skipped(copy, monkeypatch):
+    hashed = []
+    original = store_module.file_hash
+    monkeypatch.setattr(store_module, "file_hash", lambda path, progress=None: hashed.append(path) or original(path))
+    pipe = wan()
+    engine = _enable(pipe)
+    components, groups = engine.components, engine._group_lists
+    load_store(copy, components, groups, engine.fingerprints, verify=False)
+    assert hashed == []
+    verify_store(copy)
+    assert len(hashed) == 3
+    load_store(copy, components, groups, engine.fingerprints)  # verified by this process, unchanged since
+    assert len(hashed) == 3
+    _flip(copy / "vae.safetensors", 10_000)
+    with pytest.raises(StoreError, match=r"vae\.safetensors is corrupt"):
+        load_store(copy, components, groups, engine.fingerprints)
+    assert len(hashed) == 4  # the changed file was hashed again, the others not
