@@ -5,6 +5,9 @@ tensors are read from the checkpoint's safetensors files (memory-mapped), cast a
 into the arena, and dropped. Host memory stays at the packs plus one group. Other components (transformers text
 encoders, which tie weights at load time) and checkpoints without safetensors files are loaded normally and released
 group by group as they are packed.
+
+The store is written atomically (a temporary directory beside the target, renamed into place) and records the weight
+files it was made from, so ``tritoff run MODEL --store DIR`` can refuse a store made from other weights.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch.nn as nn
 
 from tritoff.groups import Group
 from tritoff.packer import PackedModel, pack_model
-from tritoff.store import fingerprint, save_store
+from tritoff.store import check_target, describe_source, fingerprint, save_store
 
 
 def empty_diffusers_component(directory: Path, class_name: str, dtype: torch.dtype | dict[str, torch.dtype]):
@@ -109,13 +112,18 @@ def convert_pipeline(
     dtype: torch.dtype = torch.bfloat16,
     progress: bool = True,
     stream: bool = True,
+    overwrite: bool = False,
 ) -> dict[str, PackedModel]:
     """Quantize every model component of the pipeline at ``model`` (a local directory or a hub id) into a store at
     ``out_dir``. With ``stream`` (and a local directory), diffusers components are read group by group from their
-    safetensors files; otherwise the pipeline is loaded with ``from_pretrained`` and released group by group."""
+    safetensors files; otherwise the pipeline is loaded with ``from_pretrained`` and released group by group.
+
+    ``out_dir`` must be new or empty (or a store, replaced with ``overwrite``) and outside the model directory; this is
+    checked before anything is read."""
     from tritoff.engine import _components, _groups_for
 
     directory = Path(model)
+    check_target(out_dir, overwrite, model=directory)
     components: dict[str, nn.Module] = {}
     readers: dict[str, CheckpointReader] = {}
     if stream and (directory / "model_index.json").is_file():
@@ -133,6 +141,9 @@ def convert_pipeline(
     for name, module in _components(loaded).items():
         components.setdefault(name, module)
     components = {n: components[n] for n in sorted(components)}
+    source_dir = model_directory(model)
+    # recorded before the weights are read: what the packs are made from
+    source = describe_source(source_dir, components) if source_dir is not None else None
     fingerprints = {n: fingerprint(m) for n, m in components.items()}
     packed = {}
     for name, module in components.items():
@@ -144,8 +155,6 @@ def convert_pipeline(
             def read_group(group: Group, reader=reader) -> dict[str, torch.Tensor]:
                 return reader.read([(n, p.dtype) for n, p in group.params])
 
-        if progress:
-            print(f"{name}:")
         packed[name] = pack_model(
             module,
             storage,
@@ -156,6 +165,20 @@ def convert_pipeline(
             register=False,
             progress=progress,
             read_group=read_group,
+            desc=f"packing {name}",
         )
-    save_store(out_dir, fingerprints, packed, skip, grouping)
+    save_store(out_dir, fingerprints, packed, skip, grouping, source=source, overwrite=overwrite)
     return packed
+
+
+def model_directory(model: str | Path) -> Path | None:
+    """The local directory of ``model``: itself when it is a directory, else the hub cache's snapshot of that id (as
+    ``from_pretrained`` left it), or None when there is none."""
+    if Path(model).is_dir():
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(model), local_files_only=True))
+    except Exception:  # not a hub id, or not in the cache: nothing to record or check
+        return None

@@ -31,3 +31,84 @@ def test_reader_reads_only_what_it_is_asked(tmp_path):
     assert list(got) == ["blocks.0.attn1.to_q.weight"] and got["blocks.0.attn1.to_q.weight"].dtype == torch.bfloat16
     with pytest.raises(KeyError, match="not in the checkpoint"):
         reader.read([("nope.weight", torch.bfloat16)])
+
+
+@pytest.fixture(scope="module")
+def two_pipelines(tmp_path_factory):
+    """Two saved tiny Wan pipelines of the same architecture with different random weights, and a store of the first."""
+    from tritoff.tiny import tiny_wan_pipeline
+
+    root = tmp_path_factory.mktemp("sources")
+    tiny_wan_pipeline(seed=0).save_pretrained(root / "a")
+    tiny_wan_pipeline(seed=1).save_pretrained(root / "b")
+    convert_pipeline(root / "a", root / "store", progress=False)
+    return root
+
+
+def test_the_store_records_its_source_and_refuses_other_weights(two_pipelines):
+    from tritoff.store import StoreError, check_source, read_index
+
+    root = two_pipelines
+    files = read_index(root / "store")["source"]["files"]
+    assert set(files) == {
+        "text_encoder/model.safetensors",
+        "transformer/diffusion_pytorch_model.safetensors",
+        "vae/diffusion_pytorch_model.safetensors",
+    }
+    check_source(root / "store", root / "a")
+    # same architecture, so same sizes and headers: only the content hash tells them apart
+    other = root / "b" / "transformer" / "diffusion_pytorch_model.safetensors"
+    assert files["transformer/diffusion_pytorch_model.safetensors"]["size"] == other.stat().st_size
+    with pytest.raises(StoreError, match="was made from other weights: .*differs in content"):
+        check_source(root / "store", root / "b")
+
+
+def test_a_missing_or_extra_weight_file_is_refused(two_pipelines, tmp_path):
+    import shutil
+
+    from tritoff.store import StoreError, check_source
+
+    model = tmp_path / "a"
+    shutil.copytree(two_pipelines / "a", model)
+    (model / "vae" / "extra.safetensors").write_bytes(b"")
+    with pytest.raises(StoreError, match="a file it does not know"):
+        check_source(two_pipelines / "store", model)
+    (model / "vae" / "extra.safetensors").unlink()
+    (model / "vae" / "diffusion_pytorch_model.safetensors").unlink()
+    with pytest.raises(StoreError, match="vae/diffusion_pytorch_model.safetensors, which .* lacks"):
+        check_source(two_pipelines / "store", model)
+
+
+def test_source_records_sample_large_files(tmp_path):
+    """A file larger than the sampled windows: the header is hashed whole, and a change in any window is seen."""
+    import random
+    import struct
+
+    from tritoff.store import SAMPLE_BYTES, SAMPLE_WINDOWS, _source_record
+
+    header = b'{"__metadata__":{}}'
+    path = tmp_path / "big.safetensors"
+    path.write_bytes(
+        struct.pack("<Q", len(header)) + header + random.Random(0).randbytes(8 * SAMPLE_WINDOWS * SAMPLE_BYTES)
+    )
+    size = path.stat().st_size
+    records = [_source_record(path)]
+    for window in (SAMPLE_WINDOWS // 2, SAMPLE_WINDOWS - 1):  # a middle window, and the last one (the file's end)
+        offset = window * (size - SAMPLE_BYTES) // (SAMPLE_WINDOWS - 1) + SAMPLE_BYTES - 1
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0x80]))
+        records.append(_source_record(path))
+    assert len({(r["size"], r["header"]) for r in records}) == 1
+    assert len({r["sample"] for r in records}) == 3
+
+
+def test_convert_refuses_a_non_empty_target_and_the_model_directory(two_pipelines, tmp_path):
+    from tritoff.store import StoreError
+
+    with pytest.raises(StoreError, match="inside the model directory"):
+        convert_pipeline(two_pipelines / "a", two_pipelines / "a" / "store", progress=False)
+    with pytest.raises(StoreError, match="already holds a store"):
+        convert_pipeline(two_pipelines / "a", two_pipelines / "store", progress=False)
