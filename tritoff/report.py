@@ -29,10 +29,12 @@ class Report:
         engine = self.engine
         manager = engine.manager
         components = {}
+        leaf = engine.options.mode == "leaf"
         for comp in manager.components.values() if manager else []:
             s = comp.stats
             components[comp.name] = {
-                "mode": comp.mode,
+                # a split component streams layer by layer in leaf mode: say so rather than "group"
+                "mode": "leaf" if leaf and comp.mode == "group" else comp.mode,
                 "calls": s.calls,
                 "bytes_h2d": s.bytes_h2d,
                 "onloads": s.onloads,
