@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported on use: the command line checks a budget's syntax before loading it
+    import torch
 
 _UNITS = {
     "": 1,
@@ -48,6 +50,8 @@ def parse_size(value: int | float | str, *, what: str = "budget", total: int | N
 def device_memory(device: torch.device) -> tuple[int | None, int | None]:
     """(free, total) bytes of ``device``; (None, None) on the CPU."""
     if device.type == "cuda":
+        import torch
+
         free, total = torch.cuda.mem_get_info(device)
         return free, total
     return None, None

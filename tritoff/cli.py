@@ -1,23 +1,83 @@
 """The ``tritoff`` command line (also ``python -m tritoff``): demo, run, convert, bench, info.
 
-Every bad input ends with a one-line error and exit code 2; outputs are written to a temporary file and renamed.
+Every bad input ends with a one-line error and exit code 2, found before anything slow: options are checked before
+torch is imported where they can be, and stores are checked before the pipeline is loaded. Outputs are written to a
+temporary file or directory and renamed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
 
+from tritoff.planner import MODES
+
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+# tritoff.engine.TRANSPORTS and tritoff.formats.FORMATS, known without importing torch, so that a typo is answered at
+# once (a test keeps them equal)
+TRANSPORTS = ("auto", "staged", "zero_copy")
+STORAGES = ("fp8_e4m3", "fp8_e5m2", "bf16", "fp16")
 
 
 class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (its default prints the whole usage block first)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show (the help says what happens then)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _at_least(minimum: int):
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value!r}") from None
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value!r}")
+        return number
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def _seed(value: str) -> int:
+    number = _at_least(0)(value)
+    if number >= 2**64:
+        raise argparse.ArgumentTypeError(f"must be below 2**64, got {value!r}")
+    return number
+
+
+def _finite(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {value!r}")
+    return number
 
 
 def _prepare_backend(device: str | None) -> None:
@@ -29,6 +89,58 @@ def _prepare_backend(device: str | None) -> None:
     warnings.filterwarnings("ignore", message="no CUDA device")
 
 
+def _check_device(device: str | None) -> None:
+    """A device tritoff can compute on (checked by name first) and that this machine has (imports torch for cuda)."""
+    if device is None:
+        return
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise CliError(f"unknown device {device!r}: use cuda, cuda:N or cpu")
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CliError(
+            f"--device {device} was asked for but CUDA is not available (torch {torch.__version__}); use --device cpu"
+        )
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise CliError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def _check_budget(budget: str | None, what: str = "budget") -> None:
+    from tritoff.budget import parse_size
+
+    if budget is not None:
+        parse_size(budget, what=what, total=1)  # syntax only: a percentage is resolved on the device later
+
+
+def _check_storage(storage: str | None) -> None:
+    """The same names (and spellings) ``tritoff.formats.get_format`` accepts."""
+    if storage is not None and storage.lower().replace("-", "_") not in STORAGES:
+        raise CliError(f"unknown storage {storage!r}: use one of {', '.join(STORAGES)}")
+
+
+def _size_hint(nbytes: int) -> str:
+    """A budget string parse_size accepts that is at least ``nbytes``."""
+    unit, scale = ("GB", 1e9) if nbytes >= 1e9 else ("MB", 1e6)
+    return f"{math.ceil(nbytes / scale * 10) / 10:g}{unit}"
+
+
+def _budget_error(err, mode: str = "group", prefetch: int | None = None) -> CliError:
+    """The planner's BudgetError with advice in command-line terms, right for the mode asked for."""
+    facts = str(err).split("; ")[0]
+    hints = [f"--budget {_size_hint(err.minimum)} or more"]
+    if mode != "model" and prefetch is not None and prefetch > 1:
+        hints.append(f"--prefetch {prefetch - 1} (one ring slot less)")
+    if mode == "model":
+        hints.append("--mode group")
+    elif mode != "leaf":
+        hints.append("--mode leaf (one layer per group)")
+    advice = hints[0] if len(hints) == 1 else ", ".join(hints[:-1]) + " or " + hints[-1]
+    return CliError(f"{facts}; pass {advice}")
+
+
 def _print_rows(rows: dict) -> None:
     width = max(len(k) for k in rows)
     for key, value in rows.items():
@@ -36,12 +148,23 @@ def _print_rows(rows: dict) -> None:
 
 
 def _cmd_demo(args) -> int:
-    from tritoff.demo import run_demo
-    from tritoff.video import check_writable, write_video
+    from tritoff.video import check_writable
 
+    _check_budget(args.budget)
     check_writable(args.out)
+    _check_storage(args.storage)
+    _check_device(args.device)
+    _prepare_backend(args.device)
+
+    from tritoff.demo import run_demo
+    from tritoff.planner import BudgetError
+    from tritoff.video import write_video
+
     print("tritoff demo: a Wan pipeline built locally (random weights), weights in fp8 packs, blocks streamed")
-    frames, engine, psnr = run_demo(args.storage, args.budget, args.steps, args.device)
+    try:
+        frames, engine, psnr = run_demo(args.storage, args.budget, args.steps, args.device, frames=args.frames)
+    except BudgetError as err:
+        raise _budget_error(err) from None
     path = write_video(frames, args.out, fps=8)
     print(engine.report())
     print(f"\n  frames PSNR against the plain bf16 pipeline: {psnr:.1f} dB")
@@ -59,6 +182,53 @@ def _check_model(model: str) -> Path:
     return local
 
 
+def _json(path: Path) -> dict:
+    """A pipeline's JSON file (model_index.json, a config), or a one-line error."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CliError(f"cannot read {path}: {err}") from None
+    if not isinstance(data, dict):
+        raise CliError(f"{path} is not a JSON object")
+    return data
+
+
+def spatial_multiple(vae: dict, denoiser: dict) -> int | None:
+    """What height and width must be multiples of: the VAE's spatial downscale times the denoiser's spatial patch
+    size, from their configs (None when the VAE's config says neither)."""
+    if isinstance(vae.get("temperal_downsample"), list):  # Wan: one 2x spatial downscale per stage
+        scale = 2 ** len(vae["temperal_downsample"])
+    elif isinstance(vae.get("block_out_channels"), (list, tuple)):  # diffusers VAEs: one per block after the first
+        scale = 2 ** (len(vae["block_out_channels"]) - 1)
+    else:
+        return None
+    patch = denoiser.get("patch_size") or 1
+    patch = patch[-1] if isinstance(patch, (list, tuple)) else patch
+    return scale * int(patch)
+
+
+def _check_dimensions(args, vae: dict, denoiser: dict) -> None:
+    multiple = spatial_multiple(vae, denoiser)
+    for key in ("height", "width"):
+        value = getattr(args, key)
+        if multiple and value is not None and value % multiple:
+            lower = max(multiple, value - value % multiple)
+            raise CliError(
+                f"--{key} {value} is not a multiple of {multiple} (the VAE's downscale times the patch size); "
+                f"use {lower} or {lower + multiple}"
+            )
+
+
+def _local_configs(local: Path) -> tuple[dict, dict]:
+    index = _json(local / "model_index.json")
+    denoiser = next((n for n in ("transformer", "unet") if isinstance(index.get(n), list) and index[n][0]), None)
+    configs = []
+    for name in ("vae", denoiser):
+        path = local / name / "config.json" if name else None
+        configs.append(_json(path) if path is not None and path.is_file() else {})
+    return configs[0], configs[1]
+
+
 def _load_pipeline(model: str, dtype, store: str | None):
     """``DiffusionPipeline.from_pretrained`` with one-line errors; components held in ``store`` are built empty."""
     import torch
@@ -68,16 +238,15 @@ def _load_pipeline(model: str, dtype, store: str | None):
     local = _check_model(model)
     kwargs = {}
     if store is not None and local.exists():
-        import json
-
         from tritoff.store import read_index
 
-        libraries = json.loads((local / "model_index.json").read_text())
+        libraries = _json(local / "model_index.json")
         for name in read_index(store)["components"]:
             # diffusers models (the transformer: most of the bytes) are built without reading their weights;
             # transformers encoders tie weights at load time, so they load normally and are replaced by the packs
-            if libraries.get(name, [None])[0] == "diffusers":
-                kwargs[name] = _empty_component(local, name, store)
+            spec = libraries.get(name)
+            if isinstance(spec, list) and spec[0] == "diffusers":
+                kwargs[name] = _empty_component(local, name, spec[1], store)
     try:
         pipe = from_pretrained(model, dtype, **kwargs)
     except (OSError, ValueError) as err:
@@ -87,46 +256,82 @@ def _load_pipeline(model: str, dtype, store: str | None):
     return pipe
 
 
-def _empty_component(directory: Path, name: str, store: str):
+def _empty_component(directory: Path, name: str, class_name: str, store: str):
     """A diffusers component built from its config without weights, in the dtypes the store recorded."""
-    import json
-
     from tritoff.convert import empty_diffusers_component
     from tritoff.store import stored_dtypes
 
-    _, class_name = json.loads((directory / "model_index.json").read_text())[name]
     return empty_diffusers_component(directory / name, class_name, stored_dtypes(store, name))
 
 
-def _check_options(args) -> None:
-    """Validate options before anything slow happens (the same checks ``enable`` makes later)."""
-    from tritoff.budget import parse_size
-    from tritoff.formats import get_format
-    from tritoff.planner import MODES
+def _check_store(args, local: Path) -> dict:
+    """The store's index (structure, own hash), its fit with --storage and --mode, and, for a local model, that it
+    was made from MODEL's weight files; all cheap, before torch is imported."""
+    from tritoff.store import check_source, read_index
 
-    if args.storage is not None:
-        get_format(args.storage)
-    if args.mode is not None and args.mode not in MODES:
-        raise CliError(f"unknown mode {args.mode!r}: use one of {', '.join(MODES)}")
-    if args.budget is not None:
-        parse_size(args.budget, total=1)  # syntax only: a percentage is resolved on the device later
+    index = read_index(args.store)
+    if args.storage is not None and args.storage.lower().replace("-", "_") != index["storage"]:
+        raise CliError(f"--storage {args.storage} but the store {args.store} holds {index['storage']}; drop --storage")
+    if (args.mode == "leaf") != (index["grouping"] == "leaf"):
+        wanted = "--mode leaf" if index["grouping"] == "leaf" else "a --mode other than leaf"
+        raise CliError(f"the store {args.store} was made with {index['grouping']} groups; pass {wanted}")
+    if local.is_dir():
+        check_source(args.store, local, index)
+    return index
 
 
 def _cmd_run(args) -> int:
+    from tritoff.video import check_writable
+
+    _check_budget(args.budget)
+    _check_budget(args.reserve, what="reserve")
+    _check_storage(args.storage)
+    check_writable(args.out)
+    local = _check_model(args.model)
+    if local.is_dir():
+        _check_dimensions(args, *_local_configs(local))
+    index = _check_store(args, local) if args.store else None
+    _check_device(args.device)
+    _prepare_backend(args.device)
+
     import torch
 
     import tritoff
+    from tritoff.planner import BudgetError
     from tritoff.report import host_rss
-    from tritoff.video import check_writable, write_video
+    from tritoff.store import check_source, verify_store
+    from tritoff.video import write_video
 
-    _check_options(args)
-    check_writable(args.out)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     start = time.perf_counter()
+    if index is not None:
+        verify_store(args.store, index, progress=True)  # load_store does not hash these unchanged files again
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     pipe = _load_pipeline(args.model, dtype, args.store)
-    engine = tritoff.enable(
-        pipe, args.storage, mode=args.mode, budget=args.budget, device=args.device, store=args.store
-    )
+    if not local.is_dir():  # a hub id: its configs and files are known once it is loaded
+        denoiser = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+        vae = getattr(pipe, "vae", None)
+        _check_dimensions(args, dict(getattr(vae, "config", {})), dict(denoiser.config))
+        if index is not None:
+            from tritoff.convert import model_directory
+
+            directory = model_directory(args.model)
+            if directory is not None:
+                check_source(args.store, directory, index)
+    print(f"tritoff: enabling ({'mapping the store' if args.store else 'packing'}, then placing the weights)")
+    try:
+        engine = tritoff.enable(
+            pipe,
+            args.storage,
+            mode=args.mode,
+            budget=args.budget,
+            device=args.device,
+            store=args.store,
+            prefetch=args.prefetch,
+            reserve=args.reserve,
+            transport=args.transport,
+        )
+    except BudgetError as err:
+        raise _budget_error(err, args.mode, args.prefetch) from None
     startup = time.perf_counter() - start
     rss = host_rss()
     call = dict(
@@ -140,6 +345,7 @@ def _cmd_run(args) -> int:
     for key in ("num_frames", "height", "width"):
         if getattr(args, key.replace("num_", "")) is not None:
             call[key] = getattr(args, key.replace("num_", ""))
+    pipe.set_progress_bar_config(desc="denoising")
     frames = pipe(**call).frames
     path = write_video(frames, args.out, fps=args.fps)
     print(engine.report())
@@ -151,11 +357,15 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_convert(args) -> int:
-    from tritoff.convert import convert_pipeline
-    from tritoff.formats import get_format
+    from tritoff.store import check_target
 
-    get_format(args.storage)
-    _check_model(args.model)
+    local = _check_model(args.model)
+    check_target(args.out_dir, args.overwrite, model=local)
+    _check_storage(args.storage)
+    _prepare_backend(None)
+
+    from tritoff.convert import convert_pipeline
+
     packed = convert_pipeline(
         args.model,
         args.out_dir,
@@ -163,6 +373,7 @@ def _cmd_convert(args) -> int:
         args.granularity,
         tuple(args.skip),
         "leaf" if args.mode == "leaf" else "block",
+        overwrite=args.overwrite,
     )
     total = sum(p.arena.nbytes for p in packed.values())
     print(f"wrote {args.out_dir}: {len(packed)} components, {total / 2**20:.1f} MiB of packs ({args.storage})")
@@ -178,6 +389,7 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_info(args) -> int:
+    _prepare_backend(None)
     import torch
 
     import tritoff
@@ -193,75 +405,112 @@ def _cmd_info(args) -> int:
         rows["device"] = f"{torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]})"
         rows["fp8 conversion"] = "native" if native_fp8("cuda") else "from uint8 bits (compute capability < 8.9)"
         rows["kernels"] = "Triton" if has_triton() else "PyTorch reference (triton not installed)"
-        rows["transport"] = "staged: copy engine DMA, then upcast in HBM (leaves SMs to compute)"
+        rows["transport"] = (
+            "staged (what auto picks): copy engine DMA, then upcast in HBM (leaves SMs to compute); "
+            "--transport zero_copy: a kernel reads host memory"
+        )
     else:
         rows["device"] = "cpu (no CUDA): packs and upcasts, offloads nothing"
         rows["kernels"] = "Triton interpreter" if has_triton() and interpreting() else "PyTorch reference"
+        rows["transport"] = "none (no CUDA): packs are upcast from host memory in place"
     _print_rows(rows)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``tritoff`` command."""
-    parser = argparse.ArgumentParser(prog="tritoff", description="Run large diffusion video models on small GPUs.")
+    kw = dict(formatter_class=_Formatter)
+    parser = _Parser(prog="tritoff", description="Run large diffusion video models on small GPUs.", **kw)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="run a small locally built Wan pipeline through tritoff; write the video")
-    demo.add_argument("--storage", default="fp8_e4m3", help="fp8_e4m3 (default), fp8_e5m2, bf16 or fp16")
+    demo = sub.add_parser("demo", help="run a small locally built Wan pipeline through tritoff; write the video", **kw)
+    demo.add_argument("--storage", default="fp8_e4m3", help="fp8_e4m3, fp8_e5m2, bf16 or fp16")
     demo.add_argument("--budget", default=None, help="GPU memory budget (default: 1.2x the smallest that works)")
-    demo.add_argument("--steps", type=int, default=4)
+    demo.add_argument("--steps", type=_at_least(1), default=4, help="denoising steps")
+    demo.add_argument("--frames", type=_at_least(1), default=9, help="frames to generate")
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    demo.add_argument("--out", default="tritoff-demo.mp4", help="video path (.mp4 with imageio-ffmpeg, else .gif)")
+    demo.add_argument("--out", default="tritoff-demo.mp4", help="video path, .mp4 or .gif")
     demo.set_defaults(func=_cmd_demo)
 
-    run = sub.add_parser("run", help="generate a video with a diffusers pipeline (local directory or hub id)")
-    run.add_argument("model")
-    run.add_argument("--prompt", required=True)
-    run.add_argument("--negative-prompt", default=None)
+    run = sub.add_parser("run", help="generate a video with a diffusers pipeline (local directory or hub id)", **kw)
+    run.add_argument("model", help="a local diffusers pipeline directory or a hub id")
+    run.add_argument("--prompt", required=True, help="what to generate")
+    run.add_argument("--negative-prompt", default=None, help="what to steer away from (default: none)")
     run.add_argument("--budget", default=None, help="e.g. 12GB, 12GiB, 80%% (default: the GPU's free memory)")
-    run.add_argument("--storage", default=None, help="fp8_e4m3 (default), fp8_e5m2, bf16, fp16")
-    run.add_argument("--mode", default=None, help="auto (default), model, group, leaf")
-    run.add_argument("--steps", type=int, default=30)
-    run.add_argument("--frames", type=int, default=None)
-    run.add_argument("--height", type=int, default=None)
-    run.add_argument("--width", type=int, default=None)
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--guidance", type=float, default=5.0)
-    run.add_argument("--fps", type=int, default=16)
-    run.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
-    run.add_argument("--device", default=None)
-    run.add_argument("--out", default="video.mp4")
+    run.add_argument(
+        "--storage", default=None, help="fp8_e4m3, fp8_e5m2, bf16, fp16 (default: fp8_e4m3, or the store's)"
+    )
+    run.add_argument("--mode", default="auto", choices=MODES, help="how components are split (see docs/usage.md)")
+    run.add_argument("--prefetch", type=_at_least(1), default=2, help="blocks in flight ahead of the running one")
+    run.add_argument(
+        "--reserve",
+        default=None,
+        help="GPU memory kept for activations, e.g. 2GB or 25%% of the budget (default: 10%% of the budget)",
+    )
+    run.add_argument("--transport", default="auto", choices=TRANSPORTS, help="how streamed packs reach the GPU")
+    run.add_argument("--steps", type=_at_least(1), default=30, help="denoising steps")
+    run.add_argument("--frames", type=_at_least(1), default=None, help="frames to generate (default: the pipeline's)")
+    run.add_argument("--height", type=_at_least(1), default=None, help="(default: the pipeline's)")
+    run.add_argument("--width", type=_at_least(1), default=None, help="(default: the pipeline's)")
+    run.add_argument("--seed", type=_seed, default=0, help="random seed of the initial noise")
+    run.add_argument("--guidance", type=_finite, default=5.0, help="classifier-free guidance scale")
+    run.add_argument("--fps", type=_at_least(1), default=16, help="frames per second of the video")
+    run.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="the pipeline's compute dtype")
+    run.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    run.add_argument("--out", default="video.mp4", help="video path, .mp4 or .gif")
     run.add_argument("--store", default=None, help="a store written by `tritoff convert` (mapped, not re-quantized)")
     run.set_defaults(func=_cmd_run)
 
-    convert = sub.add_parser("convert", help="quantize a pipeline once and save its packs as a store")
-    convert.add_argument("model")
-    convert.add_argument("out_dir")
-    convert.add_argument("--storage", default="fp8_e4m3")
-    convert.add_argument("--granularity", default="row", choices=("row", "tensor", "none"))
+    convert = sub.add_parser("convert", help="quantize a pipeline once and save its packs as a store", **kw)
+    convert.add_argument("model", help="a local diffusers pipeline directory or a hub id")
+    convert.add_argument("out_dir", help="the store's directory: new, empty, or a store to replace with --overwrite")
+    convert.add_argument("--storage", default="fp8_e4m3", help="fp8_e4m3, fp8_e5m2, bf16 or fp16")
+    convert.add_argument(
+        "--granularity",
+        default="row",
+        choices=("row", "tensor", "none"),
+        help="one fp8 scale per row or tensor, or none",
+    )
     convert.add_argument("--skip", nargs="*", default=[], help="extra regexes of module names to keep unquantized")
     convert.add_argument("--mode", default="group", choices=("group", "leaf"), help="grouping of the packs")
+    convert.add_argument("--overwrite", action="store_true", help="replace the store already in OUT_DIR")
     convert.set_defaults(func=_cmd_convert)
 
-    bench = sub.add_parser("bench", help="run a benchmark of bench/ (kernels, e2e, quality)")
-    bench.add_argument("which", choices=("kernels", "e2e", "quality"))
+    bench = sub.add_parser("bench", help="run a benchmark of bench/ (kernels, e2e, quality)", **kw)
+    bench.add_argument("which", choices=("kernels", "e2e", "quality"), help="which benchmark")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the script (e.g. --smoke)")
     bench.set_defaults(func=_cmd_bench)
 
-    info = sub.add_parser("info", help="versions, device, and which kernel path and transport will be used")
+    info = sub.add_parser("info", help="versions, device, and which kernel path and transport will be used", **kw)
     info.set_defaults(func=_cmd_info)
     return parser
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: temporary files and directories are removed
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tritoff`` console script."""
     args = build_parser().parse_args(argv)
-    _prepare_backend(getattr(args, "device", None))
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.func(args)
-    except (CliError, ValueError, FileNotFoundError, PermissionError) as err:
-        print(f"tritoff: error: {err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("tritoff: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (CliError, ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as err:
+        print(f"tritoff: error: {_one_line(err)}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as err:  # the machine's, not the input's: a full disk, an I/O error
+        print(f"tritoff: error: {_one_line(err)}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

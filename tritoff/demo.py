@@ -28,16 +28,20 @@ def demo_pipeline():
     return tiny_wan_pipeline(**DEMO_TRANSFORMER)
 
 
-def run_demo(storage: str = "fp8_e4m3", budget: str | None = None, steps: int = 4, device: str | None = None):
+def run_demo(
+    storage: str = "fp8_e4m3",
+    budget: str | None = None,
+    steps: int = 4,
+    device: str | None = None,
+    frames: int = DEMO_CALL["num_frames"],
+):
     """Generate with and without tritoff; return (frames, engine, PSNR of the frames against plain bf16 in dB).
 
-    Without ``budget`` the demo takes 1.2x the smallest budget the planner accepts, so blocks stream.
+    Without ``budget`` the demo takes 1.2x the smallest budget the planner accepts, so blocks stream. tritoff is
+    enabled first, so a budget that cannot work fails before the reference pipeline runs.
     """
-    call = dict(DEMO_CALL, num_inference_steps=steps, output_type="pt")
+    call = dict(DEMO_CALL, num_frames=frames, num_inference_steps=steps, output_type="pt")
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    plain = demo_pipeline().to(target)
-    reference = plain(**call, generator=torch.Generator().manual_seed(0)).frames
-    del plain
     pipe = demo_pipeline()
     if budget is None:
         try:
@@ -45,7 +49,12 @@ def run_demo(storage: str = "fp8_e4m3", budget: str | None = None, steps: int = 
         except BudgetError as err:
             budget = int(err.minimum * 1.2)
     engine = tritoff.enable(pipe, storage, mode="group", budget=budget, device=target)
-    frames = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
-    mse = (frames.float() - reference.float()).pow(2).mean().item()
+    plain = demo_pipeline().to(target)
+    plain.set_progress_bar_config(desc="reference run (plain bf16, no tritoff)")
+    reference = plain(**call, generator=torch.Generator().manual_seed(0)).frames
+    del plain
+    pipe.set_progress_bar_config(desc=f"tritoff run ({engine.options.storage} packs)")
+    out = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
+    mse = (out.float() - reference.float()).pow(2).mean().item()
     psnr = math.inf if mse == 0 else 10 * math.log10(1 / mse)
-    return frames, engine, psnr
+    return out, engine, psnr

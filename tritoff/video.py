@@ -1,4 +1,4 @@
-"""Writing generated frames: mp4 through imageio-ffmpeg when installed, else an animated GIF; never half-written."""
+"""Writing generated frames as mp4 (imageio-ffmpeg, a dependency) or an animated GIF; never half-written."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from tritoff.atomic import atomic_path
 
@@ -14,6 +13,8 @@ from tritoff.atomic import atomic_path
 def to_uint8_frames(frames) -> np.ndarray:
     """(F, H, W, 3) uint8 from a pipeline's frames: a tensor (F, C, H, W) or (F, H, W, C) in [0, 1], or a list of PIL
     images or arrays."""
+    import torch
+
     if isinstance(frames, torch.Tensor):
         array = frames.detach().float().cpu()
         if array.dim() == 5:
@@ -28,31 +29,48 @@ def to_uint8_frames(frames) -> np.ndarray:
     return array
 
 
+VIDEO_SUFFIXES = (".mp4", ".gif")
+
+
 def check_writable(path: str | Path) -> Path:
-    """Fail early, in one line, if ``path`` cannot be written."""
+    """Fail early, in one line, if ``path`` cannot be written as a video: a missing or read-only directory, a
+    directory in its place, a suffix other than .mp4 or .gif, or .mp4 without imageio-ffmpeg."""
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
-    if not parent.exists():
+    if path.suffix.lower() not in VIDEO_SUFFIXES:
+        raise ValueError(f"cannot write {path}: name the video .mp4 or .gif")
+    if not parent.is_dir():
         raise FileNotFoundError(f"cannot write {path}: directory {parent} does not exist")
+    if path.is_dir():
+        raise IsADirectoryError(f"cannot write {path}: it is a directory; give a file name ending in .mp4 or .gif")
     if not os.access(parent, os.W_OK):
         raise PermissionError(f"cannot write {path}: directory {parent} is not writable")
+    if path.suffix.lower() == ".mp4":
+        _mp4_writer()
     return path
 
 
+def _mp4_writer():
+    """imageio's v3 API, with its ffmpeg plugin available; else a one-line error saying what to install."""
+    try:
+        import imageio.v3 as iio
+        import imageio_ffmpeg  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "writing .mp4 needs imageio and imageio-ffmpeg (tritoff's dependencies): "
+            "pip install imageio imageio-ffmpeg, or write a .gif"
+        ) from None
+    return iio
+
+
 def write_video(frames, path: str | Path, fps: int = 16) -> Path:
-    """Write ``frames`` to ``path`` (.mp4 needs imageio-ffmpeg; otherwise a .gif is written beside it); returns the
-    path written. The file appears complete or not at all (written to a temporary file, then renamed)."""
+    """Write ``frames`` to ``path`` (.mp4 or .gif); returns the path. The file appears complete or not at all
+    (written to a temporary file, then renamed) and gets the mode the umask gives new files."""
     path = check_writable(path)
     array = to_uint8_frames(frames)
-    if path.suffix.lower() == ".mp4":
-        try:
-            import imageio.v3 as iio
-            import imageio_ffmpeg  # noqa: F401
-        except ImportError:
-            path = path.with_suffix(".gif")
     with atomic_path(path, suffix=path.suffix) as tmp:  # the suffix tells the writers which format to use
         if path.suffix.lower() == ".mp4":
-            iio.imwrite(tmp, array, fps=fps, codec="libx264", macro_block_size=1)
+            _mp4_writer().imwrite(tmp, array, fps=fps, codec="libx264", macro_block_size=1)
         else:
             from PIL import Image
 

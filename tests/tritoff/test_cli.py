@@ -1,89 +1,278 @@
-"""tritoff/cli.py: every command end to end on tiny local pipelines; bad input exits 2 with one line."""
+"""The ``tritoff`` command line, run as users run it: the real entry point in a subprocess, on tiny local pipelines.
+
+Every command works end to end; every bad input exits 2 with one line on stderr and no traceback, before anything
+slow. The slow commands (demo, convert, a benchmark's smoke run, a run that learns the smallest budget) start together
+when the module starts and the quick checks run meanwhile, so the cores stay busy; the tests that read the slow
+commands' results come last.
+"""
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
 
 import pytest
-from helpers import wan
+import torch
 
-from tritoff.cli import main
+from tritoff.store import INDEX, read_index, verify_store
 
-pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
+TRITOFF = [sys.executable, "-m", "tritoff"]
+RUN = ["--prompt", "a cat", "--steps", "1", "--frames", "1", "--height", "16", "--width", "16"]
+# leaf groups, one block in flight, a 1 MB activation reserve, transfers read host memory: each shows in the plan
+OPTIONS = ["--mode", "leaf", "--prefetch", "1", "--reserve", "1MB", "--transport", "zero_copy"]
+UMASK = 0o027
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1"}  # the commands run side by side on two cores
+
+
+class Job:
+    """A ``tritoff`` command running in the background, its output going to files."""
+
+    def __init__(self, directory, name, *args, umask=None):
+        self.out, self.err = directory / f"{name}.out", directory / f"{name}.err"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(
+                [*TRITOFF, *map(str, args)],
+                stdout=out,
+                stderr=err,
+                env=_env(),
+                preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
+            )
+
+    def result(self, timeout=900):
+        """(exit code, stdout, stderr) once it has finished."""
+        code = self.proc.wait(timeout)
+        return code, self.out.read_text(), self.err.read_text()
+
+
+def tritoff(*args, umask=None, timeout=900):
+    """Run ``tritoff ARGS``; returns (exit code, stdout, stderr)."""
+    done = subprocess.run(
+        [*TRITOFF, *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=timeout,
+        preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
+    )
+    return done.returncode, done.stdout, done.stderr
+
+
+def assert_one_line_error(code, out, err, message):
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("tritoff") and message in lines[0], err
+    assert "Traceback" not in err and out == ""  # nothing ran: no progress bar, no report
 
 
 @pytest.fixture(scope="module")
-def saved_pipeline(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("pipe")
-    wan().save_pretrained(directory)
-    return directory
+def work(tmp_path_factory):
+    """Two saved tiny Wan pipelines (same architecture, other random weights), and the slow commands, started."""
+    from tritoff.tiny import tiny_wan_pipeline
+
+    root = tmp_path_factory.mktemp("cli")
+    tiny_wan_pipeline(seed=0).save_pretrained(root / "pipe")
+    tiny_wan_pipeline(seed=1).save_pretrained(root / "other")
+    jobs = {
+        "probe": Job(root, "probe", "run", root / "pipe", *RUN, *OPTIONS, "--budget", "1", "--out", root / "p.gif"),
+        "convert": Job(root, "convert", "convert", root / "pipe", root / "store", "--mode", "leaf", umask=UMASK),
+        # a budget that holds every block: the streaming path is the run test's, the demo's here is the command's
+        "demo": Job(
+            root, "demo", "demo", "--steps", "1", "--frames", "1", "--budget", "64MB", "--out", root / "demo.mp4"
+        ),
+        "bench": Job(root, "bench", "bench", "quality", "--smoke"),
+    }
+    yield root, jobs
+    for job in jobs.values():
+        if job.proc.poll() is None:
+            job.proc.kill()
 
 
-RUN = [
-    "--prompt",
-    "a cat",
-    "--steps",
-    "2",
-    "--frames",
-    "5",
-    "--height",
-    "16",
-    "--width",
-    "16",
-    "--budget",
-    "4MB",
-    "--mode",
-    "group",
+BAD = [
+    (["run", "/no/such/model", "--prompt", "x"], "not found"),
+    (["run", "{pipe}", "--prompt", "x", "--budget", "abc"], "invalid budget 'abc'"),
+    (["run", "{pipe}", "--prompt", "x", "--budget", "-1"], "invalid budget"),
+    (["run", "{pipe}", "--prompt", "x", "--budget", "150%"], "at most 100%"),
+    (["run", "{pipe}", "--prompt", "x", "--reserve", "abc"], "invalid reserve 'abc'"),
+    (["run", "{pipe}", "--prompt", "x", "--storage", "int3"], "unknown storage 'int3'"),
+    (["run", "{pipe}", "--prompt", "x", "--mode", "layer"], "invalid choice: 'layer'"),
+    (["run", "{pipe}", "--prompt", "x", "--transport", "fast"], "invalid choice: 'fast'"),
+    (["run", "{pipe}", "--prompt", "x", "--prefetch", "0"], "--prefetch: must be an integer >= 1, got '0'"),
+    (["run", "{pipe}", "--prompt", "x", "--height", "-64"], "--height: must be an integer >= 1, got '-64'"),
+    (["run", "{pipe}", "--prompt", "x", "--height", "20"], "--height 20 is not a multiple of 16"),
+    (["run", "{pipe}", "--prompt", "x", "--width", "8"], "--width 8 is not a multiple of 16"),
+    (["run", "{pipe}", "--prompt", "x", "--frames", "0"], "--frames: must be an integer >= 1"),
+    (["run", "{pipe}", "--prompt", "x", "--steps", "0"], "--steps: must be an integer >= 1"),
+    (["run", "{pipe}", "--prompt", "x", "--steps", "two"], "--steps: expected an integer >= 1, got 'two'"),
+    (["run", "{pipe}", "--prompt", "x", "--guidance", "nan"], "--guidance: must be a finite number"),
+    (["run", "{pipe}", "--prompt", "x", "--seed", "-1"], "--seed: must be an integer >= 0"),
+    (["run", "{pipe}", "--prompt", "x", "--device", "tpu"], "unknown device 'tpu'"),
+    (["run", "{pipe}", "--prompt", "x", "--device", "cuda"], "CUDA is not available"),
+    (["run", "{pipe}", "--prompt", "x", "--out", "/no/such/dir/v.mp4"], "does not exist"),
+    (["run", "{pipe}", "--prompt", "x", "--out", "{tmp}/v.avi"], "name the video .mp4 or .gif"),
+    (["run", "{pipe}", "--prompt", "x", "--store", "{tmp}"], "not a tritoff store"),
+    (["run", "{pipe}", "--prompt", "x", "--store", "{tmp}/list"], "not a valid tritoff store index (not an object)"),
+    (["run", "{pipe}", "--prompt", "x", "--store", "{tmp}/nokey"], "not a valid tritoff store index (no 'tritoff')"),
+    (["run", "{pipe}"], "the following arguments are required: --prompt"),
+    (["demo", "--budget", "abc"], "invalid budget 'abc'"),
+    (["demo", "--steps", "0"], "--steps: must be an integer >= 1"),
+    (["demo", "--frames", "0"], "--frames: must be an integer >= 1"),
+    (["demo", "--device", "cuda"], "CUDA is not available"),
+    (["demo", "--out", "{tmp}/demo.webm"], "name the video .mp4 or .gif"),
+    (["convert", "{pipe}", "{tmp}/s", "--storage", "int3"], "unknown storage"),
+    (["convert", "{pipe}", "{pipe}/store"], "inside the model directory"),
+    (["convert", "{pipe}", "{tmp}"], "is not empty and holds no tritoff store"),
+    (["convert", "no-such-dir", "{tmp}/s"], "not found"),
+    ([], "the following arguments are required: command"),
 ]
 
 
-def test_demo_writes_a_video_and_the_report(tmp_path, capsys):
-    out = tmp_path / "demo.gif"
-    assert main(["demo", "--out", str(out), "--steps", "2"]) == 0
-    printed = capsys.readouterr().out
-    assert out.stat().st_size > 0 and "transformer" in printed and "PSNR" in printed
-
-
-def test_run_convert_and_run_from_the_store(saved_pipeline, tmp_path, capsys):
-    plain, stored, store = tmp_path / "a.gif", tmp_path / "b.gif", tmp_path / "store"
-    assert main(["run", str(saved_pipeline), *RUN, "--out", str(plain)]) == 0
-    assert main(["convert", str(saved_pipeline), str(store)]) == 0
-    assert (store / "tritoff_store.json").is_file()
-    assert main(["run", str(saved_pipeline), *RUN, "--out", str(stored), "--store", str(store)]) == 0
-    assert plain.read_bytes() == stored.read_bytes()  # same frames, from packs mapped instead of re-quantized
-    assert "from store" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize(
-    "argv,message",
-    [
-        (["run", "/no/such/model", "--prompt", "x"], "not found"),
-        (["run", "{pipe}", "--prompt", "x", "--budget", "abc"], "invalid budget 'abc'"),
-        (["run", "{pipe}", "--prompt", "x", "--budget", "-1"], "invalid budget"),
-        (["run", "{pipe}", "--prompt", "x", "--budget", "150%", "--device", "cpu"], "at most 100%"),
-        (["run", "{pipe}", "--prompt", "x", "--storage", "int3"], "unknown storage"),
-        (["run", "{pipe}", "--prompt", "x", "--mode", "layer"], "unknown mode"),
-        (["run", "{pipe}", "--prompt", "x", "--out", "/no/such/dir/v.mp4"], "does not exist"),
-        (["run", "{pipe}", "--prompt", "x", "--store", "{tmp}"], "not a tritoff store"),
-        (["convert", "{pipe}", "{tmp}/s", "--storage", "int3"], "unknown storage"),
-    ],
-)
-def test_bad_input_is_one_line_and_exit_2(argv, message, saved_pipeline, tmp_path, capsys):
-    argv = [a.format(pipe=saved_pipeline, tmp=tmp_path) for a in argv]
-    assert main(argv) == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tritoff: error")]
-    assert len(errors) == 1 and message in errors[0]
+@pytest.mark.parametrize("argv,message", BAD)
+def test_bad_input_is_one_line_and_exit_2(argv, message, work, tmp_path):
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    (tmp_path / "list").mkdir()
+    (tmp_path / "list" / INDEX).write_text("[1, 2, 3]")
+    (tmp_path / "nokey").mkdir()
+    (tmp_path / "nokey" / INDEX).write_text(json.dumps({"store_version": 2}))
+    argv = [a.format(pipe=work[0] / "pipe", tmp=tmp_path) for a in argv]
+    assert_one_line_error(*tritoff(*argv), message)
     assert not list(tmp_path.glob("*.mp4")) and not list(tmp_path.glob("*.gif"))  # nothing half-written
 
 
-def test_pipeline_without_a_denoiser_is_refused(tmp_path, capsys):
-    pipe = wan()
-    pipe.register_modules(transformer=None)
-    pipe.save_pretrained(tmp_path / "no-transformer")
-    assert main(["run", str(tmp_path / "no-transformer"), "--prompt", "x", "--out", str(tmp_path / "v.gif")]) == 2
-    assert "has no transformer or unet" in capsys.readouterr().err
+def test_mp4_without_its_writer_is_an_error_not_a_gif(work, tmp_path):
+    blocked = "import sys; sys.modules['imageio_ffmpeg'] = None; from tritoff.cli import main; sys.exit(main())"
+    done = subprocess.run(
+        [sys.executable, "-c", blocked, "run", work[0] / "pipe", "--prompt", "x", "--out", tmp_path / "v.mp4"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+    )
+    assert_one_line_error(done.returncode, done.stdout, done.stderr, "writing .mp4 needs imageio and imageio-ffmpeg")
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_info(capsys):
-    assert main(["info"]) == 0
-    assert "torch" in capsys.readouterr().out
+def test_help_shows_defaults_and_the_run_options():
+    code, out, err = tritoff("run", "--help")
+    assert code == 0
+    for expected in ("--steps STEPS", "(default: 30)", "--prefetch", "(default: 2)", "--reserve", "--transport"):
+        assert expected in out
+    code, out, err = tritoff("convert", "--help")
+    assert code == 0 and "--overwrite" in out and "(default: fp8_e4m3)" in out
 
 
-def test_bench_smoke_runs(capsys):
-    assert main(["bench", "quality", "--smoke"]) == 0
+def test_info_shows_the_transport():
+    code, out, err = tritoff("info")
+    assert code == 0 and "torch" in out
+    assert [line for line in out.splitlines() if line.split()[:1] == ["transport"]]
+
+
+def test_the_cli_knows_the_engines_transports_and_storages():
+    from tritoff.cli import STORAGES, TRANSPORTS
+    from tritoff.engine import TRANSPORTS as ENGINE_TRANSPORTS
+    from tritoff.formats import FORMATS
+
+    assert TRANSPORTS == ENGINE_TRANSPORTS and STORAGES == tuple(FORMATS)
+
+
+def test_run_with_options_and_from_the_store(work):
+    root, jobs = work
+    # a budget of 1 byte: refused once the plan is known, with advice for this mode and prefetch (already leaf and 1)
+    code, out, err = jobs["probe"].result()
+    assert code == 2 and "Traceback" not in err, err
+    error = err.strip().splitlines()[-1]
+    assert error.startswith("tritoff: error: budget 1 B is too small") and "976.56 KiB" in error  # the reserve
+    assert "--prefetch" not in error and "--mode" not in error
+    budget = error.split("pass --budget ")[1].split()[0]
+
+    code, out, err = jobs["convert"].result()
+    assert code == 0, err
+    assert all(f"packing {name}" in err for name in ("text_encoder", "transformer", "vae"))  # labelled bars
+    store = root / "store"
+    assert stat.S_IMODE(store.stat().st_mode) == 0o777 & ~UMASK
+    assert {stat.S_IMODE(p.stat().st_mode) for p in store.iterdir()} == {0o666 & ~UMASK}
+    assert not [p for p in root.iterdir() if p.name.startswith(".store")]  # no temporary directory left
+
+    plain = Job(root, "plain", "run", root / "pipe", *RUN, *OPTIONS, "--budget", budget, "--out", root / "a.gif")
+    stored = Job(
+        root, "stored", "run", root / "pipe", *RUN, *OPTIONS, "--budget", budget, "--store", store,
+        "--out", root / "b.gif", umask=UMASK,
+    )  # fmt: skip
+    for job in (plain, stored):
+        code, out, err = job.result()
+        assert code == 0, err
+        # the options reached tritoff.enable: two ring slots (prefetch 1), no staging buffer (zero-copy), the reserve
+        assert "ring 2 x" in out and "staging 0 B" in out and "activation reserve 976.56 KiB" in out, out
+        assert [line.split()[1] for line in out.splitlines() if line.startswith("  transformer ")][-1] == "leaf"
+    assert "from store" in out and "verifying" in err
+    assert (root / "a.gif").read_bytes() == (root / "b.gif").read_bytes()  # same frames, packs mapped from the store
+    assert stat.S_IMODE((root / "b.gif").stat().st_mode) == 0o666 & ~UMASK
+
+
+def test_a_store_is_refused_for_other_weights_corruption_and_mismatched_options(work, tmp_path):
+    root, jobs = work
+    assert jobs["convert"].result()[0] == 0
+    store = root / "store"
+    for model, args, message in [
+        ("other", ["--store", store], "was made from other weights"),  # other random weights, same architecture
+        ("pipe", ["--store", store, "--mode", "group"], "made with leaf groups; pass --mode leaf"),
+        ("pipe", ["--store", store, "--storage", "fp8_e5m2"], "holds fp8_e4m3; drop --storage"),
+    ]:
+        code, out, err = tritoff("run", root / model, *RUN, "--mode", "leaf", *args, "--out", tmp_path / "v.gif")
+        assert_one_line_error(code, out, err, message)
+    broken = tmp_path / "broken"
+    shutil.copytree(store, broken)
+    with open(broken / "transformer.safetensors", "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0x01]))
+    code, out, err = tritoff(
+        "run", root / "pipe", *RUN, "--mode", "leaf", "--store", broken, "--out", tmp_path / "v.gif"
+    )
+    error = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert code == 2 and "Traceback" not in err and "Loading pipeline" not in err  # refused before loading
+    assert error == (
+        f"tritoff: error: {broken / 'transformer.safetensors'} is corrupt or from another conversion (its xxh3_128 "
+        "differs from the index's); recreate the store with `tritoff convert`"
+    )
+    assert not list(tmp_path.glob("*.gif"))
+    code, out, err = tritoff("convert", root / "pipe", store)
+    assert_one_line_error(code, out, err, "already holds a store: pass --overwrite")
+
+
+def test_an_interrupted_convert_leaves_the_store_as_it_was(work):
+    root, jobs = work
+    assert jobs["convert"].result()[0] == 0
+    before = {p.name: p.read_bytes() for p in (root / "store").iterdir()}
+    job = Job(root, "overwrite", "convert", root / "pipe", root / "store", "--overwrite", "--storage", "fp8_e5m2")
+    deadline = time.monotonic() + 300
+    while "packing" not in job.err.read_text() and job.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.proc.send_signal(signal.SIGTERM)
+    code, out, err = job.result()
+    assert code == 130 and err.strip().splitlines()[-1] == "tritoff: interrupted" and "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in (root / "store").iterdir()} == before
+    verify_store(root / "store")
+    assert read_index(root / "store")["storage"] == "fp8_e4m3"
+    assert not [p for p in root.iterdir() if p.name.startswith(".store")]
+
+
+def test_demo_writes_an_mp4_and_labels_its_runs(work):
+    root, jobs = work
+    code, out, err = jobs["demo"].result()
+    assert code == 0, err
+    assert (root / "demo.mp4").read_bytes()[4:8] == b"ftyp"  # an mp4, not a renamed GIF
+    assert "reference run (plain bf16, no tritoff)" in err and "tritoff run (fp8_e4m3 packs)" in err
+    assert "transformer" in out and "PSNR" in out
+
+
+def test_bench_smoke_runs(work):
+    code, out, err = work[1]["bench"].result()
+    assert code == 0, err
