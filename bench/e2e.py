@@ -303,7 +303,11 @@ def measure(model, table: Table, kind: str, device, budget: int | None, engine=N
                 reference[table.frames_hw] = out
             elif table.frames_hw in reference:  # fp8 rows differ by quantization; a wrong onload differs far more
                 row["rel_err_vs_resident"] = relative_error(out, reference[table.frames_hw])
-        row["first_forward_s"] = times[0]
+        row["first_forward_s"] = times[0]  # with compile rows: the compilation
+        if kind.endswith("-compile"):  # one graph reused by every block, or one per block (recompiles)?
+            from torch._dynamo.utils import counters
+
+            row["dynamo_unique_graphs_so_far"] = counters["stats"]["unique_graphs"]
         row["forward_seconds"] = times[1:]
         row["seconds_per_forward"] = statistics.median(times[1:])
         if engine is not None:
