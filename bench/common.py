@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -26,6 +27,7 @@ def environment() -> dict:
         except ImportError:
             env[name] = None
     env["host_memory_bytes"] = _host_memory()
+    env["pytorch_cuda_alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # changes what a memory cap admits
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         env["device"] = torch.cuda.get_device_name()

@@ -439,7 +439,7 @@ def transformer_tables(args, device) -> tuple[list[Table], float | None, list[st
                         t.rows[row_kind] = {"row": t.label(row_kind), "kind": row_kind, "note": _error_note(err)}
                         save()
                         continue
-                    what = "re-plan (packs reused)" if "build_s" not in info else "quantize on the GPU, pack, plan"
+                    what = f"quantize on {device.type}, pack, plan" if "build_s" in info else "re-plan (packs reused)"
                     setup = {**info, "setup_s": time.perf_counter() - setup_start, "setup": what}
                     setup.update(reserve_bytes=reserve, reserve_rule=rule)
                     clock.spent("build", info.get("build_s", 0.0) + setup["setup_s"])
