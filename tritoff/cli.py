@@ -115,6 +115,15 @@ def _check_budget(budget: str | None, what: str = "budget") -> None:
         parse_size(budget, what=what, total=1)  # syntax only: a percentage is resolved on the device later
 
 
+def _check_percentage(budget: str | None, device: str | None) -> None:
+    """A budget given as a percentage needs a GPU to take it of (imports torch)."""
+    if budget is not None and budget.strip().endswith("%"):
+        import torch
+
+        if (device or "").startswith("cpu") or not torch.cuda.is_available():
+            raise CliError(f"--budget {budget} is a share of GPU memory, but there is no GPU; give bytes, e.g. 4GB")
+
+
 def _check_storage(storage: str | None) -> None:
     """The same names (and spellings) ``tritoff.formats.get_format`` accepts."""
     if storage is not None and storage.lower().replace("-", "_") not in STORAGES:
@@ -137,7 +146,7 @@ def _budget_error(err, mode: str = "group", prefetch: int | None = None) -> CliE
         hints.append("--mode group")
     elif mode != "leaf":
         hints.append("--mode leaf (one layer per group)")
-    advice = hints[0] if len(hints) == 1 else ", ".join(hints[:-1]) + " or " + hints[-1]
+    advice = hints[0] if len(hints) == 1 else ", ".join(hints[:-1]) + ", or " + hints[-1]
     return CliError(f"{facts}; pass {advice}")
 
 
@@ -154,6 +163,7 @@ def _cmd_demo(args) -> int:
     check_writable(args.out)
     _check_storage(args.storage)
     _check_device(args.device)
+    _check_percentage(args.budget, args.device)
     _prepare_backend(args.device)
 
     from tritoff.demo import run_demo
@@ -292,6 +302,7 @@ def _cmd_run(args) -> int:
         _check_dimensions(args, *_local_configs(local))
     index = _check_store(args, local) if args.store else None
     _check_device(args.device)
+    _check_percentage(args.budget, args.device)
     _prepare_backend(args.device)
 
     import torch
@@ -360,8 +371,17 @@ def _cmd_convert(args) -> int:
     from tritoff.store import check_target
 
     local = _check_model(args.model)
-    check_target(args.out_dir, args.overwrite, model=local)
+    target = check_target(args.out_dir, args.overwrite, model=local)
     _check_storage(args.storage)
+    for pattern in args.skip:
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise CliError(f"--skip {pattern!r} is not a valid regular expression: {err}") from None
+    parent = target.parent if str(target.parent) else Path(".")
+    for stale in sorted(parent.glob(f".{target.name}.*.partial")) + sorted(parent.glob(f".{target.name}.*.old")):
+        # left by a conversion that was killed (SIGKILL, power loss): never used, maybe large
+        print(f"tritoff: note: {stale} is left from an interrupted conversion; delete it", file=sys.stderr)
     _prepare_backend(None)
 
     from tritoff.convert import convert_pipeline
@@ -506,9 +526,11 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as err:
         print(f"tritoff: error: {_one_line(err)}", file=sys.stderr)
         return EXIT_USAGE
-    except OSError as err:  # the machine's, not the input's: a full disk, an I/O error
+    except OSError as err:
         print(f"tritoff: error: {_one_line(err)}", file=sys.stderr)
-        return 1
+        # raised by a library about the input (diffusers: a model directory without its weights) carries no errno;
+        # the machine's errors (a full disk, an I/O error) do
+        return EXIT_USAGE if err.errno is None else 1
     finally:
         signal.signal(signal.SIGTERM, previous)
 

@@ -211,7 +211,11 @@ def _replace_dir(tmp: Path, target: Path) -> None:
             raise
     # an existing store: move it aside, move the new one in, then delete the old one (never a mix of the two)
     old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".old"))
-    os.replace(target, old)
+    try:
+        os.replace(target, old)
+    except BaseException:
+        old.rmdir()
+        raise
     try:
         os.replace(tmp, target)
     except BaseException:
@@ -265,6 +269,8 @@ def save_store(
     from tritoff.arena import PAGE
 
     target = check_target(directory, overwrite)
+    if target.is_symlink():  # a link to a store: replace the store it points to, keep the link
+        target = Path(os.path.realpath(target))
     target.parent.mkdir(parents=True, exist_ok=True)
     first = next(iter(packed.values()))
     index = {
@@ -436,8 +442,9 @@ def load_store(
     for name in components:
         if index["components"][name]["fingerprint"] != fingerprints[name]:
             raise StoreError(
-                f"{directory}: component {name} does not match the store (another config or other "
-                "weights' names/shapes); recreate it with `tritoff convert`"
+                f"{directory}: component {name} does not match the store (another config, or other parameter "
+                "names, shapes or dtypes: load the model in the dtype it was converted in); recreate it with "
+                "`tritoff convert`"
             )
     if verify:
         verify_store(directory, index)

@@ -35,6 +35,8 @@ VIDEO_SUFFIXES = (".mp4", ".gif")
 def check_writable(path: str | Path) -> Path:
     """Fail early, in one line, if ``path`` cannot be written as a video: a missing or read-only directory, a
     directory in its place, a suffix other than .mp4 or .gif, or .mp4 without imageio-ffmpeg."""
+    if not str(path).strip():
+        raise ValueError("no video path given: name the video .mp4 or .gif")
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
     if path.suffix.lower() not in VIDEO_SUFFIXES:

@@ -87,6 +87,7 @@ def work(tmp_path_factory):
             root, "demo", "demo", "--steps", "1", "--frames", "1", "--budget", "64MB", "--out", root / "demo.mp4"
         ),
         "bench": Job(root, "bench", "bench", "quality", "--smoke"),
+        "demo-budget": Job(root, "demo-budget", "demo", "--budget", "1", "--out", root / "never.gif"),
     }
     yield root, jobs
     for job in jobs.values():
@@ -114,6 +115,7 @@ BAD = [
     (["run", "{pipe}", "--prompt", "x", "--seed", "-1"], "--seed: must be an integer >= 0"),
     (["run", "{pipe}", "--prompt", "x", "--device", "tpu"], "unknown device 'tpu'"),
     (["run", "{pipe}", "--prompt", "x", "--device", "cuda"], "CUDA is not available"),
+    (["run", "{pipe}", "--prompt", "x", "--budget", "80%", "--device", "cpu"], "is a share of GPU memory"),
     (["run", "{pipe}", "--prompt", "x", "--out", "/no/such/dir/v.mp4"], "does not exist"),
     (["run", "{pipe}", "--prompt", "x", "--out", "{tmp}/v.avi"], "name the video .mp4 or .gif"),
     (["run", "{pipe}", "--prompt", "x", "--store", "{tmp}"], "not a tritoff store"),
@@ -129,6 +131,7 @@ BAD = [
     (["convert", "{pipe}", "{pipe}/store"], "inside the model directory"),
     (["convert", "{pipe}", "{tmp}"], "is not empty and holds no tritoff store"),
     (["convert", "no-such-dir", "{tmp}/s"], "not found"),
+    (["convert", "{pipe}", "{tmp}/s", "--skip", "("], "--skip '(' is not a valid regular expression"),
     ([], "the following arguments are required: command"),
 ]
 
@@ -171,6 +174,30 @@ def test_info_shows_the_transport():
     code, out, err = tritoff("info")
     assert code == 0 and "torch" in out
     assert [line for line in out.splitlines() if line.split()[:1] == ["transport"]]
+
+
+@pytest.mark.parametrize(
+    "mode,prefetch,advice",
+    [
+        (
+            "group",
+            2,
+            "pass --budget 1.3MB or more, --prefetch 1 (one ring slot less), or --mode leaf (one layer per group)",
+        ),
+        ("auto", 1, "pass --budget 1.3MB or more, or --mode leaf (one layer per group)"),
+        ("leaf", 3, "pass --budget 1.3MB or more, or --prefetch 2 (one ring slot less)"),
+        ("leaf", 1, "pass --budget 1.3MB or more"),
+        ("model", 2, "pass --budget 1.3MB or more, or --mode group"),
+    ],
+)
+def test_budget_advice_fits_the_mode_and_prefetch(mode, prefetch, advice):
+    from tritoff.cli import _budget_error
+    from tritoff.planner import BudgetError
+
+    err = _budget_error(BudgetError("budget 1 B is too small: the smallest that works is 1.2 MiB; use mode='leaf'",
+                                    1_258_292), mode, prefetch)  # fmt: skip
+    assert str(err).startswith("budget 1 B is too small: the smallest that works is 1.2 MiB; pass ")
+    assert str(err).endswith(advice) and "mode='leaf'" not in str(err)
 
 
 def test_the_cli_knows_the_engines_transports_and_storages():
@@ -271,6 +298,15 @@ def test_demo_writes_an_mp4_and_labels_its_runs(work):
     assert (root / "demo.mp4").read_bytes()[4:8] == b"ftyp"  # an mp4, not a renamed GIF
     assert "reference run (plain bf16, no tritoff)" in err and "tritoff run (fp8_e4m3 packs)" in err
     assert "transformer" in out and "PSNR" in out
+
+
+def test_demo_refuses_a_small_budget_before_the_reference_run(work):
+    root, jobs = work
+    code, out, err = jobs["demo-budget"].result()
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
+    assert code == 2 and "Traceback" not in err and "reference run" not in err, err
+    assert lines[-1].startswith("tritoff: error: budget 1 B is too small") and "pass --budget" in lines[-1]
+    assert not (root / "never.gif").exists()
 
 
 def test_bench_smoke_runs(work):

@@ -207,3 +207,11 @@ def test_verification_hashes_each_unchanged_file_once_and_can_be_skipped(copy, m
     with pytest.raises(StoreError, match=r"vae\.safetensors is corrupt"):
         load_store(copy, components, groups, engine.fingerprints)
     assert len(hashed) == 4  # the changed file was hashed again, the others not
+
+
+def test_overwriting_through_a_link_replaces_the_linked_store(copy, tmp_path):
+    (tmp_path / "link").symlink_to(copy)
+    save_store(tmp_path / "link", *_packed_store_args("fp8_e5m2"), overwrite=True)
+    assert (tmp_path / "link").is_symlink() and read_index(copy)["storage"] == "fp8_e5m2"
+    verify_store(copy)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy", "link"]
