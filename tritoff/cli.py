@@ -136,15 +136,16 @@ def _size_hint(nbytes: int) -> str:
     return f"{math.ceil(nbytes / scale * 10) / 10:g}{unit}"
 
 
-def _budget_error(err, mode: str = "group", prefetch: int | None = None) -> CliError:
-    """The planner's BudgetError with advice in command-line terms, right for the mode asked for."""
+def _budget_error(err, mode: str | None = None, prefetch: int | None = None) -> CliError:
+    """The planner's BudgetError with advice in command-line terms, right for the ``mode`` and ``prefetch`` asked
+    for (None: the command has no such option)."""
     facts = str(err).split("; ")[0]
     hints = [f"--budget {_size_hint(err.minimum)} or more"]
-    if mode != "model" and prefetch is not None and prefetch > 1:
+    if mode not in (None, "model") and prefetch is not None and prefetch > 1:
         hints.append(f"--prefetch {prefetch - 1} (one ring slot less)")
     if mode == "model":
         hints.append("--mode group")
-    elif mode != "leaf":
+    elif mode not in (None, "leaf"):
         hints.append("--mode leaf (one layer per group)")
     advice = hints[0] if len(hints) == 1 else ", ".join(hints[:-1]) + ", or " + hints[-1]
     return CliError(f"{facts}; pass {advice}")

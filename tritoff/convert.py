@@ -68,15 +68,11 @@ class CheckpointReader:
             files = sorted(directory.glob("*.safetensors"))
             if len(files) != 1:
                 raise FileNotFoundError(f"{directory}: expected one safetensors file or an index, found {len(files)}")
-            from safetensors import safe_open
-
-            with safe_open(files[0], framework="pt") as f:
+            with _open(files[0]) as f:
                 self.files = dict.fromkeys(f.keys(), files[0])
 
     def read(self, names_and_dtypes: list[tuple[str, torch.dtype]]) -> dict[str, torch.Tensor]:
         """The named tensors, cast to their dtypes."""
-        from safetensors import safe_open
-
         by_file: dict[Path, list] = {}
         for name, dtype in names_and_dtypes:
             if name not in self.files:
@@ -84,10 +80,20 @@ class CheckpointReader:
             by_file.setdefault(self.files[name], []).append((name, dtype))
         out = {}
         for file, items in by_file.items():
-            with safe_open(file, framework="pt") as f:
+            with _open(file) as f:
                 for name, dtype in items:
                     out[name] = f.get_tensor(name).to(dtype)
         return out
+
+
+def _open(file: Path):
+    """``safe_open`` with a one-line error naming the file when it is not a readable safetensors file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(file, framework="pt")
+    except SafetensorError as err:
+        raise ValueError(f"cannot read {file}: {err}; is the checkpoint complete?") from None
 
 
 def from_pretrained(model, dtype: torch.dtype, **components):

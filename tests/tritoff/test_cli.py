@@ -188,6 +188,7 @@ def test_info_shows_the_transport():
         ("leaf", 3, "pass --budget 1.3MB or more, or --prefetch 2 (one ring slot less)"),
         ("leaf", 1, "pass --budget 1.3MB or more"),
         ("model", 2, "pass --budget 1.3MB or more, or --mode group"),
+        (None, None, "pass --budget 1.3MB or more"),  # the demo: no --mode, no --prefetch
     ],
 )
 def test_budget_advice_fits_the_mode_and_prefetch(mode, prefetch, advice):
@@ -306,6 +307,7 @@ def test_demo_refuses_a_small_budget_before_the_reference_run(work):
     lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
     assert code == 2 and "Traceback" not in err and "reference run" not in err, err
     assert lines[-1].startswith("tritoff: error: budget 1 B is too small") and "pass --budget" in lines[-1]
+    assert "--mode" not in lines[-1] and "--prefetch" not in lines[-1]  # the demo has neither option
     assert not (root / "never.gif").exists()
 
 

@@ -112,3 +112,15 @@ def test_convert_refuses_a_non_empty_target_and_the_model_directory(two_pipeline
         convert_pipeline(two_pipelines / "a", two_pipelines / "a" / "store", progress=False)
     with pytest.raises(StoreError, match="already holds a store"):
         convert_pipeline(two_pipelines / "a", two_pipelines / "store", progress=False)
+
+
+def test_a_truncated_checkpoint_is_a_one_line_error(two_pipelines, tmp_path):
+    import shutil
+
+    model = tmp_path / "a"
+    shutil.copytree(two_pipelines / "a", model)
+    weights = model / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"cannot read .*diffusion_pytorch_model.safetensors: .*checkpoint complete"):
+        convert_pipeline(model, tmp_path / "store", progress=False)
+    assert not (tmp_path / "store").exists()
