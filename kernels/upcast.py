@@ -28,7 +28,7 @@ import triton.language as tl
 
 from tritoff.formats import StorageFormat
 
-from .backend import launch, native_fp8, register_op
+from .backend import interpreting, launch, native_fp8, register_op
 from .fp8_bits import decode_fp8_bits
 
 KIND_COPY, KIND_FP8 = 0, 1
@@ -138,12 +138,30 @@ def _upcast_pack_kernel(
     NATIVE_FP8: tl.constexpr,
     MAX_TENSORS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
-    # Programs stride over the pack's chunks. The staged launch runs one program per chunk (the loop runs once);
-    # the zero-copy launch runs a bounded grid so the PCIe read does not hold every SM while blocks compute.
-    for pid in tl.range(tl.program_id(0), n_chunks, tl.num_programs(0)):
+    if PERSISTENT:
+        # zero-copy: a bounded grid strides over the chunks, so the PCIe read does not hold every SM while blocks
+        # compute
+        for pid in tl.range(tl.program_id(0), n_chunks, tl.num_programs(0)):
+            _upcast_chunk(
+                pid,
+                src_ptr,
+                dst_ptr,
+                table_ptr,
+                n_tensors,
+                OUT_DTYPE,
+                FP8_DTYPE,
+                MANTISSA_BITS,
+                EXPONENT_BIAS,
+                NATIVE_FP8,
+                MAX_TENSORS,
+                BLOCK,
+            )
+    else:
+        # staged: one program per chunk
         _upcast_chunk(
-            pid,
+            tl.program_id(0),
             src_ptr,
             dst_ptr,
             table_ptr,
@@ -173,10 +191,13 @@ def _upcast_pack_op(
     fp8_e5m2: bool,
     native: bool,
     block: int,
-    grid: int = 0,
+    grid: int,
 ) -> None:
     n_tensors = table.shape[0]
-    launch(_upcast_pack_kernel)[(grid or n_programs,)](
+    # Triton's interpreter runs the strided loop with memory corruption in later, unrelated calls (seen after
+    # torch.library.opcheck): on the CPU every launch is one program per chunk, the bound matters only for PCIe
+    persistent = bool(grid) and not interpreting()
+    launch(_upcast_pack_kernel)[(grid if persistent else n_programs,)](
         src,
         dst,
         table,
@@ -189,6 +210,7 @@ def _upcast_pack_op(
         NATIVE_FP8=native,
         MAX_TENSORS=_max_tensors(n_tensors),
         BLOCK=block,
+        PERSISTENT=persistent,
     )
 
 

@@ -18,7 +18,8 @@ from tritoff.kernels.upcast import _upcast_pack_kernel
 ALIGNED = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
 UPCAST_SIGNATURE = {"src_ptr": "*u8", "dst_ptr": "*u8", "table_ptr": "*i64", "n_tensors": "i32", "n_chunks": "i32"}
 UPCAST_SIGNATURE |= dict.fromkeys(
-    ("OUT_DTYPE", "FP8_DTYPE", "MANTISSA_BITS", "EXPONENT_BIAS", "NATIVE_FP8", "MAX_TENSORS", "BLOCK"), "constexpr"
+    ("OUT_DTYPE", "FP8_DTYPE", "MANTISSA_BITS", "EXPONENT_BIAS", "NATIVE_FP8", "MAX_TENSORS", "BLOCK", "PERSISTENT"),
+    "constexpr",
 )
 QUANTIZE_CONSTANTS = dict(FMAX_EXP=8, FMAX_MANTISSA=0x600000, MANTISSA_BITS=3, EXPONENT_BIAS=7, MAX_EXP=100, BLOCK=2048)
 
@@ -49,11 +50,25 @@ def main() -> None:
                         NATIVE_FP8=native,
                         MAX_TENSORS=16,
                         BLOCK=4096,
+                        PERSISTENT=False,
                     )
                     kernel = triton.compile(
                         ASTSource(_upcast_pack_kernel, UPCAST_SIGNATURE, constants, ALIGNED), target=target
                     )
                     out[f"upcast sm{cc} {'native' if native else 'bits'} {fmt}->{out_name}"] = facts(kernel)
+            # the zero-copy launch: a bounded grid striding over the chunks, 8192 units per program
+            constants = dict(
+                OUT_DTYPE=tl.bfloat16,
+                FP8_DTYPE=tl.float8e4nv,
+                MANTISSA_BITS=3,
+                EXPONENT_BIAS=7,
+                NATIVE_FP8=native,
+                MAX_TENSORS=16,
+                BLOCK=8192,
+                PERSISTENT=True,
+            )
+            kernel = triton.compile(ASTSource(_upcast_pack_kernel, UPCAST_SIGNATURE, constants, ALIGNED), target=target)
+            out[f"zero-copy sm{cc} {'native' if native else 'bits'} e4m3->bf16"] = facts(kernel)
             for weight in ("*bf16", "*fp32"):
                 signature = {"w_ptr": weight, "q_ptr": "*u8", "scale_ptr": "*fp32", "row_len": "i32"}
                 signature |= dict.fromkeys(

@@ -17,7 +17,7 @@ def test_upcast_pack_op(device):
     data = torch.zeros(layout.nbytes, dtype=torch.uint8)
     write_pack(layout, data, {"w": torch.randn(40, 33).bfloat16(), "b": torch.randn(40).bfloat16()}, quantize_reference)
     out = torch.zeros(layout.out_nbytes, dtype=torch.uint8, device=device)
-    args = (data.to(device), out, layout.table(BLOCK, device), layout.n_programs(), 0, False, False, BLOCK)
+    args = (data.to(device), out, layout.table(BLOCK, device), layout.n_programs(), 0, False, False, BLOCK, 0)
     torch.library.opcheck(_upcast_pack_op, args)
 
 

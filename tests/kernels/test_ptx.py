@@ -28,6 +28,7 @@ def ptx():
 def test_every_variant_compiles(ptx):
     # 3 outputs x 2 formats, for sm_90 native, sm_90 from bits and sm_80 from bits; the quantizers likewise
     assert sum(k.startswith("upcast") for k in ptx) == 6 + 6 + 6
+    assert sum(k.startswith("zero-copy") for k in ptx) == 3
     assert sum(k.startswith("quantize") for k in ptx) == 2 + 2 + 2
 
 
@@ -36,6 +37,12 @@ def test_main_variant_moves_16_bytes_per_access(ptx):
     assert facts["loads"].get("ld.global.v4.b32", 0) > 0 and "ld.global.b8" not in facts["loads"]
     assert set(facts["stores"]) == {"st.global.v4.b32"}
     assert facts["fp8_cvt"] > 0  # the hardware conversion
+
+
+def test_zero_copy_variant_moves_16_bytes_per_access(ptx):
+    facts = ptx["zero-copy sm90 native e4m3->bf16"]
+    assert facts["loads"].get("ld.global.v4.b32", 0) > 0 and "ld.global.b8" not in facts["loads"]
+    assert set(facts["stores"]) == {"st.global.v4.b32"}
 
 
 def test_ampere_path_has_no_fp8_conversion_instruction(ptx):
