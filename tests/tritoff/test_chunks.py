@@ -1,0 +1,86 @@
+"""tritoff/chunks.py: a pack moved chunk by chunk through a small staging buffer unpacks exactly like the whole pack."""
+
+import pytest
+import torch
+
+from tritoff.chunks import smallest_chunk, split_pack, stage_chunk
+from tritoff.formats import get_format
+from tritoff.kernels.quantize import quantize_reference
+from tritoff.kernels.upcast import BLOCK, upcast_pack, upcast_pack_reference
+from tritoff.pack import PackLayout, TensorSpec, write_pack
+
+E4M3 = get_format("fp8_e4m3")
+
+SPECS = [  # an embedding-like kept table, row-scaled weights with long and short rows, a per-tensor-sized vector
+    TensorSpec("embed.weight", (300, 24), torch.bfloat16, False),
+    TensorSpec("ffn.weight", (40, 5120), torch.bfloat16, True),
+    TensorSpec("ffn.bias", (5001,), torch.bfloat16, False),
+    TensorSpec("proj.weight", (130, 70), torch.bfloat16, True),
+    TensorSpec("norm.weight", (33,), torch.float32, False),
+    TensorSpec("gate.weight", (1, 3000), torch.bfloat16, True),
+]
+
+
+def _pack(granularity="row"):
+    layout = PackLayout.plan(SPECS, E4M3, granularity)
+    data = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    tensors = {
+        s.name: (torch.randn(s.shape) * torch.rand(s.shape[0], *[1] * (len(s.shape) - 1))).to(s.dtype) for s in SPECS
+    }
+    write_pack(layout, data, tensors, quantize_reference)
+    return layout, data
+
+
+def _unpack_through_chunks(layout, data, capacity, triton: bool):
+    out = torch.full((layout.out_nbytes,), 0xFF, dtype=torch.uint8)
+    staging = torch.empty(capacity, dtype=torch.uint8)
+    chunks = split_pack(layout, capacity)
+    for chunk in chunks:
+        staging.fill_(0xAB)  # bytes of an earlier chunk must never be read
+        staged = stage_chunk(chunk, data, staging)
+        assert staged.numel() <= capacity
+        if triton:
+            upcast_pack(staged, out, chunk.table(BLOCK), chunk.n_programs(BLOCK), layout.out_dtype, E4M3)
+        else:
+            upcast_pack_reference(staged, out, chunk.table(), layout.out_dtype, E4M3)
+    return out, chunks
+
+
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+@pytest.mark.parametrize(
+    "capacity",
+    [
+        pytest.param(None, id="whole-pack"),
+        pytest.param(64 * 1024, id="64KiB"),
+        pytest.param(16 * 1024, id="16KiB"),
+        pytest.param(0, id="smallest"),
+    ],
+)
+def test_chunked_unpack_equals_the_whole_pack(granularity, capacity):
+    layout, data = _pack(granularity)
+    expected = upcast_pack_reference(
+        data, torch.full((layout.out_nbytes,), 0xFF, dtype=torch.uint8), layout.table(), layout.out_dtype, E4M3
+    )
+    capacity = layout.nbytes if capacity is None else capacity or smallest_chunk(layout)
+    for triton in (False, True):
+        got, chunks = _unpack_through_chunks(layout, data, capacity, triton)
+        assert (len(chunks) == 1) == (capacity >= layout.nbytes)
+        views, ref = layout.views(got), layout.views(expected)
+        for name in ref:
+            assert torch.equal(views[name].view(torch.uint8), ref[name].view(torch.uint8)), (name, triton)
+
+
+def test_cuts_land_on_aligned_offsets_and_whole_rows():
+    layout, _ = _pack()
+    for chunk in split_pack(layout, smallest_chunk(layout)):
+        assert chunk.payload[0] % 256 == 0 and chunk.scale_base % 256 == 0
+        for kind, src, dst, units, row_len, _scale, _padded in chunk.rows:
+            assert src % 256 == 0 and dst % 256 == 0
+            if kind == 1 and row_len != units:
+                assert units % row_len == 0  # whole rows: every element keeps its own row's scale
+
+
+def test_a_staging_buffer_too_small_for_one_piece_is_refused():
+    layout, _ = _pack()
+    with pytest.raises(ValueError, match="cannot hold one piece of"):
+        split_pack(layout, smallest_chunk(layout) - 1)
