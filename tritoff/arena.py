@@ -1,8 +1,9 @@
 """The host arena: every pack of a model in one allocation, page-locked on CUDA machines.
 
 The arena is one anonymous memory mapping (page-aligned, faulted in as packs are written, so host memory tracks the
-packed bytes) registered with ``cudaHostRegister``. PyTorch's ``pin_memory`` is avoided on purpose: its caching host
-allocator rounds every allocation up to a power of two (a 12 GiB model would pin 16 GiB).
+packed bytes) page-locked through the driver API (``tritoff/cuda_host.py``: a failure leaves no sticky CUDA error).
+PyTorch's ``pin_memory`` is avoided on purpose: its caching host allocator rounds every allocation up to a power of
+two (a 12 GiB model would pin 16 GiB).
 """
 
 from __future__ import annotations
@@ -13,10 +14,6 @@ import warnings
 import torch
 
 PAGE = 4096
-# cudaHostRegisterPortable | cudaHostRegisterMapped: visible to every context, and readable by kernels (zero-copy)
-_REGISTER_FLAGS = 0x01 | 0x02
-# cudaHostRegisterReadOnly: a read-only file mapping (a saved store) can be registered only with this flag
-_READ_ONLY = 0x08
 
 
 class HostArena:
@@ -34,6 +31,7 @@ class HostArena:
                 else torch.empty(0, dtype=torch.uint8)
             )
         self.registered = False
+        self.register_error: str | None = None
         if register is None:
             register = torch.cuda.is_available()
         if register and self.nbytes:
@@ -48,12 +46,17 @@ class HostArena:
         return cls(nbytes, register=register, _mapping=mapping, _offset=offset)
 
     def _register(self) -> None:
-        flags = _REGISTER_FLAGS | (_READ_ONLY if self.read_only else 0)
-        err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.nbytes, flags)
-        if int(err) != 0:
+        from tritoff import cuda_host
+
+        if self.read_only and not cuda_host.read_only_supported():
+            self.register_error = "this GPU cannot register read-only host memory"
+        else:
+            self.register_error = cuda_host.register(self.buffer.data_ptr(), self.nbytes, read_only=self.read_only)
+        if self.register_error is not None:
             warnings.warn(
-                f"cudaHostRegister of {self.nbytes / 2**30:.2f} GiB failed ({err}); transfers fall back to pageable "
-                "memory and will be slower. Raise the locked-memory limit (ulimit -l) or free host memory.",
+                f"page-locking {self.nbytes / 2**30:.2f} GiB of host memory failed ({self.register_error}); transfers "
+                "fall back to pageable memory and will be slower. Raise the locked-memory limit (ulimit -l) or free "
+                "host memory.",
                 stacklevel=3,
             )
             return
@@ -72,15 +75,19 @@ class HostArena:
         """
         if not self.registered:
             raise RuntimeError("zero-copy reads need a page-locked arena; this one is not registered with CUDA")
+        from tritoff.cuda_host import device_index
+
         host = self.view(offset, nbytes)
-        device = torch.device(device)
+        device = torch.device("cuda", device_index(device))  # "cuda" alone has no index, which set_ needs
         storage = torch._C._construct_storage_from_data_pointer(host.data_ptr(), device, nbytes)
         return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
 
     def close(self) -> None:
         """Unregister the arena (its memory is freed when the last view goes away)."""
         if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            from tritoff import cuda_host
+
+            cuda_host.unregister(self.buffer.data_ptr())
             self.registered = False
 
     def __del__(self):

@@ -60,3 +60,44 @@ def test_registered_arena_is_page_locked_and_zero_copy_readable():
     torch.cuda.synchronize()
     assert torch.equal(staged.cpu(), data)
     arena.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda")], ids=["cuda", "cuda:0", "torch.device"])
+def test_device_view_takes_any_spelling_of_the_device(device):
+    arena = HostArena(8192)
+    assert arena.registered
+    arena.buffer.copy_(torch.arange(8192) % 251)
+    view = arena.device_view(4096, 4096, device)
+    assert view.device == torch.device("cuda", torch.cuda.current_device())
+    assert torch.equal(view.clone().cpu(), arena.view(4096, 4096))  # a kernel reading host memory over PCIe
+    arena.close()
+
+
+@pytest.mark.gpu
+def test_a_failed_registration_leaves_no_cuda_error_behind():
+    from tritoff import cuda_host
+
+    arena = HostArena(1 << 20)
+    assert arena.registered
+    # registering the same range twice fails (already registered); with the runtime API the error would stay
+    # pending and the next unrelated kernel would report it
+    error = cuda_host.register(arena.buffer.data_ptr(), arena.nbytes)
+    assert error is not None and "ALREADY_REGISTERED" in error
+    a = torch.randn(256, 256, device="cuda")
+    torch.testing.assert_close((a @ a).cpu(), a.cpu() @ a.cpu(), rtol=1e-3, atol=1e-3)
+    torch.cuda.synchronize()
+    arena.close()
+
+
+@pytest.mark.gpu
+def test_read_only_file_mapping_is_registered_where_supported(tmp_path):
+    from tritoff import cuda_host
+
+    path = tmp_path / "packs.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+    arena = HostArena.from_file(str(path), 4096, 8192)
+    assert arena.registered == cuda_host.read_only_supported()
+    if arena.registered:
+        assert torch.equal(arena.device_view(0, 8192).clone().cpu(), arena.view(0, 8192))
+    arena.close()
