@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tritoff.chunks import Chunk, split_pack
 from tritoff.kernels.upcast import (
     BLOCK,
     BLOCK_ZERO_COPY,
@@ -11,11 +12,37 @@ from tritoff.kernels.upcast import (
     upcast_pack_reference,
     upcast_pack_zero_copy,
 )
+from tritoff.pack import PackLayout
 from tritoff.packer import Pack, PackedModel
+
+# the CUDA caching allocator hands out blocks of at least 512 bytes: what a group's tables really cost
+_ALLOCATION = 512
+
+
+def _launch_tables(layout: PackLayout, chunks: list[Chunk], zero_copy: bool) -> list[tuple[torch.Tensor, int]]:
+    """(table, programs) of every launch a group may make: the whole pack (HBM or the CPU), the whole pack read
+    zero-copy, then each staging chunk (a chunk that is the whole pack reuses the first table)."""
+    tables = [(layout.table(BLOCK), layout.n_programs(BLOCK))]
+    if zero_copy:
+        tables.append((layout.table(BLOCK_ZERO_COPY), layout.n_programs(BLOCK_ZERO_COPY)))
+    for chunk in chunks:
+        whole = chunk.payload == (0, layout.nbytes) and not chunk.scales[1]
+        tables.append(tables[0] if whole else (chunk.table(BLOCK), chunk.n_programs(BLOCK)))
+    return tables
+
+
+def table_bytes(layout: PackLayout, chunk_bytes: int, zero_copy: bool) -> int:
+    """Device bytes of a group's kernel tables (one allocation), for the planner."""
+    chunks = split_pack(layout, chunk_bytes) if chunk_bytes else []
+    rows = sum(t.shape[0] for t, _ in {id(t): (t, n) for t, n in _launch_tables(layout, chunks, zero_copy)}.values())
+    return -(-rows * 64 // _ALLOCATION) * _ALLOCATION
 
 
 class GroupRuntime:
-    """One pack's onload machinery; its parameters point at a GPU buffer while loaded and at placeholders otherwise."""
+    """One pack's onload machinery; its parameters point at a GPU buffer while loaded and at placeholders otherwise.
+
+    ``chunk_bytes``: the capacity of one staging half, which the pack is split to fit (0: no staging).
+    """
 
     def __init__(
         self,
@@ -26,6 +53,7 @@ class GroupRuntime:
         device: torch.device,
         use_triton: bool,
         zero_copy: bool,
+        chunk_bytes: int = 0,
     ):
         self.component = component
         self.name = pack.name
@@ -37,11 +65,8 @@ class GroupRuntime:
         self.device = device
         self.use_triton = use_triton
         self.zero_copy = zero_copy and device.type == "cuda" and packed.arena.registered
-        # tables are tiny (8 int64 per tensor) and stay on the device; zero-copy launches use larger blocks
-        self.table_cpu = self.layout.table(BLOCK)
-        self.launches = {False: (self.layout.table(BLOCK, device), self.layout.n_programs(BLOCK))}
-        if self.zero_copy:
-            self.launches[True] = (self.layout.table(BLOCK_ZERO_COPY, device), self.layout.n_programs(BLOCK_ZERO_COPY))
+        self.chunks = split_pack(self.layout, chunk_bytes) if chunk_bytes else []
+        self._build_tables()
         self.placeholders = [torch.empty(0, dtype=p.dtype, device=device) for p in params]
         self.tier = "stream"
         self.device_pack: torch.Tensor | None = None  # fp8 tier: the pack resident on the GPU
@@ -49,6 +74,21 @@ class GroupRuntime:
         self.slot: int | None = None  # ring slot holding it while streamed
         self.ready: torch.cuda.Event | None = None
         self._views: dict[int, list[torch.Tensor]] = {}
+
+    def _build_tables(self) -> None:
+        # every table of the group in one device allocation, sliced per launch (each would cost 512 bytes alone)
+        launches = _launch_tables(self.layout, self.chunks, self.zero_copy)
+        unique = list({id(t): t for t, _ in launches}.values())
+        cpu = torch.cat(unique)
+        device = cpu.to(self.device)
+        starts, at = {}, 0
+        for t in unique:
+            starts[id(t)] = at
+            at += t.shape[0]
+        self._launches = [
+            (cpu[starts[id(t)] : starts[id(t)] + t.shape[0]], device[starts[id(t)] : starts[id(t)] + t.shape[0]], n)
+            for t, n in launches
+        ]
 
     @property
     def packed_bytes(self) -> int:
@@ -85,38 +125,48 @@ class GroupRuntime:
         """Drop cached views of a buffer that is going away."""
         self._views.pop(buffer.data_ptr(), None)
 
-    def fill(self, dst: torch.Tensor, staging: torch.Tensor | None) -> int:
-        """Write the group's tensors into ``dst`` on the current stream; returns the host bytes read.
+    def drop_device_state(self) -> None:
+        """Release everything the group holds on the device: buffers, the resident pack, cached views, tables."""
+        self.release()
+        self.buffer = None
+        self.device_pack = None
+        self.slot = None
+        self.ready = None
+        self._views.clear()
+        self._launches = []
 
-        Sources, in order: the resident fp8 pack (HBM), the host arena directly (zero-copy), or the arena copied into
-        ``staging`` by the copy engine.
-        """
+    # filling ------------------------------------------------------------------------------------------------------
+    @property
+    def direct(self) -> bool:
+        """Whether the group fills without staging: from its resident fp8 pack, or zero-copy from the host."""
+        return self.device_pack is not None or self.zero_copy
+
+    def fill_direct(self, dst: torch.Tensor) -> int:
+        """Write the group's tensors into ``dst`` from the resident pack (HBM) or the host arena read zero-copy;
+        returns the host bytes read."""
         if self.device_pack is not None:
-            self._upcast(self.device_pack, dst, zero_copy=False)
+            self._upcast(self.device_pack, dst, 0)
             return 0
-        if self.zero_copy:
-            self._upcast(self.arena.device_view(self.pack.offset, self.packed_bytes, self.device), dst, zero_copy=True)
-            return self.packed_bytes
-        source = self.pack.data
-        if self.device.type == "cuda" or self.use_triton:
-            if staging is None:
-                staging = torch.empty(self.packed_bytes, dtype=torch.uint8, device=self.device)
-            staged = staging[: self.packed_bytes]
-            staged.copy_(source, non_blocking=True)
-            source = staged
-        self._upcast(source, dst, zero_copy=False)
+        self._upcast(self.arena.device_view(self.pack.offset, self.packed_bytes, self.device), dst, 1)
         return self.packed_bytes
 
-    def _upcast(self, src: torch.Tensor, dst: torch.Tensor, zero_copy: bool) -> None:
-        if not self.use_triton:
-            upcast_pack_reference(src, dst, self.table_cpu, self.layout.out_dtype, self.storage)
-            return
-        table, n_programs = self.launches[zero_copy]
-        kernel = upcast_pack_zero_copy if zero_copy else upcast_pack
-        kernel(src, dst, table, n_programs, self.layout.out_dtype, self.storage)
+    def fill_chunk(self, index: int, staged: torch.Tensor, dst: torch.Tensor) -> None:
+        """Upcast chunk ``index`` (already copied into ``staged``) into its places in ``dst``."""
+        self._upcast(staged, dst, (2 if self.zero_copy else 1) + index)
 
-    def dequantized(self, device: torch.device) -> list[torch.Tensor]:
-        """Fresh tensors on ``device`` holding the group's weights (dequantized exactly, with the reference)."""
-        out = torch.empty(self.unpacked_bytes, dtype=torch.uint8)
-        upcast_pack_reference(self.pack.data, out, self.table_cpu, self.layout.out_dtype, self.storage)
-        return self._ordered_views(out.to(device))
+    def fill_from_host(self, dst: torch.Tensor) -> int:
+        """Write the group's tensors into ``dst`` from the host pack (a CPU device: no staging needed)."""
+        # Triton's interpreter copies every argument's whole storage back after a launch: a pack's view of the
+        # arena would rewrite the arena (a read-only mapping, for a store), so the kernel gets a copy of the pack
+        source = self.pack.data.clone() if self.use_triton else self.pack.data
+        self._upcast(source, dst, 0)
+        return self.packed_bytes
+
+    def _upcast(self, src: torch.Tensor, dst: torch.Tensor, launch: int) -> None:
+        table_cpu, table, n_programs = self._launches[launch]
+        if not self.use_triton:
+            upcast_pack_reference(src, dst, table_cpu, self.layout.out_dtype, self.storage)
+        elif launch == 1 and self.zero_copy:
+            upcast_pack_zero_copy(src, dst, table, n_programs, self.layout.out_dtype, self.storage)
+        else:
+            upcast_pack(src, dst, table, n_programs, self.layout.out_dtype, self.storage)

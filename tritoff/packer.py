@@ -76,6 +76,15 @@ def plan_layouts(groups: list[Group], quantized: set[str], fmt: StorageFormat, g
     ]
 
 
+def pack_offsets(layouts: list[PackLayout]) -> tuple[list[int], int]:
+    """Each pack's offset in the arena (page-aligned: whole pages per DMA) and the arena's size."""
+    offsets, total = [], 0
+    for layout in layouts:
+        offsets.append(total)
+        total += align(layout.nbytes, PAGE)
+    return offsets, total
+
+
 def pack_model(
     model: nn.Module,
     storage: str | StorageFormat = "fp8_e4m3",
@@ -91,6 +100,7 @@ def pack_model(
     read_group=None,
     layouts: list[PackLayout] | None = None,
     desc: str | None = None,
+    arena: HostArena | None = None,
 ) -> PackedModel:
     """Quantize ``model`` into packs, one per group (default: its blocks, then the rest), in one host arena.
 
@@ -99,17 +109,18 @@ def pack_model(
     ``snr``, when given, receives each quantized weight's SNR in dB. ``read_group(group) -> {name: tensor}`` supplies
     each group's tensors instead of its parameters (a model built without weights, read from a checkpoint group by
     group). ``layouts``: the groups' layouts when the caller already planned them (:func:`plan_layouts`).
+    ``arena``: an arena sized by :func:`pack_offsets` the caller allocated (and checked) beforehand.
     """
     fmt = get_format(storage)
     check_granularity(granularity)
     groups = block_groups(model) if groups is None else groups
     if layouts is None:
         layouts = plan_layouts(groups, SkipRules.for_model(model, skip).quantized_names(model), fmt, granularity)
-    offsets, total = [], 0
-    for layout in layouts:
-        offsets.append(total)
-        total += align(layout.nbytes, PAGE)  # page-aligned packs: whole pages per DMA
-    arena = HostArena(total, register=register)
+    offsets, total = pack_offsets(layouts)
+    if arena is None:
+        arena = HostArena(total, register=register)
+    elif arena.nbytes != total:
+        raise ValueError(f"the arena holds {arena.nbytes} bytes but these packs need {total}")
     device = torch.device(quantize_on) if quantize_on is not None else _default_quantize_device()
     quantizer = _quantizer(device)
     packs = []

@@ -1,31 +1,29 @@
-"""The slot ring: preallocated GPU buffers that streamed groups land in, one side stream, CUDA events only.
+"""The slot ring: preallocated GPU buffers that streamed groups land in, filled on side streams, CUDA events only.
 
-A streamed group is written into the next slot on the copy stream, after that stream has waited (on the GPU) for the
-event marking the end of the slot's previous use on the compute stream. The compute stream waits (on the GPU) for the
-group's ready event before its forward. The host never synchronizes. Slots and the staging buffer are allocated once,
-so there is no allocator churn and no ``record_stream``.
+A streamed group is written into the next slot by the transfer streams (``tritoff/transfer.py``); the upcast into the
+slot first waits (on the GPU) for the event marking the end of the slot's previous use on the compute stream. The
+compute stream waits (on the GPU) for the group's ready event before its forward. The host never synchronizes. Slots
+and staging are allocated once, so there is no allocator churn and no ``record_stream``.
 
 On the CPU the same bookkeeping runs with synchronous fills, so the ring logic is tested without a GPU.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from tritoff.onload import GroupRuntime
+from tritoff.transfer import Transfer
 
 
 class SlotRing:
-    """``n_slots`` buffers of ``slot_bytes`` and a staging buffer of ``staging_bytes`` on ``device``."""
+    """``n_slots`` buffers of ``slot_bytes`` on ``device``, filled through ``transfer``."""
 
-    def __init__(self, device: torch.device, n_slots: int, slot_bytes: int, staging_bytes: int, timing: bool = True):
+    def __init__(self, device: torch.device, n_slots: int, slot_bytes: int, transfer: Transfer, timing: bool = True):
         self.device = device
+        self.transfer = transfer
         self.buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(n_slots)]
-        self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=device) if staging_bytes else None
         self.cuda = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         # one event object per slot, re-recorded at each release: creating events in the hot path costs microseconds
         self.free_events = [torch.cuda.Event() if self.cuda else None for _ in range(n_slots)]
         self.used = [False] * n_slots
@@ -33,7 +31,6 @@ class SlotRing:
         self.stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.stall_ms = 0.0
         self.seq = 0
-        self.sync_fill_ns = 0  # time spent filling synchronously (the CPU): not hook overhead
 
     @property
     def n_slots(self) -> int:
@@ -45,30 +42,14 @@ class SlotRing:
         slot = self.seq % self.n_slots
         self.seq += 1
         group.slot = slot
-        if not self.cuda:
-            start = time.perf_counter_ns()
-            nbytes = group.fill(self.buffers[slot], self.staging)
-            self.sync_fill_ns += time.perf_counter_ns() - start
-            return nbytes
-        with torch.cuda.stream(self.copy_stream):
-            if self.used[slot]:
-                self.copy_stream.wait_event(self.free_events[slot])
-            nbytes = group.fill(self.buffers[slot], self.staging)
+        # the DMA into staging may run ahead; only the upcast into the slot waits for the slot's last use to end
+        after = self.free_events[slot] if self.cuda and self.used[slot] else None
+        nbytes = self.transfer.fill(group, self.buffers[slot], after)
+        if self.cuda:
             if group.ready is None:
                 group.ready = torch.cuda.Event(enable_timing=False)
-            group.ready.record(self.copy_stream)
+            group.ready.record(self.transfer.upcast_stream)
         return nbytes
-
-    def run_on_copy_stream(self, fn):
-        """Run ``fn()`` on the copy stream (after every transfer already issued) and make the compute stream wait."""
-        if not self.cuda:
-            return fn()
-        with torch.cuda.stream(self.copy_stream):
-            result = fn()
-            done = torch.cuda.Event()
-            done.record(self.copy_stream)
-        torch.cuda.current_stream(self.device).wait_event(done)
-        return result
 
     def wait(self, group: GroupRuntime) -> torch.Tensor:
         """Make the compute stream wait for ``group``'s transfer; returns its slot buffer."""
@@ -85,6 +66,12 @@ class SlotRing:
             else:
                 stream.wait_event(group.ready)
         return self.buffers[group.slot]
+
+    def release(self) -> None:
+        """Free the slots (teardown)."""
+        self.buffers = []
+        self.free_events = []
+        self.used = []
 
     def done(self, group: GroupRuntime) -> None:
         """Mark the end of ``group``'s use of its slot on the compute stream."""

@@ -1,0 +1,77 @@
+"""tritoff/planner.py: tiers within the budget, streamed blocks spread through the execution order, honest minimums."""
+
+import pytest
+
+from tritoff.planner import BudgetError, ComponentSize, GroupSize, plan, spread_order
+
+MB = 2**20
+
+
+def _transformer(n=40, packed=8 * MB, unpacked=16 * MB, rest=4 * MB):
+    blocks = [GroupSize(f"blocks.{i}", packed, unpacked) for i in range(n)]
+    return ComponentSize("transformer", blocks, GroupSize("<rest>", rest // 2, rest), looped=True)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 40, 64, 100])
+def test_spread_order_is_a_permutation_whose_prefixes_spread(n):
+    order = spread_order(n)
+    assert sorted(order) == list(range(n))
+    for k in range(1, n + 1):
+        prefix = sorted(order[:k])
+        gaps = [b - a for a, b in zip(prefix, prefix[1:] + [prefix[0] + n], strict=True)]
+        # every prefix of k indices leaves no gap wider than about twice the even spacing n / k
+        assert max(gaps) <= 2 * -(-n // k) + 1, (n, k, prefix)
+
+
+@pytest.mark.parametrize("streamed", [3, 5, 10, 20])
+def test_streamed_blocks_are_spread_through_the_stack(streamed):
+    comp = _transformer()
+    with pytest.raises(BudgetError) as info:
+        plan([comp], MB, "group", 2, MB)
+    overhead = plan([comp], info.value.minimum, "group", 2, MB).planned_bytes  # ring, staging, pool, reserve
+    # room for 40 - streamed blocks in fp8, not one more, and not enough to upgrade any to bf16
+    budget = overhead + (40 - streamed) * 8 * MB + 4 * MB
+    the_plan = plan([comp], budget, "group", 2, MB)
+    tiers = the_plan.tiers["transformer"]
+    positions = [i for i in range(40) if tiers[f"blocks.{i}"] == "stream"]
+    assert len(positions) == streamed and the_plan.planned_bytes <= budget
+    gaps = [b - a for a, b in zip(positions, positions[1:] + [positions[0] + 40], strict=True)]
+    assert max(gaps) <= 2 * -(-40 // streamed), positions  # never a run of streamed blocks back to back
+    assert min(gaps) >= 40 // streamed // 2, positions
+
+
+def test_every_fixed_byte_is_in_the_plan_and_the_minimum_is_honest():
+    comp = _transformer(n=8)
+
+    def tables(chunk: int) -> int:  # kernel tables depend on how packs are chunked: smaller chunks, more rows
+        return 10_000 + 100_000_000 // chunk
+
+    with pytest.raises(BudgetError) as info:
+        plan([comp], 10 * MB, "group", 2, MB, fixed=tables)
+    minimum = info.value.minimum
+    the_plan = plan([comp], minimum, "group", 2, MB, fixed=tables)
+    assert the_plan.fixed_bytes == tables(the_plan.chunk_bytes)
+    assert the_plan.staging_bytes == 2 * the_plan.chunk_bytes >= 8 * MB  # two halves of half a pack each
+    assert the_plan.planned_bytes <= minimum
+    with pytest.raises(BudgetError):
+        plan([comp], minimum - 1, "group", 2, MB, fixed=tables)
+
+
+def test_budget_advice_fits_the_mode():
+    comp = _transformer(n=8)
+    with pytest.raises(BudgetError) as info:
+        plan([comp], MB, "leaf", 1, MB)
+    message = str(info.value)
+    assert "mode='leaf'" not in message and "prefetch" not in message
+    with pytest.raises(BudgetError) as info:
+        plan([comp], MB, "group", 2, MB)
+    assert "mode='leaf'" in str(info.value) and "lower prefetch" in str(info.value)
+
+
+def test_nothing_to_split_moves_whole_or_names_its_minimum():
+    whole = ComponentSize("vae", [], GroupSize("vae", 30 * MB, 60 * MB, 0, 10 * MB), looped=False)
+    with pytest.raises(BudgetError, match="nothing in it can be split") as info:
+        plan([whole], 10 * MB, "group", 2, MB)
+    the_plan = plan([whole], info.value.minimum, "group", 2, MB)
+    assert the_plan.modes == {"vae": "model"} and the_plan.planned_bytes <= info.value.minimum
+    assert the_plan.staging_bytes == 2 * 10 * MB  # chunks of its largest single pack, not of the whole
