@@ -8,17 +8,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from accelerate.hooks import add_hook_to_module, remove_hook_from_module
+from tqdm.auto import tqdm
 
+from tritoff.arena import HostArena
 from tritoff.budget import device_memory, format_bytes, parse_size
+from tritoff.chunks import smallest_chunk
 from tritoff.formats import check_granularity, get_format
 from tritoff.groups import REST, Group, block_groups, leaf_groups
-from tritoff.manager import ComponentHook, ComponentRuntime, GroupHook, HookManager
-from tritoff.onload import GroupRuntime
-from tritoff.packer import PackedModel, pack_model, plan_layouts
-from tritoff.planner import MODES, ComponentSize, GroupSize, Plan, plan
+from tritoff.kernels.upcast import upcast_pack_reference
+from tritoff.manager import ComponentHook, ComponentRuntime, GroupHook, HookManager, guard_forward
+from tritoff.onload import GroupRuntime, table_bytes
+from tritoff.pack import PackLayout
+from tritoff.packer import PackedModel, pack_model, pack_offsets, plan_layouts
+from tritoff.planner import MODES, ComponentSize, GroupSize, Plan, build_chunk, plan
 from tritoff.report import Report
 from tritoff.skip import SkipRules
 from tritoff.slots import SlotRing
+from tritoff.transfer import Transfer
 
 ENGINE_ATTR = "_tritoff_engine"
 TRANSPORTS = ("auto", "staged", "zero_copy")
@@ -78,6 +84,19 @@ def _check_no_foreign_hooks(components: dict[str, nn.Module]) -> None:
                 )
 
 
+def _check_not_managed_elsewhere(components: dict[str, nn.Module], previous) -> None:
+    own = previous.manager if previous is not None else None
+    for name, component in components.items():
+        for module_name, module in component.named_modules():
+            hook = getattr(module, "_hf_hook", None)
+            if isinstance(hook, (ComponentHook, GroupHook)) and hook.manager is not own:
+                where = f"{name}.{module_name}" if module_name else name
+                raise ValueError(
+                    f"{where} is already managed by tritoff through another pipeline or module (shared components "
+                    "cannot be packed twice); call tritoff.disable on that one first"
+                )
+
+
 def _resolve(components, storage, granularity, skip, mode, budget, reserve, device, prefetch, transport, kernels):
     fmt = get_format(storage)
     check_granularity(granularity)
@@ -114,7 +133,13 @@ def _resolve(components, storage, granularity, skip, mode, budget, reserve, devi
 
 
 def _groups_for(module: nn.Module, mode: str) -> list[Group]:
-    return leaf_groups(module) if mode == "leaf" else block_groups(module)
+    if mode == "leaf":
+        return leaf_groups(module)
+    groups = block_groups(module)
+    if mode == "group" and not any(g.name != REST for g in groups):
+        # no block list to stream (a model without ModuleLists): stream its layers instead
+        return leaf_groups(module)
+    return groups
 
 
 def _splittable(module: nn.Module, groups: list[Group]) -> bool:
@@ -140,8 +165,13 @@ class Engine:
         the_plan: Plan,
         group_lists: dict[str, list[Group]],
         snr: dict,
+        chunk_bytes: int = 0,
+        progress: bool = False,
     ):
         self.target = target
+        self._progress = progress
+        self.chunk_bytes = chunk_bytes
+        self.requires_grad: dict[tuple[str, str], bool] = {}
         self.components = components
         self.options = options
         self.packed = packed
@@ -150,8 +180,8 @@ class Engine:
         self.snr = snr
         self._group_lists = group_lists
         self._hooked: list[nn.Module] = []
+        self._runtimes: list[ComponentRuntime] = []
         self.manager: HookManager | None = None
-        self._build_runtime()
 
     # building -----------------------------------------------------------------------------------------------------
     def _use_triton(self) -> bool:
@@ -178,7 +208,7 @@ class Engine:
             comp = ComponentRuntime(name, module, self.plan.modes[name], _looped(name))
             for pack, group in zip(packed.packs, self._group_lists[name], strict=True):
                 params = [params_by_name[n] for n, _ in group.params]
-                g = GroupRuntime(name, pack, packed, params, device, use_triton, zero_copy)
+                g = GroupRuntime(name, pack, packed, params, device, use_triton, zero_copy, self.chunk_bytes)
                 tier = self.plan.tiers.get(name, {}).get(g.name)
                 if comp.mode == "resident":
                     g.tier = "bf16"
@@ -190,29 +220,41 @@ class Engine:
                     comp.blocks.append(g)
                 comp.groups.append(g)
             runtimes.append(comp)
+        self._runtimes = runtimes
+        # a plan with nothing to load at run time (everything resident) fills its groups once, here, through
+        # staging taken from the activation reserve (no activations exist yet); it is freed when enable returns
+        transfer = Transfer(device, self.chunk_bytes)
         ring = None
         if self.plan.ring_slots:
-            ring = SlotRing(device, self.plan.ring_slots, self.plan.slot_bytes, self.plan.staging_bytes)
-        self.manager = HookManager(device, runtimes, ring, opts.prefetch, self.plan.pool_bytes, self.plan.reserve)
+            ring = SlotRing(device, self.plan.ring_slots, self.plan.slot_bytes, transfer)
+        self.manager = HookManager(
+            device, runtimes, transfer, ring, opts.prefetch, self.plan.pool_bytes, self.plan.reserve
+        )
         for comp in runtimes:
             _move_buffers(comp.module, device)
             modules = dict(comp.module.named_modules())
-            for group, g in zip(self._group_lists[comp.name], comp.groups, strict=True):
+            placing = zip(self._group_lists[comp.name], comp.groups, strict=True)
+            bar = tqdm(placing, total=len(comp.groups), desc=f"placing {comp.name}", disable=not self._progress)
+            for group, g in bar:
                 if g.tier == "bf16":
                     g.buffer = torch.empty(g.unpacked_bytes, dtype=torch.uint8, device=device)
-                    g.fill(g.buffer, None)
+                    transfer.fill(g, g.buffer)
                     g.bind(g.buffer)
                     continue
                 if g.tier == "fp8":
-                    g.device_pack = g.pack.data.to(device)
+                    # a copy on the CPU too (to() would return the arena view itself)
+                    g.device_pack = torch.empty_like(g.pack.data, device=device).copy_(g.pack.data)
                 g.release()
                 if g.tier in ("fp8", "stream"):
                     self._hook(modules[group.modules[0][0]], GroupHook(self.manager, g))
             self._hook(comp.module, ComponentHook(self.manager, comp))
-        self._runtimes = runtimes
+        transfer.compute_waits()
+        if not self.plan.staging_bytes:
+            transfer.release()
 
     def _hook(self, module: nn.Module, hook) -> None:
         add_hook_to_module(module, hook)
+        guard_forward(module, self.manager)
         self._hooked.append(module)
 
     # public -------------------------------------------------------------------------------------------------------
@@ -225,25 +267,28 @@ class Engine:
         """A readable table: plan, bytes moved, onloads, synchronous fallbacks, stalls, memory, worst layers."""
         return Report(self).text()
 
-    def save(self, directory) -> None:
-        """Write the packs as a store that ``enable(..., store=directory)`` maps instead of quantizing again."""
+    def save(self, directory, overwrite: bool = False) -> None:
+        """Write the packs as a store that ``enable(..., store=directory)`` maps instead of quantizing again.
+
+        ``directory`` must be new or empty; an existing store is replaced only with ``overwrite``."""
         from tritoff.store import save_store
 
         grouping = "leaf" if self.options.mode == "leaf" else "block"
-        save_store(directory, self.fingerprints, self.packed, self.options.skip, grouping)
+        save_store(directory, self.fingerprints, self.packed, self.options.skip, grouping, overwrite=overwrite)
 
     def teardown(self) -> None:
-        """Remove every hook and drop every GPU buffer; parameters are left pointing at placeholders."""
+        """Remove every hook and release every GPU buffer (slots, staging, pool units, resident tiers, cached views,
+        kernel tables); parameters are left pointing at placeholders."""
         for module in self._hooked:
             remove_hook_from_module(module)
         self._hooked = []
         if self.options.device.type == "cuda":
             torch.cuda.synchronize(self.options.device)
+        if self.manager is not None:
+            self.manager.release()
         for comp in self._runtimes:
             for g in comp.groups:
-                g.release()
-                g.buffer = None
-                g.device_pack = None
+                g.drop_device_state()
         self.manager = None
 
 
@@ -258,18 +303,45 @@ def _sizes(components, group_lists, layouts, mode) -> list[ComponentSize]:
     sizes = []
     for name, module in components.items():
         groups, lays = group_lists[name], layouts[name]
-        blocks = [
-            GroupSize(g.name, lay.nbytes, lay.out_nbytes) for g, lay in zip(groups, lays, strict=True) if g.name != REST
+        each = [
+            GroupSize(g.name, lay.nbytes, lay.out_nbytes, smallest_chunk(lay))
+            for g, lay in zip(groups, lays, strict=True)
         ]
-        rest = [
-            GroupSize(g.name, lay.nbytes, lay.out_nbytes) for g, lay in zip(groups, lays, strict=True) if g.name == REST
-        ]
+        blocks = [s for s in each if s.name != REST]
+        rest = [s for s in each if s.name == REST]
         if mode != "model" and _splittable(module, groups):
             sizes.append(ComponentSize(name, blocks, rest[0] if rest else None, _looped(name)))
         else:
-            whole = GroupSize(name, sum(lay.nbytes for lay in lays), sum(lay.out_nbytes for lay in lays))
+            whole = GroupSize(
+                name,
+                sum(s.packed for s in each),
+                sum(s.unpacked for s in each),
+                max(s.min_chunk for s in each),
+                max(s.packed for s in each),
+            )
             sizes.append(ComponentSize(name, [], whole, _looped(name)))
     return sizes
+
+
+def _buffer_bytes(components: dict[str, nn.Module]) -> int:
+    """Bytes of the module buffers (rotary tables, position ids) that move to the device with the components."""
+    return sum(b.numel() * b.element_size() for m in components.values() for b in m.buffers())
+
+
+def _plan(sizes, layouts: dict[str, list[PackLayout]], components, options: Options, default_reserve: bool):
+    """The plan, with every device byte the engine allocates outside the groups accounted for (module buffers and
+    the kernel tables, whose size depends on how the plan's staging chunks cut the packs), and that chunk capacity."""
+    staged = options.transport != "zero_copy"
+    zero_copy = not staged and options.device.type == "cuda"
+    buffers = _buffer_bytes(components)
+    every = [lay for lays in layouts.values() for lay in lays]
+
+    def fixed(chunk: int) -> int:
+        return buffers + sum(table_bytes(lay, chunk, zero_copy) for lay in every)
+
+    fraction = 0.1 if default_reserve else None
+    the_plan = plan(sizes, options.budget, options.mode, options.prefetch, options.reserve, staged, fraction, fixed)
+    return the_plan, build_chunk(the_plan, sizes, staged)
 
 
 def enable(
@@ -286,6 +358,7 @@ def enable(
     reserve: int | str | None = None,
     kernels: str = "auto",
     store: str | None = None,
+    verify: bool = True,
     progress: bool = True,
 ) -> Engine:
     """Store ``target``'s weights off-GPU in ``storage`` and run it within ``budget`` of GPU memory.
@@ -297,7 +370,8 @@ def enable(
     ``"zero_copy"``. ``reserve``: memory kept for activations (default 10% of the budget). ``skip``: extra regexes of
     module names to keep unquantized. ``kernels``: ``"auto"``, ``"triton"`` or ``"reference"`` (PyTorch).
     ``storage`` defaults to ``"fp8_e4m3"``. ``store``: a directory written by ``Engine.save`` / ``tritoff convert``
-    whose packs are mapped instead of quantizing (its storage, granularity and skip patterns apply).
+    whose packs are mapped instead of quantizing (its storage, granularity and skip patterns apply); every store file
+    is checked against the hash its index records unless ``verify=False`` (for stores verified elsewhere).
 
     Raises ``ValueError`` (one line, saying what to do) on bad options, a budget too small (naming the smallest that
     works), or a pipeline already carrying accelerate/diffusers hooks. A failed enable leaves ``target`` as it was.
@@ -305,6 +379,7 @@ def enable(
     """
     components = _components(target)
     previous: Engine | None = getattr(target, ENGINE_ATTR, None)
+    _check_not_managed_elsewhere(components, previous)
     if previous is None:
         _check_no_foreign_hooks(components)
     from tritoff.store import fingerprint
@@ -347,7 +422,7 @@ def enable(
         from tritoff.store import load_store
 
         group_lists = {n: _groups_for(m, options.mode) for n, m in components.items()}
-        stored = load_store(store, components, group_lists, fingerprints)
+        stored = load_store(store, components, group_lists, fingerprints, verify=verify)
         layouts = {n: [p.layout for p in stored[n].packs] for n in components}
     else:
         group_lists = {n: _groups_for(m, options.mode) for n, m in components.items()}
@@ -357,17 +432,23 @@ def enable(
             _check_finite(module, quantized, name)
             layouts[name] = plan_layouts(group_lists[name], quantized, fmt, options.granularity)
     sizes = _sizes(components, group_lists, layouts, options.mode)
-    staged = options.transport != "zero_copy"
-    fraction = 0.1 if reserve is None else None
-    the_plan = plan(sizes, options.budget, options.mode, options.prefetch, options.reserve, staged, fraction)
+    the_plan, chunk_bytes = _plan(sizes, layouts, components, options, reserve is None)
+    # everything that can fail is checked before a parameter changes: from here on the pipeline is modified
     if reuse:
+        _check_zero_copy(options, previous.packed)
         previous.teardown()
         packed, snr = previous.packed, previous.snr
+        requires_grad = previous.requires_grad
     elif store is not None:
+        _check_zero_copy(options, stored)
         packed, snr = stored, {}
+        requires_grad = _freeze(components)
         for module in components.values():
             _replace_meta_params(module, options.device)
     else:
+        arenas = {name: HostArena(pack_offsets(layouts[name])[1]) for name in components}
+        _check_zero_copy(options, arenas)
+        requires_grad = _freeze(components)
         packed, snr = {}, {}
         for name, module in components.items():
             stats: dict[str, float] = {}
@@ -381,12 +462,48 @@ def enable(
                 progress=progress,
                 snr=stats,
                 layouts=layouts[name],
+                desc=f"packing {name}",
+                arena=arenas[name],
             )
             snr.update({f"{name}.{k}": v for k, v in stats.items()})
-    engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr)
+    engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr, chunk_bytes, progress)
     engine.fingerprints = fingerprints
+    engine.requires_grad = requires_grad
+    try:
+        engine._build_runtime()
+    except BaseException:
+        # a failure while placing the packs (an out-of-memory GPU, Ctrl-C): leave ordinary modules holding the
+        # (dequantized) weights rather than placeholders
+        _restore(engine, options.device)
+        if hasattr(target, ENGINE_ATTR):  # a re-plan: the previous engine was torn down already
+            delattr(target, ENGINE_ATTR)
+        raise
     setattr(target, ENGINE_ATTR, engine)
     return engine
+
+
+def _check_zero_copy(options: Options, arenas: dict) -> None:
+    """transport='zero_copy' needs every arena page-locked; refuse before anything changes if one is not."""
+    if options.transport != "zero_copy" or options.device.type != "cuda":
+        return
+    for name, arena in arenas.items():
+        arena = getattr(arena, "arena", arena)
+        if not arena.registered:
+            raise ValueError(
+                f"transport='zero_copy' needs page-locked host memory, and {name}'s packs could not be locked "
+                f"({arena.register_error}); use transport='staged' or raise the locked-memory limit (ulimit -l)"
+            )
+
+
+def _freeze(components: dict[str, nn.Module]) -> dict[tuple[str, str], bool]:
+    """Set ``requires_grad=False`` on every parameter (their storage is managed by tritoff); returns the flags to
+    restore on :func:`disable`."""
+    flags = {}
+    for name, module in components.items():
+        for pname, param in module.named_parameters():
+            flags[(name, pname)] = param.requires_grad
+            param.requires_grad_(False)
+    return flags
 
 
 def _replace_meta_params(module: nn.Module, device: torch.device) -> None:
@@ -406,6 +523,31 @@ def _check_finite(module: nn.Module, quantized: set[str], component: str) -> Non
             raise ValueError(f"{component}.{name} contains NaN or Inf: fix or skip this weight before tritoff.enable")
 
 
+def _dequantized(pack, device: torch.device) -> dict[str, torch.Tensor]:
+    """The pack's tensors dequantized exactly (with the reference) into one fresh buffer on ``device``."""
+    out = torch.empty(pack.layout.out_nbytes, dtype=torch.uint8)
+    upcast_pack_reference(pack.data, out, pack.layout.table(), pack.layout.out_dtype, pack.layout.storage)
+    return pack.layout.views(out.to(device))
+
+
+def _restore(engine: Engine, device: torch.device) -> None:
+    """Tear ``engine`` down and give every parameter its dequantized weights on ``device`` and its requires_grad."""
+    engine.teardown()
+    for name, module in engine.components.items():
+        params = dict(module.named_parameters())
+        packed = engine.packed.get(name)
+        if packed is not None:
+            for pack, group in zip(packed.packs, engine._group_lists[name], strict=True):
+                tensors = _dequantized(pack, device)
+                for pname, _ in group.params:
+                    params[pname].data = tensors[pname]
+        for pname, param in params.items():
+            param.requires_grad_(engine.requires_grad.get((name, pname), param.requires_grad))
+        _move_buffers(module, device)
+    for packed in engine.packed.values():
+        packed.arena.close()
+
+
 def disable(target, device: str | torch.device | None = None) -> None:
     """Remove every tritoff hook; leave ordinary modules holding the dequantized weights on ``device``.
 
@@ -414,15 +556,7 @@ def disable(target, device: str | torch.device | None = None) -> None:
     engine: Engine | None = getattr(target, ENGINE_ATTR, None)
     if engine is None:
         return
-    engine.teardown()
-    device = torch.device(device) if device is not None else engine.options.device
-    for comp in engine._runtimes:
-        for g in comp.groups:
-            for param, tensor in zip(g.params, g.dequantized(device), strict=True):
-                param.data = tensor
-        _move_buffers(comp.module, device)
-    for packed in engine.packed.values():
-        packed.arena.close()
+    _restore(engine, torch.device(device) if device is not None else engine.options.device)
     delattr(target, ENGINE_ATTR)
 
 

@@ -31,13 +31,16 @@ def _block_lists(module: nn.Module, prefix: str = ""):
 def block_groups(model: nn.Module) -> list[Group]:
     """One group per element of each ModuleList of ``model`` (e.g. ``blocks.0``), then the rest of the model.
 
-    A ModuleList element without parameters makes no group. Parameters shared between groups belong to the first.
+    A model that is itself a ModuleList or Sequential is one list of blocks (``0``, ``1``, ...). A ModuleList element
+    without parameters makes no group. Parameters shared between groups belong to the first.
     """
     groups: list[Group] = []
     owner: dict[int, str] = {}
-    for list_name, blocks in _block_lists(model):
+    # a model that is itself a list (a plain nn.Sequential) streams its children
+    is_list = isinstance(model, (nn.ModuleList, nn.Sequential)) and len(model) > 1
+    for list_name, blocks in [("", model)] if is_list else _block_lists(model):
         for index, block in enumerate(blocks):
-            name = f"{list_name}.{index}"
+            name = f"{list_name}.{index}" if list_name else str(index)
             params = [(f"{name}.{p}", t) for p, t in block.named_parameters() if id(t) not in owner]
             if params:
                 owner.update((id(t), name) for _, t in params)

@@ -13,6 +13,7 @@ order is loaded synchronously and counted.
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections import deque
@@ -21,9 +22,11 @@ from dataclasses import dataclass, field
 import torch
 from accelerate.hooks import ModelHook
 from accelerate.utils import send_to_device
+from torch.autograd.graph import saved_tensors_hooks
 
 from tritoff.onload import GroupRuntime
 from tritoff.slots import SlotRing
+from tritoff.transfer import Transfer
 
 
 @dataclass
@@ -73,6 +76,7 @@ class HookManager:
         self,
         device: torch.device,
         components: list[ComponentRuntime],
+        transfer: Transfer,
         ring: SlotRing | None,
         depth: int,
         pool_bytes: int,
@@ -80,7 +84,10 @@ class HookManager:
     ):
         self.device = device
         self.components = {c.name: c for c in components}
+        self.transfer = transfer
         self.ring = ring
+        # the storages of the ring slots: a saved-for-backward tensor living there would be overwritten
+        self.slot_storages = {b.untyped_storage().data_ptr() for b in ring.buffers} if ring is not None else set()
         self.depth = depth
         self.pool_bytes = pool_bytes
         self.pool_used = 0
@@ -93,6 +100,7 @@ class HookManager:
         self.activation_peaks: dict[str, int] = {}
         self.peak_seen = 0
         self._activation_base: dict[str, int] = {}
+        self._saved_hooks: list[saved_tensors_hooks] = []
 
     # pool units -------------------------------------------------------------------------------------------------
     def load_unit(self, comp: ComponentRuntime) -> None:
@@ -106,20 +114,14 @@ class HookManager:
                 break
             self.evict_unit(min(victims, key=lambda c: c.last_used))
 
-        # allocated on the compute stream, which reads them and frees them at eviction; only filled on the copy stream
+        # allocated on the compute stream, which reads them and frees them at eviction; written on the transfer
+        # streams only after the compute stream reaches this point (the memory may have been freed by kernels still
+        # queued there), and read only after the compute stream waits for the fills
         for g in comp.unit:
             g.buffer = torch.empty(g.unpacked_bytes, dtype=torch.uint8, device=self.device)
-
-        def fill():
-            moved = 0
-            staging = self.ring.staging if self.ring is not None else None
-            for g in comp.unit:
-                moved += g.fill(
-                    g.buffer, staging if staging is not None and staging.numel() >= g.packed_bytes else None
-                )
-            return moved
-
-        moved = self.ring.run_on_copy_stream(fill) if self.ring is not None else fill()
+        allocated = self.transfer.mark_compute()
+        moved = sum(self.transfer.fill(g, g.buffer, allocated) for g in comp.unit)
+        self.transfer.compute_waits()
         for g in comp.unit:
             g.bind(g.buffer)
         comp.unit_loaded = True
@@ -195,14 +197,77 @@ class HookManager:
         """Peak GPU memory allocated since the process started (the measurements reset the allocator's peak)."""
         return max(self.peak_seen, torch.cuda.max_memory_allocated(self.device))
 
+    # failures and teardown --------------------------------------------------------------------------------------
+    def recover(self) -> None:
+        """After an exception escaped a forward (an error in a block, Ctrl-C, a CUDA OOM a caller catches): release
+        what the interrupted call held, so the next call runs exactly as on a fresh engine.
+
+        Slots the interrupted blocks held are freed behind whatever the compute stream had queued; a partial trace
+        is discarded (the next call traces again); nothing stays marked active; pool units are evicted (their memory
+        is what a caller retrying after an out-of-memory error needs back).
+        """
+        while self._saved_hooks:
+            self._saved_hooks.pop().__exit__(None, None, None)
+        inflight = {id(g) for g in self.inflight}
+        self._invalidate()
+        self.cursor = None
+        for comp in self.components.values():
+            for g in comp.blocks:
+                if g.slot is not None and id(g) not in inflight:
+                    self.ring.done(g)
+                    g.release()
+            comp.trace = None
+            comp.active = 0
+            self._activation_base.pop(comp.name, None)
+        for comp in self.components.values():
+            if comp.unit_loaded:
+                self.evict_unit(comp)
+
+    def capturing(self) -> bool:
+        """Whether the compute stream is being captured into a CUDA graph."""
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def _refuse_slot_tensor(self, group: GroupRuntime):
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.untyped_storage().data_ptr() in self.slot_storages:
+                raise RuntimeError(
+                    f"{group.component}.{group.name}: autograd would save a weight that lives in a reused GPU slot "
+                    "(an input or adapter requires grad); run under torch.no_grad(), or use a budget that keeps this "
+                    "block resident"
+                )
+            return tensor
+
+        return pack
+
+    def release(self) -> None:
+        """Drop the ring, staging and every pool unit (teardown)."""
+        self._invalidate()
+        for comp in self.components.values():
+            if comp.unit_loaded:
+                self.evict_unit(comp)
+        if self.ring is not None:
+            self.ring.release()
+        self.transfer.release()
+        self.slot_storages = set()
+
     # groups -----------------------------------------------------------------------------------------------------
     def group_pre(self, group: GroupRuntime) -> None:
         """Before a block's forward: make sure it is loaded (or loading), wait for it on the GPU, bind, prefetch."""
-        start = time.perf_counter_ns() - (self.ring.sync_fill_ns if self.ring is not None else 0)
+        start = time.perf_counter_ns() - self.transfer.sync_fill_ns
         comp = self.components[group.component]
         if comp.trace is not None:
             comp.trace.append(self.index[id(group)])
         if group.tier != "bf16":
+            if self.capturing():
+                raise RuntimeError(
+                    f"{group.component}.{group.name} streams through reused GPU slots, which a CUDA graph cannot "
+                    "capture; capture without tritoff, or with a budget that keeps every block resident"
+                )
+            if torch.is_grad_enabled():
+                # slot views must never be saved for a backward pass: the slot is overwritten by a later block
+                hooks = saved_tensors_hooks(self._refuse_slot_tensor(group), _unpack_saved)
+                hooks.__enter__()
+                self._saved_hooks.append(hooks)
             if group in self.inflight:
                 while self.inflight[0] is not group:  # skipped (conditional) groups: their slots are simply reused
                     self.inflight.popleft().slot = None
@@ -219,7 +284,7 @@ class HookManager:
             group.bind(self.ring.wait(group))
             self._top_up()
         # host time in the hook itself: synchronous fills (the CPU path) are the transfer, not overhead
-        end = time.perf_counter_ns() - (self.ring.sync_fill_ns if self.ring is not None else 0)
+        end = time.perf_counter_ns() - self.transfer.sync_fill_ns
         if comp.traced:  # steady state only: the first forward also pays for warm-up and tracing
             comp.stats.hook_ns += end - start
             comp.stats.hook_calls += 1
@@ -227,6 +292,8 @@ class HookManager:
     def group_post(self, group: GroupRuntime) -> None:
         """After a block's forward: free its slot (an event on the compute stream) and unbind its parameters."""
         start = time.perf_counter_ns()
+        if self._saved_hooks:
+            self._saved_hooks.pop().__exit__(None, None, None)
         if group.tier != "bf16" and group.slot is not None:
             self.ring.done(group)
             group.release()
@@ -312,3 +379,23 @@ class GroupHook(_TritoffHook):
         """Release the block's slot."""
         self.manager.group_post(self.group)
         return output
+
+
+def _unpack_saved(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def guard_forward(module: torch.nn.Module, manager: HookManager) -> None:
+    """Wrap ``module.forward`` (already hooked) so that an exception escaping it resets the manager
+    (:meth:`HookManager.recover`) before it propagates. ``remove_hook_from_module`` restores the original forward."""
+    hooked = module.forward
+
+    @functools.wraps(hooked)
+    def forward(*args, **kwargs):
+        try:
+            return hooked(*args, **kwargs)
+        except BaseException:
+            manager.recover()
+            raise
+
+    module.forward = forward

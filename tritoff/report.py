@@ -75,10 +75,13 @@ class Report:
             "worst_layers_snr_db": dict(worst),
         }
 
+    def _mode_names(self) -> dict[str, str]:
+        return {"group": "leaf"} if self.engine.options.mode == "leaf" else {}
+
     def text(self) -> str:
         """The table ``Engine.report()`` returns."""
         d = self.data()
-        lines = [f"tritoff on {d['device']}, storage {d['storage']}", self.engine.plan.summary(), ""]
+        lines = [f"tritoff on {d['device']}, storage {d['storage']}", self.engine.plan.summary(self._mode_names()), ""]
         header = (
             f"  {'component':<16}{'mode':<10}{'calls':>6}{'H2D':>12}{'onloads':>9}{'sync':>6}{'pool':>6}"
             f"{'hook us':>9}{'arena':>12}"

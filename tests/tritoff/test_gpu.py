@@ -3,10 +3,11 @@
 import pytest
 import torch
 import torch.nn as nn
-from helpers import dequantized_pipeline, run, wan
 
 import tritoff
 from tritoff.tiny import realistic_init
+
+from .helpers import dequantize_in_place, dequantized_pipeline, run, wan
 
 pytestmark = pytest.mark.gpu
 
@@ -81,3 +82,318 @@ def test_registered_arena_and_real_fp8_kernels():
     assert torch.equal(codes.cpu(), ref_codes) and torch.equal(scales.cpu(), ref_scales)
     if torch.cuda.get_device_capability() >= (8, 9):
         assert native_fp8("cuda")
+
+
+# about 20-50 ms of GPU time on current parts: long enough for the transfer streams to run far ahead of compute
+SLEEP_CYCLES = 50_000_000
+
+
+class SleepyBlock(nn.Module):
+    """A block that first holds the compute stream (so transfers race ahead of it), then uses its weights."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+
+    def forward(self, x):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class Sleepy(nn.Module):
+    def __init__(self, n=6, width=512):
+        super().__init__()
+        self.blocks = nn.ModuleList(SleepyBlock(width) for _ in range(n))
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _sleepy():
+    torch.manual_seed(0)
+    return realistic_init(Sleepy()).to(torch.bfloat16).eval()
+
+
+def _minimum(model, **kwargs) -> int:
+    from tritoff.planner import BudgetError
+
+    with pytest.raises(BudgetError) as info:
+        tritoff.enable(model, mode="group", budget=1000, progress=False, **kwargs)
+    return info.value.minimum
+
+
+@pytest.mark.parametrize("transport", ["staged", "zero_copy"])
+def test_slots_are_not_overwritten_while_the_compute_stream_lags(transport):
+    x = torch.randn(64, 512, dtype=torch.bfloat16, device="cuda")
+    reference = dequantize_in_place(_sleepy()).cuda()
+    with torch.no_grad():
+        expected = reference(x)
+    model = _sleepy()
+    reserve = 64 * 512 * 2 * 8
+    engine = tritoff.enable(
+        model,
+        mode="group",
+        budget=_minimum(_sleepy(), reserve=reserve),
+        reserve=reserve,
+        transport=transport,
+        progress=False,
+    )
+    assert engine.plan.tier_counts("model")["stream"] == 6
+    with torch.no_grad():
+        outputs = [model(x) for _ in range(3)]  # no host synchronization between calls
+    torch.cuda.synchronize()
+    for out in outputs:
+        assert torch.equal(out, expected)
+
+
+class Unit(nn.Module):
+    """A component that moves whole: it holds the compute stream, then reads its weights."""
+
+    def __init__(self, width=1024):
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+
+    def forward(self, x):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return self.b(torch.relu(self.a(x)))
+
+
+class TwoUnits:
+    """A pipeline-like object of two components, each moving whole."""
+
+    def __init__(self, seed_a=0, seed_b=1):
+        torch.manual_seed(seed_a)
+        self.first = realistic_init(Unit(), seed=seed_a).to(torch.bfloat16).eval()
+        torch.manual_seed(seed_b)
+        self.second = realistic_init(Unit(), seed=seed_b).to(torch.bfloat16).eval()
+
+    @property
+    def components(self):
+        return {"first": self.first, "second": self.second}
+
+
+def test_a_pool_unit_is_not_filled_into_memory_queued_kernels_still_read():
+    x = torch.randn(64, 1024, dtype=torch.bfloat16, device="cuda")
+    reference = TwoUnits()
+    for module in reference.components.values():
+        dequantize_in_place(module).cuda()
+    with torch.no_grad():
+        expected_first, expected_second = reference.first(x), reference.second(x)
+    pipe = TwoUnits()
+    unit = 2 * (1024 * 1024 * 2 + 1024 * 2)
+    reserve = 64 * 1024 * 2 * 6
+    # the pool holds one unit: calling the second evicts the first while the first's kernels are still queued
+    probe = tritoff.enable(TwoUnits(), mode="model", budget="1GB", reserve=reserve, progress=False)
+    budget = probe.plan.planned_bytes - probe.plan.pool_bytes + unit + unit // 2
+    tritoff.disable(probe.target)
+    engine = tritoff.enable(pipe, mode="model", budget=budget, reserve=reserve, progress=False)
+    assert engine.plan.pool_bytes < 2 * unit
+    with torch.no_grad():
+        first = pipe.first(x)  # queued behind a sleep; its unit is evicted by the next call
+        pointer = engine.manager.components["first"].unit[0].buffer.data_ptr()
+        second = pipe.second(x)
+        reused = engine.manager.components["second"].unit[0].buffer.data_ptr() == pointer
+    torch.cuda.synchronize()
+    assert engine.stats["components"]["first"]["evictions"] == 1
+    assert torch.equal(first, expected_first) and torch.equal(second, expected_second)
+    if not reused:
+        pytest.skip("the allocator did not hand the evicted memory to the next unit: the race was not exercised")
+
+
+def test_after_an_exception_the_gpu_engine_recovers():
+    x = torch.randn(64, 512, dtype=torch.bfloat16, device="cuda")
+    reference = dequantize_in_place(_sleepy()).cuda()
+    with torch.no_grad():
+        expected = reference(x)
+    model = _sleepy()
+    engine = tritoff.enable(model, mode="group", budget=_minimum(_sleepy()), progress=False)
+    calls = {"n": 0}
+
+    def fail_once(module, args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise torch.cuda.OutOfMemoryError("simulated")
+
+    handle = model.blocks[3].b.register_forward_pre_hook(fail_once)
+    with torch.no_grad(), pytest.raises(torch.cuda.OutOfMemoryError):
+        model(x)
+    handle.remove()
+    assert engine.manager.pool_used == 0 and not engine.manager.inflight
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+        assert torch.equal(model(x), expected)
+    assert engine.stats["total"]["sync_onloads"] == 0
+
+
+def test_memory_returns_to_baseline_after_enable_reenable_and_disable():
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    x = torch.randn(64, 512, dtype=torch.bfloat16, device="cuda")
+    model = _sleepy()
+    budget = _minimum(_sleepy()) + 4 * 2**20
+    tritoff.enable(model, mode="group", budget=budget, progress=False)
+    with torch.no_grad():
+        model(x)
+    torch.cuda.synchronize()
+    enabled = torch.cuda.memory_allocated()
+    tritoff.enable(model, mode="group", budget=budget, progress=False)  # re-plan: the old buffers are freed
+    with torch.no_grad():
+        model(x)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == enabled
+    tritoff.disable(model, device="cpu")
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == base + x.numel() * x.element_size()
+
+
+class BigEmbedding(nn.Module):
+    """Small blocks beside a large kept embedding: its pool unit is many times the staging chunk."""
+
+    def __init__(self, vocab=65536, width=1024, n=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(n))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def test_a_unit_larger_than_staging_stays_within_the_budget():
+    import gc
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 65536, (8, 128), device="cuda")
+    reference = dequantize_in_place(realistic_init(BigEmbedding()).to(torch.bfloat16).eval()).cuda()
+    with torch.no_grad():
+        expected = reference(ids)
+    del reference
+    gc.collect()
+    torch.cuda.empty_cache()
+    model = realistic_init(BigEmbedding()).to(torch.bfloat16).eval()
+    reserve = 8 * 128 * 1024 * 2 * 8
+    # allocator rounding (2 MiB segments for small blocks) comes on top of the planned bytes: some headroom
+    budget = _minimum(realistic_init(BigEmbedding()).to(torch.bfloat16), reserve=reserve) + 64 * 2**20
+    base = torch.cuda.memory_reserved()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((base + budget + 2**20) / total)  # any unplanned buffer fails
+    try:
+        engine = tritoff.enable(model, mode="group", budget=budget, reserve=reserve, progress=False)
+        assert engine.plan.chunk_bytes < 65536 * 1024 * 2 // 8  # the embedding moves in many chunks
+        torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():
+            got = model(ids)
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_reserved() - base <= budget
+        assert torch.equal(got, expected)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_a_pack_over_2_gib_unpacks_exactly():
+    from tritoff.formats import get_format
+    from tritoff.kernels.upcast import BLOCK, upcast_pack
+    from tritoff.pack import PackLayout, TensorSpec
+
+    fmt = get_format("fp8_e4m3")
+    rows, row_len = 2, 1_100_000_000  # 2.2e9 fp8 elements: element offsets past 2^31
+    layout = PackLayout.plan([TensorSpec("w", (rows, row_len), torch.bfloat16, True)], fmt, "row")
+    e = layout.entries[0]
+    data = torch.empty(layout.nbytes, dtype=torch.uint8, device="cuda")
+    codes = data[e.offset : e.offset + e.nbytes]
+    codes.copy_(torch.randint(0, 256, (e.nbytes,), dtype=torch.uint8, device="cuda"))
+    codes[(codes & 0x7F) == 0x7F] = 0x38  # no NaN codes (0x38 is 1.0)
+    data[e.scale_offset : e.scale_offset + 8].view(torch.float32).copy_(torch.tensor([2.0**-7, 2.0**3]))
+    out = torch.empty(layout.out_nbytes, dtype=torch.uint8, device="cuda")
+    upcast_pack(data, out, layout.table(BLOCK, "cuda"), layout.n_programs(BLOCK), torch.bfloat16, fmt)
+    got = layout.views(out)["w"]
+    for r, scale in enumerate((2.0**-7, 2.0**3)):
+        for start in range(0, row_len, 1 << 28):  # compare in pieces: the reference needs fp32 temporaries
+            end = min(start + (1 << 28), row_len)
+            piece = codes[r * row_len + start : r * row_len + end].view(fmt.dtype)
+            expected = (piece.float() * scale).to(torch.bfloat16)
+            assert torch.equal(got[r, start:end].view(torch.int16), expected.view(torch.int16)), (r, start)
+
+
+@pytest.mark.parametrize("transport,bound", [("staged", 1.25), ("zero_copy", 1.5)])
+def test_matmuls_slow_down_little_while_packs_stream(transport, bound):
+    from tritoff.arena import HostArena
+    from tritoff.formats import get_format
+    from tritoff.kernels.upcast import BLOCK, BLOCK_ZERO_COPY, upcast_pack, upcast_pack_zero_copy
+    from tritoff.pack import PackLayout, TensorSpec
+
+    fmt = get_format("fp8_e4m3")
+    layout = PackLayout.plan([TensorSpec("w", (8192, 16384), torch.bfloat16, True)], fmt, "row")  # 128 MiB pack
+    arena = HostArena(layout.nbytes)
+    arena.buffer.fill_(0x30)
+    e = layout.entries[0]
+    arena.view(e.scale_offset, 4 * 8192).view(torch.float32).fill_(1.0)
+    out = torch.empty(layout.out_nbytes, dtype=torch.uint8, device="cuda")
+    staging = torch.empty(layout.nbytes, dtype=torch.uint8, device="cuda")
+    copy, upcast = torch.cuda.Stream(), torch.cuda.Stream()
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+
+    def matmuls() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            a @ a
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    table, programs = layout.table(BLOCK, "cuda"), layout.n_programs(BLOCK)
+    zc_table, zc_programs = layout.table(BLOCK_ZERO_COPY, "cuda"), layout.n_programs(BLOCK_ZERO_COPY)
+    host = arena.device_view(0, layout.nbytes)
+
+    def onloads(n: int) -> None:
+        for _ in range(n):
+            if transport == "staged":
+                with torch.cuda.stream(copy):
+                    staging.copy_(arena.buffer, non_blocking=True)
+                upcast.wait_stream(copy)
+                with torch.cuda.stream(upcast):
+                    upcast_pack(staging, out, table, programs, torch.bfloat16, fmt)
+                copy.wait_stream(upcast)  # the next copy overwrites the staging buffer this upcast reads
+            else:
+                with torch.cuda.stream(upcast):
+                    upcast_pack_zero_copy(host, out, zc_table, zc_programs, torch.bfloat16, fmt)
+
+    matmuls()  # warm-up
+    alone = min(matmuls() for _ in range(3))
+    onloads(1)
+    torch.cuda.synchronize()
+    onloads(12)  # a few seconds of transfers queued on the side streams
+    during = matmuls()
+    torch.cuda.synchronize()
+    arena.close()
+    assert during / alone < bound, (transport, alone, during)
+
+
+@pytest.mark.parametrize("transport", ["staged", "zero_copy"])
+def test_a_saved_store_runs_on_the_gpu_like_fresh_packs(tmp_path, transport):
+    from tritoff import cuda_host
+
+    if transport == "zero_copy" and not cuda_host.read_only_supported():
+        pytest.skip("this GPU cannot register a store's read-only mapping (zero-copy needs it)")
+    expected = run(dequantized_pipeline(wan).to("cuda"))
+    source = wan()
+    tritoff.enable(source, mode="group", budget="4MB", progress=False).save(tmp_path / "store")
+    pipe = wan()
+    engine = tritoff.enable(
+        pipe, mode="group", budget="4MB", transport=transport, store=str(tmp_path / "store"), progress=False
+    )
+    assert all(p.arena.registered for p in engine.packed.values())  # mapped read-only, page-locked
+    assert engine.plan.tier_counts("transformer")["stream"] > 0
+    assert torch.equal(run(pipe), expected)

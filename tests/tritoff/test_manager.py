@@ -3,11 +3,12 @@
 import pytest
 import torch
 import torch.nn as nn
-from helpers import dequantize_in_place
 
 import tritoff
 from tritoff.planner import BudgetError
 from tritoff.tiny import realistic_init, tiny_umt5
+
+from .helpers import dequantize_in_place
 
 pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
 
@@ -132,3 +133,93 @@ def test_fp16_and_fp32_models_come_back_in_their_dtype(dtype):
     with torch.no_grad():
         got = model(x)
     assert got.dtype == dtype and torch.equal(got, reference(x))
+
+
+class Boom(Exception):
+    """An error raised inside a block's forward."""
+
+
+def _raise_once(error):
+    state = {"raised": False}
+
+    def hook(module, args):
+        if not state["raised"]:
+            state["raised"] = True
+            raise error
+
+    return hook
+
+
+COUNTERS = ("bytes_h2d", "onloads", "sync_onloads", "trace_sync_onloads", "pool_loads", "evictions")
+
+
+def _counters(engine):
+    stats = engine.stats["components"]["model"]
+    return {k: stats[k] for k in COUNTERS}
+
+
+@pytest.mark.parametrize("failing_call", [0, 2], ids=["first-forward", "third-forward"])
+@pytest.mark.parametrize("error", [Boom("in a block"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
+def test_after_an_exception_the_next_call_runs_as_on_a_fresh_engine(failing_call, error):
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    reference = dequantize_in_place(_stack())
+    minimum = _minimum(_stack())
+    fresh_model = _stack()
+    fresh = _enable(fresh_model, minimum)
+    with torch.no_grad():
+        fresh_model(x)
+    first_call = _counters(fresh)
+
+    model = _stack()
+    engine = _enable(model, minimum)
+    manager = engine.manager
+    comp = manager.components["model"]
+    with torch.no_grad():
+        for _ in range(failing_call):
+            model(x)
+        handle = model.blocks[3][2].register_forward_pre_hook(_raise_once(error))
+        with pytest.raises(type(error)):
+            model(x)
+        handle.remove()
+        # nothing stays held: no active component, no slot, no pool unit, no open trace, weights on placeholders
+        assert comp.active == 0 and not manager.inflight and manager.pool_used == 0 and comp.trace is None
+        assert all(g.slot is None for g in comp.blocks)
+        assert all(p.numel() == 0 for g in comp.groups for p in g.params)
+        before = _counters(engine)
+        assert torch.equal(model(x), reference(x))
+    after = _counters(engine)
+    # the call after the exception moved the same bytes, loaded and evicted the same units, as a fresh first call
+    assert {k: after[k] - before[k] for k in COUNTERS} == first_call
+    assert comp.traced and comp.trace is None and comp.order == list(range(5))
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert engine.stats["components"]["model"]["sync_onloads"] == 0
+
+
+def test_weights_are_frozen_and_never_saved_for_backward():
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    reference = dequantize_in_place(_stack())
+    model = _stack()
+    assert all(p.requires_grad for p in model.parameters())
+    engine = _enable(model, _minimum(_stack()))
+    assert not any(p.requires_grad for p in model.parameters())
+    # grad mode on, nothing requiring grad: nothing is saved, the output is right
+    assert torch.equal(model(x), reference(x))
+    # an input that requires grad would make autograd keep a slot view that a later block overwrites: refused
+    with pytest.raises(RuntimeError, match="autograd would save a weight that lives in a reused GPU slot"):
+        model(x.clone().requires_grad_())
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))  # and the engine recovered
+    assert engine.stats["components"]["model"]["sync_onloads"] == 0
+    tritoff.disable(model)
+    assert all(p.requires_grad for p in model.parameters())  # disable gives the flags back
+
+
+def test_cuda_graph_capture_over_streamed_blocks_is_refused():
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    model = _stack()
+    engine = _enable(model, _minimum(_stack()))
+    engine.manager.capturing = lambda: True  # what torch.cuda.graph() makes the current stream report
+    with torch.no_grad(), pytest.raises(RuntimeError, match="a CUDA graph cannot capture") as info:
+        model(x)
+    assert "\n" not in str(info.value)
