@@ -11,6 +11,55 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+def _check_interpreter_bounds() -> None:
+    """Make Triton's interpreter refuse any load or store outside the tensors passed to the kernel.
+
+    The interpreter dereferences raw pointers: an out-of-bounds access silently reads or corrupts whatever memory
+    lies there, and crashes only when it reaches an unmapped page. Checking every active lane's address against the
+    kernel arguments' storages turns such a bug into an immediate error naming the access.
+    """
+    import numpy as np
+    import triton.runtime.interpreter as interpreter
+
+    ranges: list[tuple[int, int]] = []
+    init_args = interpreter.GridExecutor._init_args_hst
+
+    def record_ranges(self, args_dev, kwargs):
+        ranges.clear()
+        for arg in [*args_dev, *kwargs.values()]:
+            if hasattr(arg, "untyped_storage"):
+                # the wrapper tensors of torch.library.opcheck's modes hold no storage of their own: unwrap as the
+                # interpreter does before touching one
+                storage = interpreter._unwrap_tensor(arg).untyped_storage()
+                ranges.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+        return init_args(self, args_dev, kwargs)
+
+    def check(ptrs, mask, itemsize: int, what: str) -> None:
+        addresses = np.asarray(ptrs.data[mask.data], dtype=np.uint64)
+        if addresses.size:
+            low, high = int(addresses.min()), int(addresses.max()) + itemsize
+            if not any(start <= low and high <= end for start, end in ranges):
+                raise AssertionError(f"kernel {what} outside its arguments: [{low:#x}, {high:#x})")
+
+    builder = interpreter.interpreter_builder
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def masked_load(ptrs, mask, other, *rest):
+        check(ptrs, mask, np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize, "load")
+        return load(ptrs, mask, other, *rest)
+
+    def masked_store(ptrs, value, mask, *rest):
+        check(ptrs, mask, value.data.dtype.itemsize, "store")
+        return store(ptrs, value, mask, *rest)
+
+    interpreter.GridExecutor._init_args_hst = record_ranges
+    builder.create_masked_load, builder.create_masked_store = masked_load, masked_store
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _check_interpreter_bounds()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -63,3 +63,17 @@ def test_install_provides_tritoff_kernels(tmp_path, editable):
     probe = subprocess.run([str(python), "-c", PROBE], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert probe.returncode == 0, probe.stderr
     assert "upcast.py" in probe.stdout and "quantize.py" in probe.stdout
+
+
+@pytest.mark.parametrize("where", ["elsewhere", "tests", "tests/tritoff"])
+def test_the_suite_runs_from_any_directory(tmp_path, where):
+    # tests/tritoff mirrors the package's name; as a test package it can never shadow the real tritoff
+    cwd = tmp_path if where == "elsewhere" else ROOT / where
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests/tritoff/test_groups.py")],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]

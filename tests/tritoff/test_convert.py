@@ -1,9 +1,10 @@
 """tritoff/convert.py: reading the checkpoint group by group gives exactly the store of a fully loaded pipeline."""
 
 import pytest
-from helpers import wan
 
 from tritoff.convert import CheckpointReader, convert_pipeline
+
+from .helpers import wan
 
 pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
 

@@ -2,13 +2,14 @@
 
 import pytest
 import torch
-from conftest import poisoned
 
 from tritoff.kernels.quantize import quantize_reference
 from tritoff.kernels.upcast import BLOCK, upcast_pack
 from tritoff.pack import unpack_reference
 from tritoff.packer import pack_model
 from tritoff.tiny import tiny_cogvideox_transformer, tiny_wan_transformer
+
+from ..conftest import poisoned
 
 
 @pytest.mark.parametrize("build", [tiny_wan_transformer, tiny_cogvideox_transformer], ids=["wan", "cogvideox"])

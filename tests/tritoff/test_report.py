@@ -1,9 +1,10 @@
 """tritoff/report.py: the report's mode column says how each component is managed."""
 
 import pytest
-from helpers import wan
 
 import tritoff
+
+from .helpers import wan
 
 pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
 

@@ -7,11 +7,12 @@ import stat
 
 import pytest
 import torch
-from helpers import run, wan
 
 import tritoff
 from tritoff import store as store_module
 from tritoff.store import INDEX, StoreError, check_target, load_store, read_index, save_store, verify_store
+
+from .helpers import run, wan
 
 pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
 
