@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from accelerate.hooks import add_hook_to_module, remove_hook_from_module
-from tqdm.auto import tqdm
 
 from tritoff.arena import HostArena
 from tritoff.budget import device_memory, format_bytes, parse_size
@@ -20,11 +19,9 @@ from tritoff.manager import ComponentHook, ComponentRuntime, GroupHook, HookMana
 from tritoff.onload import GroupRuntime, table_bytes
 from tritoff.pack import PackLayout
 from tritoff.packer import PackedModel, pack_model, pack_offsets, plan_layouts
-from tritoff.planner import MODES, ComponentSize, GroupSize, Plan, build_chunk, plan
+from tritoff.planner import MODES, ComponentSize, GroupSize, PhasedPlan, Plan, chunk_capacity, plan, plan_phases
 from tritoff.report import Report
 from tritoff.skip import SkipRules
-from tritoff.slots import SlotRing
-from tritoff.transfer import Transfer
 
 ENGINE_ATTR = "_tritoff_engine"
 TRANSPORTS = ("auto", "staged", "zero_copy")
@@ -162,15 +159,15 @@ class Engine:
         options: Options,
         packed: dict[str, PackedModel],
         sizes: list[ComponentSize],
-        the_plan: Plan,
+        the_plan: PhasedPlan,
         group_lists: dict[str, list[Group]],
         snr: dict,
-        chunk_bytes: int = 0,
-        progress: bool = False,
+        chunks: dict[str, int],
+        auto_reserve: bool = False,
     ):
         self.target = target
-        self._progress = progress
-        self.chunk_bytes = chunk_bytes
+        self.chunks = chunks
+        self.auto_reserve = auto_reserve
         self.requires_grad: dict[tuple[str, str], bool] = {}
         self.components = components
         self.options = options
@@ -198,59 +195,50 @@ class Engine:
         return runs
 
     def _build_runtime(self) -> None:
+        """Group runtimes, the manager and the hooks; nothing is uploaded until a phase is first entered."""
         opts, device = self.options, self.options.device
         use_triton = self._use_triton()
         zero_copy = opts.transport == "zero_copy"
+        sizes = {s.name: s for s in self.sizes}
         runtimes = []
         for name, module in self.components.items():
             packed = self.packed[name]
             params_by_name = dict(module.named_parameters())
-            comp = ComponentRuntime(name, module, self.plan.modes[name], _looped(name))
+            phase = self.plan.phases[name]
+            comp = ComponentRuntime(name, module, phase, _looped(name))
+            split = bool(sizes[name].blocks)
+            tiers = phase.tiers.get(name, {})
+            chunk = self.chunks[name]
             for pack, group in zip(packed.packs, self._group_lists[name], strict=True):
                 params = [params_by_name[n] for n, _ in group.params]
-                g = GroupRuntime(name, pack, packed, params, device, use_triton, zero_copy, self.chunk_bytes)
-                tier = self.plan.tiers.get(name, {}).get(g.name)
-                if comp.mode == "resident":
-                    g.tier = "bf16"
-                elif tier is None:  # the rest of a split component, or any group of a whole-moving one
+                g = GroupRuntime(name, pack, packed, params, device, use_triton, zero_copy, chunk)
+                if split and g.name != REST:
+                    g.tier = "bf16" if phase.modes[name] == "resident" else tiers[g.name]
+                    comp.blocks.append(g)
+                else:  # the rest of a split component, or any group of a whole-moving one
                     g.tier = "pool"
                     comp.unit.append(g)
-                else:
-                    g.tier = tier
-                    comp.blocks.append(g)
+                g.release()
                 comp.groups.append(g)
             runtimes.append(comp)
         self._runtimes = runtimes
-        # a plan with nothing to load at run time (everything resident) fills its groups once, here, through
-        # staging taken from the activation reserve (no activations exist yet); it is freed when enable returns
-        transfer = Transfer(device, self.chunk_bytes)
-        ring = None
-        if self.plan.ring_slots:
-            ring = SlotRing(device, self.plan.ring_slots, self.plan.slot_bytes, transfer)
         self.manager = HookManager(
-            device, runtimes, transfer, ring, opts.prefetch, self.plan.pool_bytes, self.plan.reserve
+            device, runtimes, self.plan, opts.prefetch, replan=self._replan, auto_reserve=self.auto_reserve
         )
         for comp in runtimes:
             _move_buffers(comp.module, device)
             modules = dict(comp.module.named_modules())
-            placing = zip(self._group_lists[comp.name], comp.groups, strict=True)
-            bar = tqdm(placing, total=len(comp.groups), desc=f"placing {comp.name}", disable=not self._progress)
-            for group, g in bar:
-                if g.tier == "bf16":
-                    g.buffer = torch.empty(g.unpacked_bytes, dtype=torch.uint8, device=device)
-                    transfer.fill(g, g.buffer)
-                    g.bind(g.buffer)
-                    continue
-                if g.tier == "fp8":
-                    # a copy on the CPU too (to() would return the arena view itself)
-                    g.device_pack = torch.empty_like(g.pack.data, device=device).copy_(g.pack.data)
-                g.release()
-                if g.tier in ("fp8", "stream"):
+            for group, g in zip(self._group_lists[comp.name], comp.groups, strict=True):
+                if g in comp.blocks:
                     self._hook(modules[group.modules[0][0]], GroupHook(self.manager, g))
             self._hook(comp.module, ComponentHook(self.manager, comp))
-        transfer.compute_waits()
-        if not self.plan.staging_bytes:
-            transfer.release()
+
+    def _replan(self, name: str, reserve: int) -> Plan:
+        """The phase of component ``name`` planned again with activation reserve ``reserve``."""
+        size = next(s for s in self.sizes if s.name == name)
+        opts = self.options
+        staged = opts.transport != "zero_copy"
+        return plan([size], opts.budget, opts.mode, opts.prefetch, reserve, staged, None, self.plan.fixed_bytes)
 
     def _hook(self, module: nn.Module, hook) -> None:
         add_hook_to_module(module, hook)
@@ -329,19 +317,17 @@ def _buffer_bytes(components: dict[str, nn.Module]) -> int:
 
 
 def _plan(sizes, layouts: dict[str, list[PackLayout]], components, options: Options, default_reserve: bool):
-    """The plan, with every device byte the engine allocates outside the groups accounted for (module buffers and
-    the kernel tables, whose size depends on how the plan's staging chunks cut the packs), and that chunk capacity."""
+    """The phased plan, with every device byte the engine allocates outside the groups accounted for (module buffers
+    and the kernel tables, cut for each phase's staging chunk), and each component's chunk capacity."""
     staged = options.transport != "zero_copy"
     zero_copy = not staged and options.device.type == "cuda"
-    buffers = _buffer_bytes(components)
-    every = [lay for lays in layouts.values() for lay in lays]
-
-    def fixed(chunk: int) -> int:
-        return buffers + sum(table_bytes(lay, chunk, zero_copy) for lay in every)
-
+    chunks = {s.name: chunk_capacity(s, staged) for s in sizes}
+    tables = sum(table_bytes(lay, chunks[name], zero_copy) for name, lays in layouts.items() for lay in lays)
+    fixed = _buffer_bytes(components) + tables
     fraction = 0.1 if default_reserve else None
-    the_plan = plan(sizes, options.budget, options.mode, options.prefetch, options.reserve, staged, fraction, fixed)
-    return the_plan, build_chunk(the_plan, sizes, staged)
+    reserves = dict.fromkeys(chunks, options.reserve)
+    phased = plan_phases(sizes, options.budget, options.mode, options.prefetch, reserves, staged, fraction, fixed)
+    return phased, chunks
 
 
 def enable(
@@ -432,7 +418,7 @@ def enable(
             _check_finite(module, quantized, name)
             layouts[name] = plan_layouts(group_lists[name], quantized, fmt, options.granularity)
     sizes = _sizes(components, group_lists, layouts, options.mode)
-    the_plan, chunk_bytes = _plan(sizes, layouts, components, options, reserve is None)
+    the_plan, chunks = _plan(sizes, layouts, components, options, reserve is None)
     # everything that can fail is checked before a parameter changes: from here on the pipeline is modified
     if reuse:
         _check_zero_copy(options, previous.packed)
@@ -466,7 +452,7 @@ def enable(
                 arena=arenas[name],
             )
             snr.update({f"{name}.{k}": v for k, v in stats.items()})
-    engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr, chunk_bytes, progress)
+    engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr, chunks, reserve is None)
     engine.fingerprints = fingerprints
     engine.requires_grad = requires_grad
     try:

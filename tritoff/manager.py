@@ -1,7 +1,8 @@
 """The hook manager: one owner for casting, grouping, prefetch and residency.
 
-Every component's root module carries a :class:`ComponentHook`; every streamed or fp8-resident block carries a
-:class:`GroupHook`. Both are accelerate ``ModelHook``s (removable with ``remove_hook_from_module``) whose
+Every component's root module carries a :class:`ComponentHook`, which enters its phase (``tritoff/residency.py``);
+every block of a split component carries a :class:`GroupHook` (whatever its tier, so a re-plan can move it). Both
+are accelerate ``ModelHook``s (removable with ``remove_hook_from_module``) whose
 ``execution_device`` is the GPU, so diffusers pipelines create latents and embeddings there. Because one manager does
 everything, nothing depends on the order features were enabled in.
 
@@ -23,9 +24,14 @@ import torch
 from accelerate.hooks import ModelHook
 from accelerate.utils import send_to_device
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._pytree import tree_leaves
 
+from tritoff.activations import MARGIN, estimate, meta_twin
+from tritoff.budget import format_bytes
 from tritoff.onload import GroupRuntime
-from tritoff.slots import SlotRing
+from tritoff.planner import BudgetError, PhasedPlan, Plan
+from tritoff.residency import Residency
+from tritoff.slots import SlotRing, StallClock
 from tritoff.transfer import Transfer
 
 
@@ -37,115 +43,156 @@ class ComponentStats:
     onloads: int = 0
     sync_onloads: int = 0  # groups that ran out of the traced order
     trace_sync_onloads: int = 0  # the first forward, while its order was being traced
-    pool_loads: int = 0
+    pool_loads: int = 0  # phase entries that uploaded it
+    entry_bytes: int = 0  # host bytes those entries moved
     evictions: int = 0
     calls: int = 0
+    replans: int = 0
     hook_ns: int = 0  # host time in group hooks after the first (tracing) forward
     hook_calls: int = 0
 
 
 @dataclass
 class ComponentRuntime:
-    """A component at run time: its mode, its streamed blocks and its pool unit."""
+    """A component at run time (one phase): its plan, its blocks, its unit, and what is loaded."""
 
     name: str
     module: torch.nn.Module
-    mode: str  # "resident" | "model" | "group"
+    plan: Plan
     looped: bool
     groups: list[GroupRuntime] = field(default_factory=list)  # all of them, in module order
-    blocks: list[GroupRuntime] = field(default_factory=list)  # split blocks (group mode), whatever their tier
-    unit: list[GroupRuntime] = field(default_factory=list)  # loaded whole at the component's call
+    blocks: list[GroupRuntime] = field(default_factory=list)  # split blocks, whatever their tier
+    unit: list[GroupRuntime] = field(default_factory=list)  # loaded whole when the phase is entered
     order: list[int] = field(default_factory=list)  # module order until the first forward is traced
     trace: list[int] | None = None
     traced: bool = False
-    unit_loaded: bool = False
+    loaded: bool = False
+    transfer: Transfer | None = None
+    ring: SlotRing | None = None
     active: int = 0
     last_used: int = 0
+    estimates: dict = field(default_factory=dict)  # input shapes -> activation estimate (None: not traceable)
+    twin: object = None  # meta twin for estimates (False: cannot be built)
+    measured: int | None = None  # activations of the first forward, measured on CUDA
     stats: ComponentStats = field(default_factory=ComponentStats)
+    stalls: StallClock = field(default_factory=StallClock)
 
     @property
-    def unit_bytes(self) -> int:
-        """GPU bytes of the pool unit."""
-        return sum(g.unpacked_bytes for g in self.unit)
+    def estimate(self) -> int | None:
+        """The activation estimate of its latest input shapes (None: not traced)."""
+        return next(reversed(self.estimates.values()), None) if self.estimates else None
+
+    @property
+    def mode(self) -> str:
+        """``resident``, ``model`` or ``group``, as planned."""
+        return self.plan.modes[self.name]
+
+
+def _shapes(args, kwargs) -> tuple:
+    return tuple(
+        (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else None for t in tree_leaves((args, kwargs))
+    )
 
 
 class HookManager:
-    """Runs the plan: pool units (LRU), the slot ring and prefetch, and the counters."""
+    """Runs the plan: phase residency, the slot rings and prefetch, activation estimates, and the counters.
+
+    ``replan(component, reserve) -> Plan`` plans a phase again with another activation reserve; with
+    ``auto_reserve``, each new input shape of a component is traced on the meta device first and its phase re-planned
+    around the estimate (see ``tritoff/activations.py``).
+    """
 
     def __init__(
         self,
         device: torch.device,
         components: list[ComponentRuntime],
-        transfer: Transfer,
-        ring: SlotRing | None,
+        phased: PhasedPlan,
         depth: int,
-        pool_bytes: int,
-        reserve: int = 0,
+        replan=None,
+        auto_reserve: bool = False,
     ):
         self.device = device
         self.components = {c.name: c for c in components}
-        self.transfer = transfer
-        self.ring = ring
-        # the storages of the ring slots: a saved-for-backward tensor living there would be overwritten
-        self.slot_storages = {b.untyped_storage().data_ptr() for b in ring.buffers} if ring is not None else set()
+        self.phased = phased
+        self.residency = Residency(device, phased.budget, phased.fixed_bytes)
         self.depth = depth
-        self.pool_bytes = pool_bytes
-        self.pool_used = 0
-        self.clock = 0
+        self.replan = replan
+        self.auto_reserve = auto_reserve
         self.inflight: deque[GroupRuntime] = deque()
         self.cursor: tuple[str, int] | None = None  # (component, order position) of the last group issued
         self.index = {id(g): i for c in components for i, g in enumerate(c.blocks)}
-        # activations measured during each component's first forward (CUDA allocator statistics; no synchronization)
-        self.reserve = reserve
         self.activation_peaks: dict[str, int] = {}
         self.peak_seen = 0
         self._activation_base: dict[str, int] = {}
         self._saved_hooks: list[saved_tensors_hooks] = []
 
-    # pool units -------------------------------------------------------------------------------------------------
-    def load_unit(self, comp: ComponentRuntime) -> None:
-        """Make ``comp``'s pool unit resident, evicting least recently used units if the pool is full."""
-        if comp.unit_loaded or not comp.unit:
+    @property
+    def transfer_ns(self) -> int:
+        """Host time spent filling synchronously (the CPU path): transfer time, not hook overhead."""
+        return sum(c.transfer.sync_fill_ns for c in self.components.values() if c.transfer is not None)
+
+    def slot_storages(self) -> set[int]:
+        """The storages of every loaded ring slot."""
+        return {b.untyped_storage().data_ptr() for c in self.components.values() if c.ring for b in c.ring.buffers}
+
+    # phases -----------------------------------------------------------------------------------------------------
+    def enter(self, comp: ComponentRuntime) -> None:
+        """Make ``comp``'s phase resident (uploading what its plan keeps there)."""
+        if not comp.loaded:
+            self._forget_inflight(lambda g: self.components[g.component].loaded is False)
+        self.residency.enter(comp, list(self.components.values()))
+
+    def leave(self, comp: ComponentRuntime) -> None:
+        """Evict ``comp``'s phase."""
+        self._forget_inflight(lambda g: g.component == comp.name)
+        if self.cursor is not None and self.cursor[0] == comp.name:
+            self.cursor = None
+        self.residency.leave(comp)
+
+    def apply_plan(self, comp: ComponentRuntime, new: Plan) -> None:
+        """Give ``comp`` a new phase plan (its tiers change; it is evicted first if loaded)."""
+        self.leave(comp)
+        comp.plan = new
+        self.phased.phases[comp.name] = new
+        tiers = new.tiers.get(comp.name, {})
+        for g in comp.blocks:
+            g.tier = "bf16" if new.modes[comp.name] == "resident" else tiers.get(g.name, "pool")
+        comp.stats.replans += 1
+
+    def _plan_activations(self, comp: ComponentRuntime, args, kwargs) -> None:
+        """Before a call with new input shapes: estimate its activations and re-plan the phase around them."""
+        if not (self.auto_reserve and self.replan is not None and (args or kwargs)) or comp.active:
             return
-        need = comp.unit_bytes
-        while self.pool_used + need > self.pool_bytes:
-            victims = [c for c in self.components.values() if c.unit_loaded and not c.active and c is not comp]
-            if not victims:
-                break
-            self.evict_unit(min(victims, key=lambda c: c.last_used))
-
-        # allocated on the compute stream, which reads them and frees them at eviction; written on the transfer
-        # streams only after the compute stream reaches this point (the memory may have been freed by kernels still
-        # queued there), and read only after the compute stream waits for the fills
-        for g in comp.unit:
-            g.buffer = torch.empty(g.unpacked_bytes, dtype=torch.uint8, device=self.device)
-        allocated = self.transfer.mark_compute()
-        moved = sum(self.transfer.fill(g, g.buffer, allocated) for g in comp.unit)
-        self.transfer.compute_waits()
-        for g in comp.unit:
-            g.bind(g.buffer)
-        comp.unit_loaded = True
-        self.pool_used += need
-        comp.stats.pool_loads += 1
-        comp.stats.bytes_h2d += moved
-
-    def evict_unit(self, comp: ComponentRuntime) -> None:
-        """Drop ``comp``'s pool unit from the GPU (the host packs stay the canonical copy)."""
-        for g in comp.unit:
-            g.release()
-            g.forget_buffer(g.buffer)
-            g.buffer = None
-        comp.unit_loaded = False
-        self.pool_used -= comp.unit_bytes
-        comp.stats.evictions += 1
+        key = _shapes(args, kwargs)
+        if key not in comp.estimates:
+            if comp.twin is None:
+                comp.twin = meta_twin(comp.module) or False
+            comp.estimates[key] = estimate(comp.twin or None, args, kwargs, cuda=self.device.type == "cuda")
+        needed = comp.estimates[key]
+        if comp.measured is not None:
+            needed = max(needed or 0, int(comp.measured * MARGIN))
+        if needed is None or needed == comp.plan.reserve:
+            return
+        try:
+            new = self.replan(comp.name, needed)
+        except BudgetError as err:
+            warnings.warn(
+                f"{comp.name}: this call needs about {format_bytes(needed)} of activations, more than the budget "
+                f"leaves ({err}); it may run out of memory: raise the budget, or lower frames or resolution",
+                stacklevel=4,
+            )
+            return
+        self.apply_plan(comp, new)
 
     # component entry and exit -----------------------------------------------------------------------------------
     def component_pre(self, comp: ComponentRuntime, args, kwargs):
-        """Before a component's forward (or encode/decode): load its unit, start prefetching its first blocks."""
+        """Before a component's forward (or encode/decode): plan its activations, enter its phase, start prefetching
+        its first blocks."""
         comp.stats.calls += 1
+        self._plan_activations(comp, args, kwargs)
         if comp.blocks:  # encode/decode run pre_forward only (diffusers' apply_forward_hook): never marked active
             comp.active += 1
-        self.load_unit(comp)
+        self.enter(comp)
         if comp.blocks:
             if not comp.order:
                 comp.order = list(range(len(comp.blocks)))
@@ -160,8 +207,6 @@ class HookManager:
     def component_post(self, comp: ComponentRuntime) -> None:
         """After a component's forward: finish its trace on the first call."""
         comp.active = max(comp.active - 1, 0)
-        self.clock += 1
-        comp.last_used = self.clock
         if comp.trace is not None and comp.active == 0:
             self._finish_activation_measure(comp)
             traced, comp.trace = comp.trace, None
@@ -184,12 +229,12 @@ class HookManager:
         if base is None:
             return
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        self.activation_peaks[comp.name] = peak
-        if peak > self.reserve:
+        self.activation_peaks[comp.name] = comp.measured = peak
+        if peak > comp.plan.reserve:
+            how = "the next call is planned around it" if self.auto_reserve else f"re-enable with reserve={peak}"
             warnings.warn(
-                f"{comp.name}'s first forward used {peak / 2**30:.2f} GiB for activations, more than the "
-                f"{self.reserve / 2**30:.2f} GiB reserve: peak memory may exceed the budget; re-enable with "
-                f"reserve={peak} (or a larger budget)",
+                f"{comp.name}'s first forward used {format_bytes(peak)} for activations, more than its "
+                f"{format_bytes(comp.plan.reserve)} reserve: peak memory may exceed the budget; {how}",
                 stacklevel=2,
             )
 
@@ -203,8 +248,8 @@ class HookManager:
         what the interrupted call held, so the next call runs exactly as on a fresh engine.
 
         Slots the interrupted blocks held are freed behind whatever the compute stream had queued; a partial trace
-        is discarded (the next call traces again); nothing stays marked active; pool units are evicted (their memory
-        is what a caller retrying after an out-of-memory error needs back).
+        is discarded (the next call traces again); nothing stays marked active; every phase is evicted (its memory is
+        what a caller retrying after an out-of-memory error needs back).
         """
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
@@ -213,23 +258,23 @@ class HookManager:
         self.cursor = None
         for comp in self.components.values():
             for g in comp.blocks:
-                if g.slot is not None and id(g) not in inflight:
-                    self.ring.done(g)
+                if g.slot is not None and id(g) not in inflight and comp.ring is not None:
+                    comp.ring.done(g)
                     g.release()
             comp.trace = None
             comp.active = 0
             self._activation_base.pop(comp.name, None)
-        for comp in self.components.values():
-            if comp.unit_loaded:
-                self.evict_unit(comp)
+        self.release()
 
     def capturing(self) -> bool:
         """Whether the compute stream is being captured into a CUDA graph."""
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def _refuse_slot_tensor(self, group: GroupRuntime):
+        slots = self.slot_storages()
+
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.untyped_storage().data_ptr() in self.slot_storages:
+            if tensor.untyped_storage().data_ptr() in slots:
                 raise RuntimeError(
                     f"{group.component}.{group.name}: autograd would save a weight that lives in a reused GPU slot "
                     "(an input or adapter requires grad); run under torch.no_grad(), or use a budget that keeps this "
@@ -240,24 +285,22 @@ class HookManager:
         return pack
 
     def release(self) -> None:
-        """Drop the ring, staging and every pool unit (teardown)."""
+        """Evict every phase (teardown, recovery)."""
         self._invalidate()
+        self.cursor = None
         for comp in self.components.values():
-            if comp.unit_loaded:
-                self.evict_unit(comp)
-        if self.ring is not None:
-            self.ring.release()
-        self.transfer.release()
-        self.slot_storages = set()
+            self.residency.leave(comp)
 
     # groups -----------------------------------------------------------------------------------------------------
     def group_pre(self, group: GroupRuntime) -> None:
         """Before a block's forward: make sure it is loaded (or loading), wait for it on the GPU, bind, prefetch."""
-        start = time.perf_counter_ns() - self.transfer.sync_fill_ns
+        start = time.perf_counter_ns() - self.transfer_ns
         comp = self.components[group.component]
+        if not comp.loaded:  # a block called on its own, outside its component's forward
+            self.enter(comp)
         if comp.trace is not None:
             comp.trace.append(self.index[id(group)])
-        if group.tier != "bf16":
+        if group.tier in ("fp8", "stream"):
             if self.capturing():
                 raise RuntimeError(
                     f"{group.component}.{group.name} streams through reused GPU slots, which a CUDA graph cannot "
@@ -281,10 +324,10 @@ class HookManager:
                 self._issue(group)
                 position = comp.order.index(self.index[id(group)]) if self.index[id(group)] in comp.order else -1
                 self.cursor = (comp.name, position)
-            group.bind(self.ring.wait(group))
+            group.bind(comp.ring.wait(group))
             self._top_up()
         # host time in the hook itself: synchronous fills (the CPU path) are the transfer, not overhead
-        end = time.perf_counter_ns() - self.transfer.sync_fill_ns
+        end = time.perf_counter_ns() - self.transfer_ns
         if comp.traced:  # steady state only: the first forward also pays for warm-up and tracing
             comp.stats.hook_ns += end - start
             comp.stats.hook_calls += 1
@@ -294,16 +337,16 @@ class HookManager:
         start = time.perf_counter_ns()
         if self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
-        if group.tier != "bf16" and group.slot is not None:
-            self.ring.done(group)
-            group.release()
         comp = self.components[group.component]
+        if group.tier in ("fp8", "stream") and group.slot is not None:
+            comp.ring.done(group)
+            group.release()
         if comp.traced:
             comp.stats.hook_ns += time.perf_counter_ns() - start
 
     def _issue(self, group: GroupRuntime) -> None:
         comp = self.components[group.component]
-        comp.stats.bytes_h2d += self.ring.load(group)
+        comp.stats.bytes_h2d += comp.ring.load(group)
         comp.stats.onloads += 1
 
     def _restart_prefetch(self, comp: ComponentRuntime) -> None:
@@ -316,19 +359,30 @@ class HookManager:
         while self.inflight:
             self.inflight.popleft().slot = None
 
+    def _forget_inflight(self, which) -> None:
+        kept = deque()
+        for g in self.inflight:
+            if which(g):
+                g.slot = None
+            else:
+                kept.append(g)
+        self.inflight = kept
+
     def _top_up(self) -> None:
         """Issue loads for the groups after the cursor until ``depth`` are in flight."""
         if self.cursor is None:
             return
         name, position = self.cursor
         comp = self.components[name]
+        if comp.ring is None:
+            return
         order = comp.order
         for _ in range(len(order)):
             if len(self.inflight) >= self.depth:
                 break
             position = (position + 1) % len(order)
             group = comp.blocks[order[position]]
-            if group.tier == "bf16" or group in self.inflight or group.slot is not None:
+            if group.tier in ("bf16", "pool") or group in self.inflight or group.slot is not None:
                 continue
             self._issue(group)
             self.inflight.append(group)

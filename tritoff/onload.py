@@ -125,15 +125,17 @@ class GroupRuntime:
         """Drop cached views of a buffer that is going away."""
         self._views.pop(buffer.data_ptr(), None)
 
-    def drop_device_state(self) -> None:
-        """Release everything the group holds on the device: buffers, the resident pack, cached views, tables."""
+    def drop_device_state(self, keep_tables: bool = False) -> None:
+        """Release everything the group holds on the device: buffers, the resident pack, cached views (their memory
+        may come back at the same address, holding something else) and, unless ``keep_tables``, its kernel tables."""
         self.release()
         self.buffer = None
         self.device_pack = None
         self.slot = None
-        self.ready = None
         self._views.clear()
-        self._launches = []
+        if not keep_tables:
+            self.ready = None
+            self._launches = []
 
     # filling ------------------------------------------------------------------------------------------------------
     @property

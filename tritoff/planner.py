@@ -1,28 +1,30 @@
-"""The planner: every group goes to the fastest tier the budget allows.
+"""The planner: a pipeline runs in phases, and each phase gets the whole budget.
 
-Tiers, fastest first:
+A diffusers pipeline encodes the prompt, denoises (the transformer, every step; Wan 2.2's two experts one after the
+other), then decodes: one component works at a time. Each component is a *phase*, planned on its own with the whole
+budget; entering a phase uploads what it keeps resident, and evicts what other phases left on the GPU only when the
+room is needed (least recently used first), so a pipeline that fits is never moved twice.
+
+Within a phase every group goes to the fastest tier the budget allows:
 
 - ``bf16``: resident in the compute dtype; no work per forward.
 - ``fp8``: the pack resident on the GPU, upcast from HBM into a ring slot before each forward (half the memory).
-- ``stream``: the pack streamed from the host arena into a ring slot, prefetched on a side stream.
+- ``stream``: the pack streamed from the host arena into a ring slot, prefetched on side streams.
 
-Whole components that are not split into groups (the VAE, small encoders) and the *rest* group of each split
-component (embeddings, output head) are *pool units*: loaded whole when called, kept until the pool needs their room,
-least recently used first. The budget covers resident tiers, the ring of streaming slots, the staging buffer, the pool
-and an activation reserve.
+A component that is not split into blocks (the VAE, small encoders) moves whole, as does the *rest* group of a split
+component (embeddings, output head): its *unit*, loaded when the phase is entered. A phase's bytes are its resident
+tiers, ring slots, two staging halves and unit; with the activation reserve of its calls and the bytes every phase
+shares (module buffers, kernel tables) they fit the budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tritoff.budget import format_bytes
 
 MODES = ("auto", "model", "group", "leaf")
 TIERS = ("bf16", "fp8", "stream")
-
-
 # Staging per half when no block streams (only whole units load): copies of >= 2-4 MB reach ~90% of the PCIe peak,
 # so 64 MiB chunks lose nothing to per-copy overhead while a 2 GB unit never needs a buffer of its size.
 UNIT_STAGING = 64 * 2**20
@@ -48,17 +50,22 @@ class ComponentSize:
     name: str
     blocks: list[GroupSize]
     rest: GroupSize | None
-    looped: bool  # called many times per pipeline call (a denoiser): keep its pool unit and favour its blocks
+    looped: bool  # called many times per pipeline call (a denoiser): favour its blocks
 
     @property
     def unit_bytes(self) -> int:
-        """Bytes of its pool unit (the whole component when not split)."""
+        """Bytes of its unit (the whole component when not split)."""
         return self.rest.unpacked if self.rest else 0
+
+    @property
+    def unpacked_bytes(self) -> int:
+        """Bytes of all its tensors in their compute dtypes."""
+        return self.unit_bytes + sum(g.unpacked for g in self.blocks)
 
 
 @dataclass
 class Plan:
-    """What goes where, and the bytes it takes."""
+    """What goes where in one phase, and the bytes it takes."""
 
     budget: int
     reserve: int
@@ -68,9 +75,9 @@ class Plan:
     ring_slots: int = 0
     slot_bytes: int = 0
     staging_bytes: int = 0  # two halves: the DMA of one chunk overlaps the upcast of the other
-    pool_bytes: int = 0
+    pool_bytes: int = 0  # the units (rest groups, whole components) the phase loads
     resident_bytes: int = 0
-    fixed_bytes: int = 0  # module buffers and kernel tables on the device
+    fixed_bytes: int = 0  # module buffers and kernel tables on the device, shared by every phase
 
     @property
     def chunk_bytes(self) -> int:
@@ -83,9 +90,14 @@ class Plan:
         return self.ring_slots * self.slot_bytes + self.staging_bytes
 
     @property
+    def need_bytes(self) -> int:
+        """Device bytes the phase holds while loaded: resident tiers, ring, staging and units."""
+        return self.resident_bytes + self.ring_bytes + self.pool_bytes
+
+    @property
     def planned_bytes(self) -> int:
-        """Peak GPU bytes the plan allows for: tiers, ring, staging, pool, buffers and tables, and the reserve."""
-        return self.resident_bytes + self.ring_bytes + self.pool_bytes + self.fixed_bytes + self.reserve
+        """Peak GPU bytes the phase allows for: what it holds, the shared bytes and its activation reserve."""
+        return self.need_bytes + self.fixed_bytes + self.reserve
 
     def tier_counts(self, component: str) -> dict[str, int]:
         """How many block groups of ``component`` are in each tier."""
@@ -99,16 +111,65 @@ class Plan:
         lines = [
             f"budget {format_bytes(self.budget)}: resident tiers {format_bytes(self.resident_bytes)}, "
             f"ring {self.ring_slots} x {format_bytes(self.slot_bytes)} + staging {format_bytes(self.staging_bytes)}, "
-            f"pool {format_bytes(self.pool_bytes)}, buffers and tables {format_bytes(self.fixed_bytes)}, "
+            f"units {format_bytes(self.pool_bytes)}, buffers and tables {format_bytes(self.fixed_bytes)}, "
             f"activation reserve {format_bytes(self.reserve)}"
         ]
         for name, mode in self.modes.items():
-            detail = ""
-            if mode == "group":
-                counts = self.tier_counts(name)
-                detail = ", ".join(f"{counts[t]} {t}" for t in TIERS if counts[t])
-            shown = (mode_names or {}).get(mode, mode)
-            lines.append(f"  {name:<16} {shown:<9} {detail}")
+            lines.append(f"  {name:<16} {(mode_names or {}).get(mode, mode):<9} {_tier_text(self, name)}")
+        return "\n".join(lines)
+
+
+def _tier_text(plan: Plan, name: str) -> str:
+    if plan.modes.get(name) != "group":
+        return ""
+    counts = plan.tier_counts(name)
+    return ", ".join(f"{counts[t]} {t}" for t in TIERS if counts[t])
+
+
+@dataclass
+class PhasedPlan:
+    """One :class:`Plan` per phase (component), each within the whole budget."""
+
+    budget: int
+    fixed_bytes: int
+    phases: dict[str, Plan]
+    together: bool  # every phase fits at once: nothing is ever evicted
+
+    @property
+    def modes(self) -> dict[str, str]:
+        """Each component's mode."""
+        return {name: p.modes[name] for name, p in self.phases.items()}
+
+    @property
+    def tiers(self) -> dict[str, dict[str, str]]:
+        """Each split component's block tiers."""
+        return {name: p.tiers[name] for name, p in self.phases.items() if name in p.tiers}
+
+    def tier_counts(self, component: str) -> dict[str, int]:
+        """How many block groups of ``component`` are in each tier."""
+        return self.phases[component].tier_counts(component)
+
+    @property
+    def planned_bytes(self) -> int:
+        """The peak GPU bytes of the plan: its largest phase."""
+        return max(p.planned_bytes for p in self.phases.values())
+
+    def summary(self, mode_names: dict[str, str] | None = None) -> str:
+        """The plan as a readable table, one row per phase."""
+        lines = [
+            f"budget {format_bytes(self.budget)}, one phase per component"
+            + (" (all fit at once: nothing is evicted)" if self.together else "")
+            + f"; buffers and tables {format_bytes(self.fixed_bytes)}",
+            f"  {'phase':<16} {'mode':<9} {'holds':>11} {'reserve':>11} {'peak':>11}  tiers / ring",
+        ]
+        for name, p in self.phases.items():
+            ring = f", ring {p.ring_slots} x {format_bytes(p.slot_bytes)}" if p.ring_slots else ""
+            tiers = _tier_text(p, name)
+            lines.append(
+                f"  {name:<16} {(mode_names or {}).get(p.modes[name], p.modes[name]):<9} "
+                f"{format_bytes(p.need_bytes):>11} {format_bytes(p.reserve):>11} {format_bytes(p.planned_bytes):>11}"
+                f"  {tiers}{ring}"
+            )
         return "\n".join(lines)
 
 
@@ -127,33 +188,19 @@ def spread_order(n: int) -> list[int]:
     return [i for i in order if i < n]
 
 
-def _chunk_capacity(blocks: list[GroupSize], units: list[GroupSize], staged: bool) -> int:
-    """Bytes of one staging half. Streamed blocks move in about two chunks each, so the DMA of one overlaps the
-    upcast of the other at the cost of one pack of staging; whole units move through the same halves in chunks."""
-    if not staged or not (blocks or units):
+def chunk_capacity(component: ComponentSize, staged: bool = True) -> int:
+    """Bytes of one staging half for ``component``: half its largest block (streamed blocks move in about two chunks,
+    so the DMA of one overlaps the upcast of the other at the cost of one pack of staging), or for a component moving
+    whole its largest pack, at most ``UNIT_STAGING``. Depends on the sizes alone, never on the budget."""
+    groups = [*component.blocks, *([component.rest] if component.rest else [])]
+    if not staged or not groups:
         return 0
-    if blocks:
-        capacity = -(-max(g.packed for g in blocks) // 2)
+    if component.blocks:
+        capacity = -(-max(g.packed for g in component.blocks) // 2)
     else:
-        capacity = min(max(g.largest_pack or g.packed for g in units), UNIT_STAGING)
-    capacity = max(capacity, *(g.min_chunk for g in blocks + units))
+        capacity = min(max(g.largest_pack or g.packed for g in groups), UNIT_STAGING)
+    capacity = max(capacity, *(g.min_chunk for g in groups))
     return -(-capacity // 256) * 256
-
-
-def _build_chunk(components: list[ComponentSize], reserve: int, staged: bool) -> int:
-    """Staging chunk of a plan that loads nothing at run time: its groups are filled once, during enable, through
-    staging taken from the activation reserve (no activation exists yet)."""
-    every = [g for c in components for g in [*c.blocks, *([c.rest] if c.rest else [])]]
-    if not staged or not every:
-        return 0
-    largest = max(g.largest_pack or g.packed for g in every)
-    capacity = max(min(largest, reserve // 2, UNIT_STAGING), *(g.min_chunk for g in every))
-    return -(-capacity // 256) * 256
-
-
-def build_chunk(the_plan: Plan, components: list[ComponentSize], staged: bool) -> int:
-    """The staging chunk capacity groups are cut for: the plan's, or the enable-time one of an all-resident plan."""
-    return the_plan.chunk_bytes or _build_chunk(components, the_plan.reserve, staged)
 
 
 def _advice(mode: str, depth: int) -> str:
@@ -173,62 +220,49 @@ def plan(
     reserve: int,
     staged: bool = True,
     reserve_fraction: float | None = None,
-    fixed: int | Callable[[int], int] = 0,
+    fixed: int = 0,
 ) -> Plan:
-    """Place every component and group within ``budget`` bytes (see the module docstring).
+    """Place the components of one phase (all loaded together) within ``budget`` bytes.
 
-    ``reserve_fraction``: the reserve was taken as this fraction of the budget, so the smallest working budget
-    reported in errors grows with it. ``fixed``: device bytes outside the groups (module buffers, kernel tables), or
-    a function of the staging chunk capacity returning them (kernel tables depend on how packs are chunked).
+    ``reserve``: the phase's activation reserve; ``reserve_fraction``: the reserve was taken as this fraction of the
+    budget, so the smallest working budget reported in errors grows with it. ``fixed``: device bytes every phase
+    shares (module buffers, kernel tables).
     """
-    cost = fixed if callable(fixed) else (lambda chunk: fixed)
 
     def smallest(need: int) -> int:
         return need if reserve_fraction is None else int(-(-(need - reserve) // (1 - reserve_fraction)))
 
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
-    everything = sum(c.unit_bytes + sum(g.unpacked for g in c.blocks) for c in components)
-    fixed = cost(_build_chunk(components, reserve, staged))
-    if mode == "auto" and everything + reserve + fixed <= budget:
+    staging = 2 * max(chunk_capacity(c, staged) for c in components)
+    everything = sum(c.unpacked_bytes for c in components)
+    if mode == "auto" and everything + staging + reserve + fixed <= budget:
+        resident = {c.name: "resident" for c in components}
         return Plan(
-            budget,
-            reserve,
-            depth,
-            {c.name: "resident" for c in components},
-            resident_bytes=everything,
-            fixed_bytes=fixed,
+            budget, reserve, depth, resident, staging_bytes=staging, resident_bytes=everything, fixed_bytes=fixed
         )
     split = [c for c in components if c.blocks and mode != "model"]
     modes = {c.name: ("group" if c in split else "model") for c in components}
-    units = [c.rest for c in components if c.rest is not None]
+    units = sum(c.unit_bytes for c in components)
     if not split:
-        # model mode, or nothing to split (no block lists): whole components move through the pool
-        staging = 2 * _chunk_capacity([], units, staged)
-        fixed = cost(staging // 2)
-        largest = max(c.unit_bytes for c in components)
-        need = smallest(largest + staging + reserve + fixed)
+        # model mode, or nothing to split (no block lists): the components move whole
+        need = smallest(units + staging + reserve + fixed)
         if need > budget:
             why = "" if mode == "model" else " (nothing in it can be split into blocks)"
             raise BudgetError(
-                f"budget {format_bytes(budget)} is too small for whole components{why}: the largest needs "
-                f"{format_bytes(largest)} plus staging {format_bytes(staging)} and a {format_bytes(reserve)} "
-                f"activation reserve; use a budget of at least {format_bytes(need)}"
+                f"budget {format_bytes(budget)} is too small for {', '.join(modes)} moving whole{why}: it needs "
+                f"{format_bytes(units)} plus staging {format_bytes(staging)}, buffers and tables {format_bytes(fixed)} "
+                f"and a {format_bytes(reserve)} activation reserve; use a budget of at least {format_bytes(need)}"
                 + (", or mode='group'" if mode == "model" and any(c.blocks for c in components) else ""),
                 need,
             )
-        modes = dict.fromkeys(modes, "model")
-        pool = budget - reserve - staging - fixed
-        return Plan(budget, reserve, depth, modes, staging_bytes=staging, pool_bytes=pool, fixed_bytes=fixed)
+        return Plan(budget, reserve, depth, modes, staging_bytes=staging, pool_bytes=units, fixed_bytes=fixed)
     # in auto mode a budget too small to split may still hold everything resident (tiny models): name the smaller
-    resident_need = smallest(everything + reserve + fixed) if mode == "auto" else None
+    resident_need = smallest(everything + staging + reserve + fixed) if mode == "auto" else None
     blocks = [g for c in split for g in c.blocks]
     slots = depth + 1
     slot_bytes = max(g.unpacked for g in blocks)
-    staging = 2 * _chunk_capacity(blocks, units, staged)
-    fixed = cost(staging // 2)
-    largest_unit = max(c.unit_bytes for c in components)
-    minimum = reserve + slots * slot_bytes + staging + largest_unit + fixed
+    minimum = reserve + slots * slot_bytes + staging + units + fixed
     if minimum > budget:
         if resident_need is not None and resident_need < smallest(minimum):
             raise BudgetError(
@@ -238,15 +272,12 @@ def plan(
             )
         raise BudgetError(
             f"budget {format_bytes(budget)} is too small: the smallest that works is {format_bytes(smallest(minimum))} "
-            f"({slots} ring slots of {format_bytes(slot_bytes)}, staging {format_bytes(staging)}, largest pool unit "
-            f"{format_bytes(largest_unit)}, buffers and tables {format_bytes(fixed)}, activation reserve "
+            f"({slots} ring slots of {format_bytes(slot_bytes)}, staging {format_bytes(staging)}, units "
+            f"{format_bytes(units)}, buffers and tables {format_bytes(fixed)}, activation reserve "
             f"{format_bytes(reserve)}); {_advice(mode, depth)}",
             smallest(minimum),
         )
-    # keep the looped components' pool units (denoiser rests) resident beside the largest other unit
-    looped_units = sum(c.unit_bytes for c in components if c.looped)
-    pool = min(budget - minimum + largest_unit, max(largest_unit, looped_units + largest_unit))
-    spare = budget - reserve - slots * slot_bytes - staging - pool - fixed
+    spare = budget - minimum
     # residency is handed out in reverse bit-reversed order, so the blocks left streaming are spread through the
     # execution order: each transfer hides behind the compute of the resident blocks before it
     ordered = [
@@ -266,15 +297,36 @@ def plan(
     if all(t == "bf16" for per in tiers.values() for t in per.values()):
         slots = 0
     return Plan(
-        budget,
-        reserve,
-        depth,
-        modes,
-        tiers,
-        slots,
-        slot_bytes if slots else 0,
-        staging,
-        pool,
-        resident,
-        fixed,
+        budget, reserve, depth, modes, tiers, slots, slot_bytes if slots else 0, staging, units, resident, fixed
     )
+
+
+def plan_phases(
+    components: list[ComponentSize],
+    budget: int,
+    mode: str,
+    depth: int,
+    reserves: dict[str, int],
+    staged: bool = True,
+    reserve_fraction: float | None = None,
+    fixed: int = 0,
+) -> PhasedPlan:
+    """One :func:`plan` per component, each with the whole budget and its own activation reserve.
+
+    Raises :class:`BudgetError` naming the phase that does not fit and the smallest budget every phase fits in.
+    """
+    phases, errors = {}, {}
+    for c in components:
+        try:
+            phases[c.name] = plan([c], budget, mode, depth, reserves[c.name], staged, reserve_fraction, fixed)
+        except BudgetError as err:
+            errors[c.name] = err
+    if errors:
+        # the phase needing the most names the smallest budget every phase fits in
+        worst = max(errors, key=lambda n: errors[n].minimum)
+        message = str(errors[worst])
+        if worst not in message.split(":")[0]:
+            message = message.replace(" is too small", f" is too small for the {worst} phase", 1)
+        raise BudgetError(message, errors[worst].minimum)
+    together = sum(p.need_bytes for p in phases.values()) + fixed + max(reserves.values()) <= budget
+    return PhasedPlan(budget, fixed, phases, together)

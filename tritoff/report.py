@@ -46,6 +46,11 @@ class Report:
                 "tiers": engine.plan.tier_counts(comp.name) if comp.mode == "group" else {},
                 "host_arena_bytes": engine.packed[comp.name].arena.nbytes,
                 "packed_bytes": engine.packed[comp.name].packed_bytes,
+                "entry_bytes": s.entry_bytes,
+                "replans": s.replans,
+                "reserve_bytes": comp.plan.reserve,
+                "activation_estimate_bytes": comp.estimate,
+                "activation_measured_bytes": comp.measured,
             }
         keys = (
             "bytes_h2d",
@@ -60,8 +65,7 @@ class Report:
         total = {k: sum(c[k] for c in components.values()) for k in keys}
         device = engine.options.device
         if device.type == "cuda":
-            ring = manager.ring if manager else None
-            total["compute_wait_s"] = ring.stall_seconds() if ring is not None else 0.0
+            total["compute_wait_s"] = sum(c.stalls.seconds() for c in manager.components.values()) if manager else 0.0
             total["peak_vram_bytes"] = manager.peak_bytes() if manager else torch.cuda.max_memory_allocated(device)
             total["activation_bytes"] = dict(manager.activation_peaks) if manager else {}
         worst = sorted(engine.snr.items(), key=lambda kv: kv[1])[:5]
@@ -81,17 +85,29 @@ class Report:
     def text(self) -> str:
         """The table ``Engine.report()`` returns."""
         d = self.data()
-        lines = [f"tritoff on {d['device']}, storage {d['storage']}", self.engine.plan.summary(self._mode_names()), ""]
+        o = self.engine.options
+        lines = [
+            f"tritoff on {d['device']}, storage {d['storage']}, mode {o.mode}, transport {o.transport}, "
+            f"prefetch {o.prefetch}",
+            self.engine.plan.summary(self._mode_names()),
+            "",
+        ]
         header = (
-            f"  {'component':<16}{'mode':<10}{'calls':>6}{'H2D':>12}{'onloads':>9}{'sync':>6}{'pool':>6}"
-            f"{'hook us':>9}{'arena':>12}"
+            f"  {'component':<16}{'mode':<10}{'calls':>6}{'H2D':>12}{'onloads':>9}{'sync':>6}{'loads':>6}"
+            f"{'hook us':>9}{'arena':>12}{'activations est / measured':>30}"
         )
         lines.append(header)
         for name, c in d["components"].items():
             hook = f"{c['hook_us_per_group']:.1f}" if c["hook_us_per_group"] is not None else "-"
+            est, measured = c["activation_estimate_bytes"], c["activation_measured_bytes"]
+            activations = (
+                f"{format_bytes(est) if est is not None else '-'} / "
+                f"{format_bytes(measured) if measured is not None else '-'}"
+            )
             lines.append(
                 f"  {name:<16}{c['mode']:<10}{c['calls']:>6}{format_bytes(c['bytes_h2d']):>12}{c['onloads']:>9}"
                 f"{c['sync_onloads']:>6}{c['pool_loads']:>6}{hook:>9}{format_bytes(c['host_arena_bytes']):>12}"
+                f"{activations:>30}"
             )
         t = d["total"]
         lines.append(

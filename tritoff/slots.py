@@ -16,10 +16,49 @@ from tritoff.onload import GroupRuntime
 from tritoff.transfer import Transfer
 
 
+class StallClock:
+    """Time the compute stream waited for transfers, from pairs of timing events around each wait. It outlives the
+    rings that record into it (a phase's ring is freed when the phase is evicted)."""
+
+    def __init__(self):
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.ms = 0.0
+
+    def add(self, before: torch.cuda.Event, after: torch.cuda.Event) -> None:
+        """Record one wait; finished pairs are folded in now and then, without blocking."""
+        self.events.append((before, after))
+        if len(self.events) > 256:
+            self._collect(block=False)
+
+    def _collect(self, block: bool) -> None:
+        pending = []
+        for before, after in self.events:
+            if block or after.query():
+                if block:
+                    after.synchronize()
+                self.ms += before.elapsed_time(after)
+            else:
+                pending.append((before, after))
+        self.events = pending
+
+    def seconds(self) -> float:
+        """Total wait (synchronizes: for reports, not the hot path)."""
+        self._collect(block=True)
+        return self.ms / 1e3
+
+
 class SlotRing:
     """``n_slots`` buffers of ``slot_bytes`` on ``device``, filled through ``transfer``."""
 
-    def __init__(self, device: torch.device, n_slots: int, slot_bytes: int, transfer: Transfer, timing: bool = True):
+    def __init__(
+        self,
+        device: torch.device,
+        n_slots: int,
+        slot_bytes: int,
+        transfer: Transfer,
+        timing: bool = True,
+        stalls: StallClock | None = None,
+    ):
         self.device = device
         self.transfer = transfer
         self.buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(n_slots)]
@@ -28,8 +67,7 @@ class SlotRing:
         self.free_events = [torch.cuda.Event() if self.cuda else None for _ in range(n_slots)]
         self.used = [False] * n_slots
         self.timing = timing and self.cuda
-        self.stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.stall_ms = 0.0
+        self.stalls = stalls if stalls is not None else StallClock()
         self.seq = 0
 
     @property
@@ -60,9 +98,7 @@ class SlotRing:
                 before.record(stream)
                 stream.wait_event(group.ready)
                 after.record(stream)
-                self.stall_events.append((before, after))
-                if len(self.stall_events) > 256:
-                    self._collect(block=False)
+                self.stalls.add(before, after)
             else:
                 stream.wait_event(group.ready)
         return self.buffers[group.slot]
@@ -79,19 +115,3 @@ class SlotRing:
             self.free_events[group.slot].record(torch.cuda.current_stream(self.device))
         self.used[group.slot] = True
         group.slot = None
-
-    def _collect(self, block: bool) -> None:
-        pending = []
-        for before, after in self.stall_events:
-            if block or after.query():
-                if block:
-                    after.synchronize()
-                self.stall_ms += before.elapsed_time(after)
-            else:
-                pending.append((before, after))
-        self.stall_events = pending
-
-    def stall_seconds(self) -> float:
-        """Total time the compute stream waited on transfers (synchronizes: for reports, not the hot path)."""
-        self._collect(block=True)
-        return self.stall_ms / 1e3

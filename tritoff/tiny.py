@@ -145,8 +145,8 @@ def tiny_wan_pipeline(dtype: torch.dtype = torch.bfloat16, seed: int = 0, two_ex
     )
 
 
-def tiny_cogvideox_pipeline(dtype: torch.dtype = torch.bfloat16, seed: int = 0):
-    """A CogVideoXPipeline of tiny random components."""
+def tiny_cogvideox_pipeline(dtype: torch.dtype = torch.bfloat16, seed: int = 0, **transformer):
+    """A CogVideoXPipeline of tiny random components; ``transformer`` overrides the transformer's config."""
     from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline
 
     torch.manual_seed(seed)
@@ -155,6 +155,6 @@ def tiny_cogvideox_pipeline(dtype: torch.dtype = torch.bfloat16, seed: int = 0):
         tokenizer=tiny_tokenizer(),
         text_encoder=tiny_umt5(dtype, seed),
         vae=vae,
-        transformer=tiny_cogvideox_transformer(dtype, seed).eval(),
+        transformer=tiny_cogvideox_transformer(dtype, seed, **transformer).eval(),
         scheduler=CogVideoXDDIMScheduler(),
     )

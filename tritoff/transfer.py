@@ -103,11 +103,28 @@ class Transfer:
         return event
 
     def compute_waits(self) -> None:
-        """Make the compute (current) stream wait for every fill issued so far."""
+        """Make the compute (current) stream wait for every copy and fill issued so far."""
         if self.cuda:
-            done = torch.cuda.Event()
-            done.record(self.upcast_stream)
-            torch.cuda.current_stream(self.device).wait_event(done)
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self.copy_stream)
+            compute.wait_stream(self.upcast_stream)
+
+    def wait_for_compute(self) -> None:
+        """Make both transfer streams wait for the compute stream's work so far: memory just allocated on the
+        compute stream may have been freed by kernels still queued there."""
+        if self.cuda:
+            event = self.mark_compute()
+            self.copy_stream.wait_event(event)
+            self.upcast_stream.wait_event(event)
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy host bytes ``src`` into device ``dst`` on the copy stream; later fills may read ``dst``."""
+        if not self.cuda:
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(src, non_blocking=True)
+        self.upcast_stream.wait_stream(self.copy_stream)
 
     def release(self) -> None:
         """Free the staging halves (teardown)."""

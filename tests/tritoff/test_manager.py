@@ -110,12 +110,14 @@ def test_ring_slots_are_reused_not_reallocated():
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     model = _stack()
     engine = _enable(model, _minimum(_stack()))
-    ring = engine.manager.ring
-    pointers = [b.data_ptr() for b in ring.buffers]
+    comp = engine.manager.components["model"]
     with torch.no_grad():
+        model(x)
+        ring = comp.ring
+        pointers = [b.data_ptr() for b in ring.buffers]
         for _ in range(3):
             model(x)
-    assert [b.data_ptr() for b in ring.buffers] == pointers
+    assert comp.ring is ring and [b.data_ptr() for b in ring.buffers] == pointers  # a phase keeps its ring
     # between forwards, streamed blocks hold zero-size placeholders, never stale slot views
     streamed = [g for g in engine.manager.components["model"].blocks if g.slot is None]
     assert all(p.numel() == 0 for g in streamed for p in g.params)
@@ -182,7 +184,7 @@ def test_after_an_exception_the_next_call_runs_as_on_a_fresh_engine(failing_call
             model(x)
         handle.remove()
         # nothing stays held: no active component, no slot, no pool unit, no open trace, weights on placeholders
-        assert comp.active == 0 and not manager.inflight and manager.pool_used == 0 and comp.trace is None
+        assert comp.active == 0 and not manager.inflight and not comp.loaded and comp.trace is None
         assert all(g.slot is None for g in comp.blocks)
         assert all(p.numel() == 0 for g in comp.groups for p in g.params)
         before = _counters(engine)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tritoff.planner import BudgetError, ComponentSize, GroupSize, plan, spread_order
+from tritoff.planner import BudgetError, ComponentSize, GroupSize, chunk_capacity, plan, spread_order
 
 MB = 2**20
 
@@ -42,19 +42,16 @@ def test_streamed_blocks_are_spread_through_the_stack(streamed):
 
 def test_every_fixed_byte_is_in_the_plan_and_the_minimum_is_honest():
     comp = _transformer(n=8)
-
-    def tables(chunk: int) -> int:  # kernel tables depend on how packs are chunked: smaller chunks, more rows
-        return 10_000 + 100_000_000 // chunk
-
+    fixed = 123_456  # module buffers and kernel tables, shared by every phase
     with pytest.raises(BudgetError) as info:
-        plan([comp], 10 * MB, "group", 2, MB, fixed=tables)
+        plan([comp], 10 * MB, "group", 2, MB, fixed=fixed)
     minimum = info.value.minimum
-    the_plan = plan([comp], minimum, "group", 2, MB, fixed=tables)
-    assert the_plan.fixed_bytes == tables(the_plan.chunk_bytes)
-    assert the_plan.staging_bytes == 2 * the_plan.chunk_bytes >= 8 * MB  # two halves of half a pack each
+    the_plan = plan([comp], minimum, "group", 2, MB, fixed=fixed)
+    assert the_plan.fixed_bytes == fixed
+    assert the_plan.staging_bytes == 2 * chunk_capacity(comp) >= 8 * MB  # two halves of half a pack each
     assert the_plan.planned_bytes <= minimum
     with pytest.raises(BudgetError):
-        plan([comp], minimum - 1, "group", 2, MB, fixed=tables)
+        plan([comp], minimum - 1, "group", 2, MB, fixed=fixed)
 
 
 def test_budget_advice_fits_the_mode():

@@ -1,0 +1,91 @@
+"""Which phases are on the GPU: entering a phase uploads what its plan keeps resident; others leave only for room.
+
+A phase (a component, see ``tritoff/planner.py``) holds, while loaded: its bf16-resident blocks, its fp8-resident
+packs, its unit (rest group, or the whole component), its ring of slots and its staging halves. Entering a phase
+evicts other loaded phases, least recently used first, only until the entering phase, its activation reserve and the
+bytes every phase shares fit the budget: a pipeline whose phases fit together is uploaded once.
+
+All of a phase's memory is allocated on the compute stream before its transfers start, and the transfer streams first
+wait for the compute stream (the allocator may hand back memory that queued kernels still use); the compute stream
+waits for the uploads before anything reads them. Before a phase's memory is freed, the compute stream waits for the
+phase's transfers still in flight (prefetched slots nobody consumed), so a later allocation never overlaps them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tritoff.slots import SlotRing
+from tritoff.transfer import Transfer
+
+
+class Residency:
+    """Loads and evicts phases within ``budget`` bytes (``fixed``: bytes every phase shares)."""
+
+    def __init__(self, device: torch.device, budget: int, fixed: int):
+        self.device = device
+        self.budget = budget
+        self.fixed = fixed
+        self.clock = 0
+        self.warned_over = False
+
+    def held(self, components) -> int:
+        """Bytes the loaded phases hold."""
+        return sum(c.plan.need_bytes for c in components if c.loaded)
+
+    def enter(self, comp, components) -> None:
+        """Make ``comp``'s phase resident, evicting least recently used inactive phases while room is short."""
+        self.clock += 1
+        comp.last_used = self.clock
+        if comp.loaded:
+            return
+        room = self.budget - self.fixed - comp.plan.reserve - comp.plan.need_bytes
+        while self.held(components) > room:
+            victims = [c for c in components if c.loaded and not c.active and c is not comp]
+            if not victims:
+                break  # a component called inside another's forward: both stay (the plan cannot cover this)
+            self.leave(min(victims, key=lambda c: c.last_used))
+        self.load(comp)
+
+    def load(self, comp) -> None:
+        """Allocate ``comp``'s phase and upload what its plan keeps resident."""
+        plan, device = comp.plan, self.device
+        transfer = Transfer(device, plan.chunk_bytes)
+        ring = None
+        if plan.ring_slots:
+            ring = SlotRing(device, plan.ring_slots, plan.slot_bytes, transfer, stalls=comp.stalls)
+        fills = []
+        for g in comp.groups:
+            if g.tier in ("bf16", "pool"):
+                g.buffer = torch.empty(g.unpacked_bytes, dtype=torch.uint8, device=device)
+                fills.append(g)
+            elif g.tier == "fp8":
+                g.device_pack = torch.empty(g.packed_bytes, dtype=torch.uint8, device=device)
+        transfer.wait_for_compute()
+        moved = 0
+        for g in comp.groups:
+            if g.device_pack is not None:
+                transfer.upload(g.device_pack, g.pack.data)
+                moved += g.packed_bytes
+        for g in fills:
+            moved += transfer.fill(g, g.buffer)
+        transfer.compute_waits()
+        for g in fills:
+            g.bind(g.buffer)
+        comp.transfer, comp.ring, comp.loaded = transfer, ring, True
+        comp.stats.pool_loads += 1
+        comp.stats.bytes_h2d += moved
+        comp.stats.entry_bytes += moved
+
+    def leave(self, comp) -> None:
+        """Free everything ``comp``'s phase holds (the host packs stay the canonical copy)."""
+        if not comp.loaded:
+            return
+        comp.transfer.compute_waits()  # prefetched slots nobody consumed are still being written
+        for g in comp.groups:
+            g.drop_device_state(keep_tables=True)
+        if comp.ring is not None:
+            comp.ring.release()
+        comp.transfer.release()
+        comp.transfer, comp.ring, comp.loaded = None, None, False
+        comp.stats.evictions += 1
