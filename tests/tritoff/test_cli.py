@@ -28,7 +28,8 @@ UMASK = 0o027
 
 
 def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}  # the commands run side by side on two cores
+    # the commands run side by side on two cores; a crash prints every thread's stack
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
 
 
 class Job:
