@@ -2,8 +2,10 @@
 
 import torch
 
+from tritoff.adapters import named_parameters
 from tritoff.pack import unpack_reference
 from tritoff.packer import pack_model
+from tritoff.storage import FP8, resolve_storage
 from tritoff.tiny import tiny_cogvideox_pipeline, tiny_wan_pipeline
 
 # blocks large enough that small budgets force streaming
@@ -24,7 +26,7 @@ def run(pipe, call=WAN_CALL, **overrides):
 def dequantize_in_place(module: torch.nn.Module, storage: str = "fp8_e4m3", skip=()) -> torch.nn.Module:
     """Replace every weight by what tritoff would compute with: its pack, dequantized by the reference."""
     packed = pack_model(module, storage, skip=skip, progress=False)
-    params = dict(module.named_parameters())
+    params = dict(named_parameters(module))  # names before adapters were injected, as in the packs
     for pack in packed.packs:
         for name, tensor in unpack_reference(pack.layout, pack.data).items():
             params[name].data = tensor
@@ -32,11 +34,13 @@ def dequantize_in_place(module: torch.nn.Module, storage: str = "fp8_e4m3", skip
 
 
 def dequantized_pipeline(factory, storage="fp8_e4m3", **kwargs):
-    """A pipeline from ``factory`` whose weights are replaced by their dequantized values."""
+    """A pipeline from ``factory`` whose weights are replaced by the values tritoff computes with for ``storage``
+    (what ``tritoff.enable`` takes: VAEs keep their own dtype unless named)."""
     pipe = factory(**kwargs)
-    for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module):
-            dequantize_in_place(component, storage)
+    modules = {n: c for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+    for name, fmt in resolve_storage(storage, modules).items():
+        if fmt in FP8:
+            dequantize_in_place(modules[name], fmt)
     return pipe
 
 

@@ -250,7 +250,7 @@ def test_a_store_is_refused_for_other_weights_corruption_and_mismatched_options(
     for model, args, message in [
         ("other", ["--store", store], "was made from other weights"),  # other random weights, same architecture
         ("pipe", ["--store", store, "--mode", "group"], "made with leaf groups; pass --mode leaf"),
-        ("pipe", ["--store", store, "--storage", "fp8_e5m2"], "holds fp8_e4m3; drop --storage"),
+        ("pipe", ["--store", store, "--storage", "fp8_e5m2"], "holds fp8_e4m3 for text_encoder; drop --storage"),
     ]:
         code, out, err = tritoff("run", root / model, *RUN, "--mode", "leaf", *args, "--out", tmp_path / "v.gif")
         assert_one_line_error(code, out, err, message)

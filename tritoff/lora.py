@@ -1,0 +1,160 @@
+"""Fusing adapters into packs: peft's ``merge``/``unmerge`` on weights that live in tritoff's packs.
+
+peft fuses a LoRA by adding its delta to the base layer's weight in place. A weight tritoff manages holds a
+placeholder (or a view of a GPU buffer) between forwards; its canonical copy is its pack in the host arena. So
+tritoff wraps the ``merge`` and ``unmerge`` of every tuner layer of an enabled pipeline (those present at enable, and
+those created later: a module registration hook sees them appear). For the call, the base layer's parameters hold
+their exact dequantized values on the compute device; peft changes them as it always does; then every changed tensor
+is written back into its pack (an fp8 weight is quantized again exactly as when it was packed, and the SNR of the
+result is recorded for the report), and the GPU copies (resident packs, resident and pooled tensors) are refreshed.
+``disable`` then returns the fused weights, and a re-plan keeps them.
+
+Fusing is refused in one line where the packs are mapped read-only from a store. A failure (a broken adapter
+producing NaN) leaves the packs, the bindings and peft's record of merged adapters as they were.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+from tritoff.adapters import is_tuner_layer, tuner_layers
+from tritoff.onload import GroupRuntime
+from tritoff.pack import KIND_FP8, read_entry, write_entry
+
+# engines whose components may hold tuner layers; the registration hook is installed with the first one
+_ENGINES: weakref.WeakSet = weakref.WeakSet()
+_HOOK = None
+
+
+def attach(engine) -> None:
+    """Wrap the tuner layers of ``engine``'s components, and those created while it lives."""
+    global _HOOK
+    _ENGINES.add(engine)
+    if _HOOK is None:
+        _HOOK = torch.nn.modules.module.register_module_module_registration_hook(_on_register)
+    for module in engine.components.values():
+        for layer in tuner_layers(module):
+            _wrap(layer)
+
+
+def detach(engine, unwrap: bool) -> None:
+    """Forget ``engine``; with ``unwrap``, give its tuner layers peft's own ``merge``/``unmerge`` back."""
+    _ENGINES.discard(engine)
+    if unwrap:
+        for module in engine.components.values():
+            for layer in tuner_layers(module):
+                for name in ("merge", "unmerge"):
+                    if getattr(layer.__dict__.get(name), "_tritoff", False):
+                        delattr(layer, name)
+
+
+def _on_register(module, name, submodule):
+    # peft builds a tuner layer around its base layer: ``self.base_layer = base_layer`` registers it here
+    if name == "base_layer" and len(_ENGINES) and is_tuner_layer(module):
+        _wrap(module)
+    return None
+
+
+def _wrap(layer) -> None:
+    if getattr(layer.__dict__.get("merge"), "_tritoff", False):
+        return
+    merge, unmerge = layer.merge, layer.unmerge
+
+    @functools.wraps(merge)
+    def tritoff_merge(*args, **kwargs):
+        return _edit(layer, functools.partial(merge, *args, **kwargs), "fuse")
+
+    @functools.wraps(unmerge)
+    def tritoff_unmerge(*args, **kwargs):
+        return _edit(layer, functools.partial(unmerge, *args, **kwargs), "unfuse")
+
+    tritoff_merge._tritoff = tritoff_unmerge._tritoff = True
+    # instance attributes shadow peft's methods; diffusers and peft call ``module.merge(...)``
+    layer.merge, layer.unmerge = tritoff_merge, tritoff_unmerge
+
+
+def _where(engine) -> dict[int, tuple[GroupRuntime, int]]:
+    """Parameter id -> (its group, its index in the group's pack), built once per engine."""
+    where = engine.__dict__.get("_param_places")
+    if where is None:
+        where = {id(p): (g, i) for comp in engine._runtimes for g in comp.groups for i, p in enumerate(g.params)}
+        engine._param_places = where
+    return where
+
+
+def _owner(params):
+    for engine in list(_ENGINES):
+        if engine.manager is None:
+            continue
+        where = _where(engine)
+        located = [(p, *where[id(p)]) for p in params if id(p) in where]
+        if located:
+            return engine, located
+    return None, []
+
+
+def _edit(layer, change, what: str):
+    engine, located = _owner(list(layer.get_base_layer().parameters()))
+    if engine is None:
+        return change()
+    for _, g, i in located:
+        if g.arena.read_only:
+            name = f"{g.component}.{g.layout.entries[i].name}"
+            raise ValueError(
+                f"cannot {what} a LoRA into {name}: its pack is mapped read-only from a store; enable without store= "
+                "to fuse (engine.save then writes a store holding the fused weights), or keep the LoRA unfused"
+            )
+    engine.manager.drop_prefetch()
+    device = engine.options.device
+    merged = list(getattr(layer, "merged_adapters", []))
+    bound = [(p, p.data) for p, _, _ in located]
+    try:
+        before = []
+        for p, g, i in located:
+            p.data = read_entry(g.layout, g.pack.data, g.layout.entries[i]).to(device)
+            before.append(p.data.clone())
+        result = change()
+        changed = []
+        for (p, g, i), old in zip(located, before, strict=True):
+            e = g.layout.entries[i]
+            new = p.data
+            if tuple(new.shape) != e.shape:
+                raise ValueError(f"{what} changed the shape of {g.component}.{e.name}; tritoff cannot store that")
+            if e.kind == KIND_FP8 and not torch.isfinite(new).all():
+                raise ValueError(
+                    f"{what} gives NaN or Inf in {g.component}.{e.name}: the adapter is broken; nothing was changed"
+                )
+            if not torch.equal(new, old):
+                changed.append((g, i, new))
+        for g, i, new in changed:  # checked above: none of these writes can fail halfway
+            _store(engine, g, i, new, what)
+    except BaseException:
+        if hasattr(layer, "merged_adapters"):
+            layer.merged_adapters[:] = merged
+        raise
+    finally:
+        for p, data in bound:
+            p.data = data
+    return result
+
+
+def _store(engine, g: GroupRuntime, i: int, value: torch.Tensor, what: str) -> None:
+    """Write ``value`` into entry ``i`` of ``g``'s pack and refresh every GPU copy of it."""
+    from tritoff.packer import _default_quantize_device, _quantizer
+
+    layout, e = g.layout, g.layout.entries[i]
+    snr: dict[str, float] = {}
+    write_entry(layout, g.pack.data, e, value, _quantizer(_default_quantize_device()), snr)
+    if g.device_pack is not None:  # fp8 tier: the resident pack
+        for start, nbytes in ((e.offset, e.nbytes), (e.scale_offset, 4 * e.num_scales)):
+            if start >= 0 and nbytes:
+                g.device_pack[start : start + nbytes].copy_(g.pack.data[start : start + nbytes])
+    if g.buffer is not None:  # bf16 tier or a loaded pool unit: the tensor itself, as the kernels would unpack it
+        layout.views(g.buffer)[e.name].copy_(read_entry(layout, g.pack.data, e))
+    name = f"{g.component}.{e.name}"
+    if e.name in snr:
+        engine.snr[name] = snr[e.name]
+        engine.requantized[name] = (what, snr[e.name])
