@@ -292,7 +292,8 @@ class Engine:
         from tritoff import lora, operations
 
         lora.detach(self, unwrap=False)
-        operations.remove(self.target, self.components)
+        blocks = [m for m in self._hooked if isinstance(getattr(m, "_hf_hook", None), GroupHook)]
+        operations.remove(self.target, self.components, blocks)
         for module in self._hooked:
             remove_hook_from_module(module)
         self._hooked = []
@@ -516,7 +517,8 @@ def enable(
     from tritoff import lora, operations
 
     lora.attach(engine)  # fuse_lora / unfuse_lora write into the packs
-    operations.install(target, components, options.device)  # .to(), offloading, qkv fusion: work or refused
+    blocks = [m for m in engine._hooked if isinstance(getattr(m, "_hf_hook", None), GroupHook)]
+    operations.install(target, components, options.device, blocks)  # .to(), offloading, qkv fusion, compile
     return engine
 
 

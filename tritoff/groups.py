@@ -24,13 +24,21 @@ class Group:
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
 
 
+def _is_block_list(module: nn.Module) -> bool:
+    """Repeated blocks: a ModuleList or Sequential of at least two modules of one class. A list of unlike layers (an
+    attention's ``to_out`` = [Linear, Dropout], a feed-forward's ``net``) is part of whatever holds it."""
+    return (
+        isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > 1 and len({type(m) for m in module}) == 1
+    )
+
+
 def _block_lists(module: nn.Module, prefix: str = ""):
     """(name, ModuleList) pairs found under ``module`` without descending into the lists' elements."""
     for name, child in module.named_children():
         qualified = f"{prefix}{name}"
         if is_tuner_layer(child):  # an adapted layer: no block list inside
             continue
-        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 1:
+        if _is_block_list(child):
             yield qualified, child
         else:
             yield from _block_lists(child, qualified + ".")

@@ -9,7 +9,11 @@ methods; :func:`remove` gives the originals back):
   no-op for them; one that would move managed weights elsewhere or change their dtype is refused before anything moves;
 - diffusers' offloading (``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``, ``enable_group_offload``),
   ``enable_layerwise_casting`` and ``remove_all_hooks``: refused, since they would strip or fight tritoff's hooks;
-- ``fuse_qkv_projections``: refused, since it would concatenate placeholders; fusing before ``enable`` works.
+- ``fuse_qkv_projections``: refused, since it would concatenate placeholders; fusing before ``enable`` works;
+- ``block.compile(...)`` on a streamed or fp8-resident block (what diffusers' ``compile_repeated_blocks`` calls):
+  compiles the block's own forward, inside tritoff's hooks rather than around them, so ``fullgraph=True`` works and
+  binding the block's weights to a slot is never traced. ``component.compile(fullgraph=True)`` on a component
+  holding such blocks is refused (tritoff's hooks are graph breaks inside it); without ``fullgraph`` it works.
 """
 
 from __future__ import annotations
@@ -42,8 +46,12 @@ def _refusal(name: str, message: str):
     return refuse
 
 
-def install(target, components: dict, device: torch.device) -> None:
-    """Intercept the operations above on ``target`` (a pipeline or module) and on each of its ``components``."""
+def install(target, components: dict, device: torch.device, blocks=()) -> None:
+    """Intercept the operations above on ``target`` (a pipeline or module), on each of its ``components`` and on the
+    hooked ``blocks``."""
+    for block in blocks:
+        if "compile" not in block.__dict__:
+            block.compile = _compile_inside_hooks(block)
     for obj in {id(o): o for o in (target, *components.values())}.values():
         for name, message in REFUSED.items():
             if callable(getattr(type(obj), name, None)) and name not in obj.__dict__:
@@ -51,14 +59,17 @@ def install(target, components: dict, device: torch.device) -> None:
     for name, module in components.items():
         if "_apply" not in module.__dict__:
             module._apply = _guarded_apply(module, name, device)
+        inside = {id(m) for m in module.modules()}
+        if "compile" not in module.__dict__ and any(id(b) in inside for b in blocks):
+            module.compile = _compile_around_hooks(module, name)
     if not isinstance(target, torch.nn.Module) and callable(getattr(target, "to", None)) and "to" not in vars(target):
         target.to = _guarded_to(target, components, device)
 
 
-def remove(target, components: dict) -> None:
-    """Give back the methods :func:`install` shadowed."""
-    for obj in (target, *components.values()):
-        for name in (*REFUSED, "_apply", "to"):
+def remove(target, components: dict, blocks=()) -> None:
+    """Give back the methods :func:`install` shadowed (a block compiled meanwhile stays compiled)."""
+    for obj in (target, *components.values(), *blocks):
+        for name in (*REFUSED, "_apply", "to", "compile"):
             if getattr(obj.__dict__.get(name), "_tritoff", False):
                 delattr(obj, name)
 
@@ -77,6 +88,33 @@ def _check(module: torch.nn.Module, component: str, fn, device: torch.device) ->
                 f"{device} by tritoff; call tritoff.disable(pipe) first (it leaves ordinary modules holding the "
                 "dequantized weights), or reload the pipeline in the dtype you want before tritoff.enable"
             )
+
+
+def _compile_inside_hooks(block: torch.nn.Module):
+    def compile(*args, **kwargs):
+        """``torch.compile`` the block's own forward; tritoff's hooks run around it, uncompiled."""
+        # accelerate keeps the block's original forward here and calls it between the hooks
+        block._old_forward = torch.compile(block._old_forward, *args, **kwargs)
+
+    compile._tritoff = True
+    return compile
+
+
+def _compile_around_hooks(module: torch.nn.Module, component: str):
+    original = module.compile
+
+    @functools.wraps(original)
+    def compile(*args, **kwargs):
+        if kwargs.get("fullgraph"):
+            raise RuntimeError(
+                f"{component}.compile(fullgraph=True): tritoff's hooks on its streamed blocks are graph breaks inside "
+                f"it; use {component}.compile_repeated_blocks(fullgraph=True) (each block's own forward compiles as "
+                "one graph), or drop fullgraph"
+            )
+        return original(*args, **kwargs)
+
+    compile._tritoff = True
+    return compile
 
 
 def _guarded_apply(module: torch.nn.Module, component: str, device: torch.device):
