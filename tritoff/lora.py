@@ -9,8 +9,10 @@ is written back into its pack (an fp8 weight is quantized again exactly as when 
 result is recorded for the report), and the GPU copies (resident packs, resident and pooled tensors) are refreshed.
 ``disable`` then returns the fused weights, and a re-plan keeps them.
 
-Fusing is refused in one line where the packs are mapped read-only from a store. A failure (a broken adapter
-producing NaN) leaves the packs, the bindings and peft's record of merged adapters as they were.
+Fusing is refused in one line where the packs are mapped read-only from a store. ``fuse_lora`` (the pipeline's and
+the components') first checks that every adapter it would fuse has a finite delta, so a broken adapter is refused
+before any weight changes; a layer that still fails (its fused weight overflows) is left, with peft's record of its
+merged adapters, as it was.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ _HOOK = None
 
 
 def attach(engine) -> None:
-    """Wrap the tuner layers of ``engine``'s components, and those created while it lives."""
+    """Wrap the tuner layers of ``engine``'s components, and those created while it lives, and the ``fuse_lora`` of
+    the pipeline and its components."""
     global _HOOK
     _ENGINES.add(engine)
     if _HOOK is None:
@@ -38,17 +41,49 @@ def attach(engine) -> None:
     for module in engine.components.values():
         for layer in tuner_layers(module):
             _wrap(layer)
+    for owner in {id(o): o for o in (engine.target, *engine.components.values())}.values():
+        if callable(getattr(type(owner), "fuse_lora", None)) and "fuse_lora" not in owner.__dict__:
+            owner.fuse_lora = _checked_fuse(owner, engine)
 
 
 def detach(engine, unwrap: bool) -> None:
     """Forget ``engine``; with ``unwrap``, give its tuner layers peft's own ``merge``/``unmerge`` back."""
     _ENGINES.discard(engine)
+    for owner in (engine.target, *engine.components.values()):
+        if getattr(owner.__dict__.get("fuse_lora"), "_tritoff", False):
+            delattr(owner, "fuse_lora")
     if unwrap:
         for module in engine.components.values():
             for layer in tuner_layers(module):
                 for name in ("merge", "unmerge"):
                     if getattr(layer.__dict__.get(name), "_tritoff", False):
                         delattr(layer, name)
+
+
+def _checked_fuse(owner, engine):
+    """``fuse_lora`` that refuses, before fusing anything, an adapter whose delta holds NaN or Inf."""
+    original = owner.fuse_lora
+
+    @functools.wraps(original)
+    def fuse_lora(*args, **kwargs):
+        names = kwargs.get("adapter_names")
+        for component, module in engine.components.items():
+            for layer_name, layer in module.named_modules():
+                if not is_tuner_layer(layer) or not hasattr(layer, "get_delta_weight"):
+                    continue
+                wanted = names if names is not None else layer.active_adapters
+                for adapter in wanted:
+                    if adapter in getattr(layer, "merged_adapters", ()) or adapter not in getattr(layer, "lora_A", ()):
+                        continue
+                    if not torch.isfinite(layer.get_delta_weight(adapter)).all():
+                        raise ValueError(
+                            f"fuse_lora: adapter {adapter!r} has NaN or Inf in its delta for {component}.{layer_name}; "
+                            "nothing was fused: fix or unload that adapter"
+                        )
+        return original(*args, **kwargs)
+
+    fuse_lora._tritoff = True
+    return fuse_lora
 
 
 def _on_register(module, name, submodule):
