@@ -44,14 +44,18 @@ def attach(engine) -> None:
     for owner in {id(o): o for o in (engine.target, *engine.components.values())}.values():
         if callable(getattr(type(owner), "fuse_lora", None)) and "fuse_lora" not in owner.__dict__:
             owner.fuse_lora = _checked_fuse(owner, engine)
+        if not isinstance(owner, torch.nn.Module) and callable(getattr(type(owner), "unfuse_lora", None)):
+            if "unfuse_lora" not in owner.__dict__:
+                owner.unfuse_lora = _checked_unfuse(owner)
 
 
 def detach(engine, unwrap: bool) -> None:
     """Forget ``engine``; with ``unwrap``, give its tuner layers peft's own ``merge``/``unmerge`` back."""
     _ENGINES.discard(engine)
     for owner in (engine.target, *engine.components.values()):
-        if getattr(owner.__dict__.get("fuse_lora"), "_tritoff", False):
-            delattr(owner, "fuse_lora")
+        for name in ("fuse_lora", "unfuse_lora"):
+            if getattr(owner.__dict__.get(name), "_tritoff", False):
+                delattr(owner, name)
     if unwrap:
         for module in engine.components.values():
             for layer in tuner_layers(module):
@@ -60,12 +64,40 @@ def detach(engine, unwrap: bool) -> None:
                         delattr(layer, name)
 
 
+def _compiled_whole(pipe, what: str, args, kwargs) -> None:
+    """Refuse a pipeline-level fuse/unfuse naming a component compiled whole: diffusers skips such a wrapper
+    without a word (it is not a ModelMixin), so the LoRA would silently stay as it was."""
+    components = kwargs.get("components", args[0] if args else None) or ()
+    for name in components:
+        if type(getattr(pipe, name, None)).__name__ == "OptimizedModule":
+            raise ValueError(
+                f"{what}: pipe.{name} is compiled whole (torch.compile's wrapper), which diffusers' {what} skips "
+                f"without a word; call pipe.{name}._orig_mod.{what}(...), or {what} before compiling, or compile "
+                "regionally (compile_repeated_blocks)"
+            )
+
+
+def _checked_unfuse(pipe):
+    original = pipe.unfuse_lora
+
+    @functools.wraps(original)
+    def unfuse_lora(*args, **kwargs):
+        _compiled_whole(pipe, "unfuse_lora", args, kwargs)
+        return original(*args, **kwargs)
+
+    unfuse_lora._tritoff = True
+    return unfuse_lora
+
+
 def _checked_fuse(owner, engine):
-    """``fuse_lora`` that refuses, before fusing anything, an adapter whose delta holds NaN or Inf."""
+    """``fuse_lora`` that refuses, before fusing anything, an adapter whose delta holds NaN or Inf (and, on a
+    pipeline, a component compiled whole)."""
     original = owner.fuse_lora
 
     @functools.wraps(original)
     def fuse_lora(*args, **kwargs):
+        if not isinstance(owner, torch.nn.Module):
+            _compiled_whole(owner, "fuse_lora", args, kwargs)
         names = kwargs.get("adapter_names")
         for component, module in engine.components.items():
             for layer_name, layer in module.named_modules():

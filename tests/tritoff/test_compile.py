@@ -117,3 +117,31 @@ def test_fullgraph_over_hooked_blocks_is_refused_in_one_line():
         pipe.transformer.compile(fullgraph=True)
     assert "\n" not in str(info.value)
     assert pipe.transformer._compiled_call_impl is None  # nothing was compiled
+
+
+def test_lora_on_a_transformer_compiled_whole():
+    """diffusers' pipe.fuse_lora skips a component compiled whole without a word (it is no ModelMixin): refused in
+    one line, and the way it names works."""
+    from .helpers import dequantize_in_place, lora_state_dict
+
+    factory, call = FAMILIES["wan21-t2v"]
+    lora = lora_state_dict(factory().transformer)
+    reference = dequantized_pipeline(factory)
+    reference.set_progress_bar_config(disable=True)
+    reference.load_lora_weights(lora, adapter_name="style")
+    _, expected = _run(reference, call, "latent")
+    reference.fuse_lora(components=["transformer"])
+    dequantize_in_place(reference.transformer)
+    _, expected_fused = _run(reference, call, "latent")
+    pipe, call, _, _ = _streaming("wan21-t2v")
+    recorder = Recorder()
+    _compile(pipe, "whole", recorder)
+    pipe.load_lora_weights(lora, adapter_name="style")
+    assert torch.equal(_run(pipe, call, "latent")[1], expected)
+    with pytest.raises(ValueError, match=r"call pipe.transformer._orig_mod.fuse_lora\(...\)") as info:
+        pipe.fuse_lora(components=["transformer"])
+    assert "\n" not in str(info.value)
+    assert torch.equal(_run(pipe, call, "latent")[1], expected)  # nothing changed
+    pipe.transformer._orig_mod.fuse_lora()
+    assert torch.equal(_run(pipe, call, "latent")[1], expected_fused)
+    assert recorder.traced_tritoff() == []
