@@ -15,14 +15,18 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
+_TUNER: list = []  # peft's BaseTunerLayer once imported (or None without peft): asked on every module registration
+
 
 def tuner_layer_class() -> type | None:
     """peft's ``BaseTunerLayer``, or None without peft."""
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:
-        return None
-    return BaseTunerLayer
+    if not _TUNER:
+        try:
+            from peft.tuners.tuners_utils import BaseTunerLayer
+        except ImportError:
+            BaseTunerLayer = None
+        _TUNER.append(BaseTunerLayer)
+    return _TUNER[0]
 
 
 def is_tuner_layer(module: nn.Module) -> bool:
@@ -54,6 +58,23 @@ def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
                 yield from walk(child, f"{prefix}.{name}" if prefix else name)
 
     yield from walk(model, "")
+
+
+def outer_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Like :func:`named_modules`, but an adapted layer is its tuner layer (the module its parent calls), not the base
+    layer inside: where a hook must sit so that it runs around the adapter's own use of the base weights."""
+    outer = {}
+
+    def walk(module: nn.Module, prefix: str):
+        outer.setdefault(prefix, module)
+        while is_tuner_layer(module):
+            module = module.get_base_layer()
+        for name, child in module._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}.{name}" if prefix else name)
+
+    walk(model, "")
+    return outer
 
 
 def named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:

@@ -10,7 +10,7 @@ import torch.nn as nn
 from accelerate.hooks import add_hook_to_module, remove_hook_from_module
 from tqdm.auto import tqdm
 
-from tritoff.adapters import adapter_bytes, merged_adapters, move_adapters, named_modules, named_parameters
+from tritoff.adapters import adapter_bytes, merged_adapters, move_adapters, named_parameters, outer_modules
 from tritoff.arena import HostArena
 from tritoff.budget import device_memory, format_bytes, parse_size
 from tritoff.chunks import smallest_chunk
@@ -242,7 +242,7 @@ class Engine:
         for comp in runtimes:
             _move_buffers(comp.module, device)
             move_adapters(comp.module, device)
-            modules = dict(named_modules(comp.module))
+            modules = outer_modules(comp.module)  # an adapted leaf layer: its hook goes around the adapter too
             placing = zip(self._group_lists[comp.name], comp.groups, strict=True)
             bar = tqdm(placing, total=len(comp.groups), desc=f"placing {comp.name}", disable=not self._progress)
             for group, g in bar:
@@ -266,6 +266,18 @@ class Engine:
         add_hook_to_module(module, hook)
         guard_forward(module, self.manager)
         self._hooked.append(module)
+
+    def move_hook(self, src: nn.Module, dst: nn.Module) -> None:
+        """Move a leaf layer's hook to the module its parent now calls: peft wrapped it in a tuner layer (whose
+        adapter may read the base weights outside the base layer's forward), or unwrapped it again."""
+        from tritoff import operations
+
+        hook = src._hf_hook
+        operations.remove_block(src)
+        remove_hook_from_module(src)
+        self._hooked.remove(src)
+        self._hook(dst, hook)
+        operations.install_block(dst)
 
     # public -------------------------------------------------------------------------------------------------------
     @property

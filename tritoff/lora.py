@@ -119,10 +119,30 @@ def _checked_fuse(owner, engine):
 
 
 def _on_register(module, name, submodule):
-    # peft builds a tuner layer around its base layer: ``self.base_layer = base_layer`` registers it here
-    if name == "base_layer" and len(_ENGINES) and is_tuner_layer(module):
-        _wrap(module)
+    """Called for every submodule registered anywhere: cheap unless an engine lives and peft is at work."""
+    if not len(_ENGINES) or not isinstance(submodule, torch.nn.Module):
+        return None
+    if name == "base_layer" and is_tuner_layer(module):
+        _wrap(module)  # peft builds a tuner layer around its base layer: ``self.base_layer = base_layer``
+    elif is_tuner_layer(submodule):  # peft puts the adapted layer where the base layer was
+        _move_hook(submodule.get_base_layer(), submodule)
+    else:  # unloading puts the base layer back where its tuner layer was
+        old = module._modules.get(name)
+        if old is not None and old is not submodule and is_tuner_layer(old) and old.get_base_layer() is submodule:
+            _move_hook(old, submodule)
     return None
+
+
+def _move_hook(src, dst) -> None:
+    # only leaf mode hooks a layer peft wraps; blocks and components are never wrapped
+    from tritoff.manager import GroupHook
+
+    hook = getattr(src, "_hf_hook", None)
+    if isinstance(hook, GroupHook):
+        for engine in list(_ENGINES):
+            if engine.manager is hook.manager:
+                engine.move_hook(src, dst)
+                return
 
 
 def _wrap(layer) -> None:

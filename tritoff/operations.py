@@ -50,8 +50,7 @@ def install(target, components: dict, device: torch.device, blocks=()) -> None:
     """Intercept the operations above on ``target`` (a pipeline or module), on each of its ``components`` and on the
     hooked ``blocks``."""
     for block in blocks:
-        if "compile" not in block.__dict__:
-            block.compile = _compile_inside_hooks(block)
+        install_block(block)
     for obj in {id(o): o for o in (target, *components.values())}.values():
         for name, message in REFUSED.items():
             if callable(getattr(type(obj), name, None)) and name not in obj.__dict__:
@@ -88,6 +87,18 @@ def _check(module: torch.nn.Module, component: str, fn, device: torch.device) ->
                 f"{device} by tritoff; call tritoff.disable(pipe) first (it leaves ordinary modules holding the "
                 "dequantized weights), or reload the pipeline in the dtype you want before tritoff.enable"
             )
+
+
+def install_block(block: torch.nn.Module) -> None:
+    """Make ``block.compile(...)`` compile the hooked block's own forward (inside tritoff's hooks)."""
+    if "compile" not in block.__dict__:
+        block.compile = _compile_inside_hooks(block)
+
+
+def remove_block(block: torch.nn.Module) -> None:
+    """Undo :func:`install_block`."""
+    if getattr(block.__dict__.get("compile"), "_tritoff", False):
+        del block.compile
 
 
 def _compile_inside_hooks(block: torch.nn.Module):

@@ -54,9 +54,11 @@ def cogvideox(**kwargs):
     return tiny_cogvideox_pipeline(**kwargs)
 
 
-def lora_state_dict(model: torch.nn.Module, prefix="transformer", targets=("to_q", "to_k", "to_v"), rank=2, seed=1):
-    """A LoRA for ``model``'s architecture in the format ``pipe.load_lora_weights`` takes, with random A and B
-    (peft's default leaves B at zero, which would change nothing)."""
+def lora_state_dict(
+    model: torch.nn.Module, prefix="transformer", targets=("to_q", "to_k", "to_v"), rank=2, seed=1, use_dora=False
+):
+    """A LoRA (or DoRA) for ``model``'s architecture in the format ``pipe.load_lora_weights`` takes, with random A and
+    B (peft's default leaves B at zero, which would change nothing)."""
     import copy
 
     from peft import LoraConfig
@@ -64,5 +66,8 @@ def lora_state_dict(model: torch.nn.Module, prefix="transformer", targets=("to_q
 
     twin = copy.deepcopy(model)
     torch.manual_seed(seed)
-    twin.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets), init_lora_weights=False))
+    config = LoraConfig(
+        r=rank, lora_alpha=rank, target_modules=list(targets), init_lora_weights=False, use_dora=use_dora
+    )
+    twin.add_adapter(config)
     return {f"{prefix}.{k}": v.detach().clone() for k, v in get_peft_model_state_dict(twin).items()}

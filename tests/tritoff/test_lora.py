@@ -198,3 +198,34 @@ def test_adapters_requiring_grad_are_refused_under_grad_mode_not_silently_wrong(
         pipe.transformer(**inputs)
     with torch.no_grad():  # the refusal left nothing held
         pipe.transformer(**inputs)
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["loaded-before-enable", "loaded-after-enable"])
+def test_dora_in_leaf_mode_hooks_around_the_adapter(before):
+    """DoRA reads the base weight outside the base layer's forward: in leaf mode the layer's hook moves to the tuner
+    layer peft wraps it in (and back when the adapter is unloaded)."""
+    dora = lora_state_dict(wan().transformer, targets=("to_q", "to_k"), use_dora=True)
+    assert any("lora_magnitude_vector" in k for k in dora)
+    ref = dequantized_pipeline(wan)
+    plain = run(ref, LATENTS)
+    ref.load_lora_weights(dora, adapter_name="dora")
+    expected = run(ref, LATENTS)
+    ref.fuse_lora(components=["transformer"])
+    dequantize_in_place(ref.transformer)
+    expected_fused = run(ref, LATENTS)
+    pipe = wan()
+    if before:
+        pipe.load_lora_weights(dora, adapter_name="dora")
+    engine = _enable(pipe, mode="leaf", budget="2MB")
+    if not before:
+        pipe.load_lora_weights(dora, adapter_name="dora")
+    assert engine.plan.tier_counts("transformer")["stream"] > 0
+    adapted = pipe.transformer.blocks[0].attn1.to_q
+    assert hasattr(adapted, "_hf_hook") and not hasattr(adapted.base_layer, "_hf_hook")
+    assert torch.equal(run(pipe, LATENTS), expected)
+    pipe.unload_lora_weights()
+    assert hasattr(pipe.transformer.blocks[0].attn1.to_q, "_hf_hook")  # back on the plain layer
+    assert torch.equal(run(pipe, LATENTS), plain)
+    pipe.load_lora_weights(dora, adapter_name="dora")
+    pipe.fuse_lora(components=["transformer"])
+    assert torch.equal(run(pipe, LATENTS), expected_fused)
