@@ -5,7 +5,8 @@ diffusers at the same cap: bf16 ``enable_group_offload(block_level, 1 block, use
 (its fastest published configuration), ``enable_layerwise_casting(fp8)`` then the same group offload (the order that
 really sends fp8), and model offload (accelerate's ``cpu_offload_with_hook``, what ``enable_model_cpu_offload`` does
 per component). ``--compile`` adds all-resident + regional compile and tritoff group + regional compile (each block's
-forward compiled; tritoff's hooks stay outside the compiled region). Columns: seconds per forward (median after a
+forward compiled; for tritoff, ``compile_repeated_blocks(fullgraph=True)`` after ``enable``, as users do: the hooks
+stay outside the compiled region). Columns: seconds per forward (median after a
 warm-up forward), ratio to all-resident, peak VRAM, host RSS over the process's baseline, bytes moved per forward and
 the transfer bound they imply at the measured H2D rate, compute-stream wait, host time in tritoff's hooks per group.
 

@@ -128,15 +128,20 @@ def _check_percentage(budget: str | None, device: str | None) -> None:
             raise CliError(f"--budget {budget} is a share of GPU memory, but there is no GPU; give bytes, e.g. 4GB")
 
 
-def _check_storage(storage: str | None):
+def _check_storage(storage: str | None, local: Path | None = None):
     """``--storage``: a format (the same names and spellings ``tritoff.formats.get_format`` accepts) or
-    ``component=format`` pairs; returns what ``tritoff.enable`` takes."""
-    from tritoff.storage import parse_storage
+    ``component=format`` pairs, whose names the local pipeline directory ``local`` must have; returns what
+    ``tritoff.enable`` takes."""
+    from tritoff.storage import parse_storage, resolve_storage
 
     try:
-        return parse_storage(storage)
+        parsed = parse_storage(storage)
+        if isinstance(parsed, dict) and local is not None and (local / "model_index.json").is_file():
+            index = _json(local / "model_index.json")
+            resolve_storage(parsed, {n: None for n, spec in index.items() if isinstance(spec, list) and spec[0]})
+        return parsed
     except ValueError as err:
-        raise CliError(str(err)) from None
+        raise CliError(f"--storage {storage}: {err}" if "--storage" not in str(err) else str(err)) from None
 
 
 def _size_hint(nbytes: int) -> str:
@@ -316,9 +321,9 @@ def _cmd_run(args) -> int:
 
     _check_budget(args.budget)
     _check_budget(args.reserve, what="reserve")
-    _check_storage(args.storage)
     check_writable(args.out)
     local = _check_model(args.model)
+    _check_storage(args.storage, local)
     if local.is_dir():
         _check_dimensions(args, *_local_configs(local))
     index = _check_store(args, local) if args.store else None
@@ -393,7 +398,7 @@ def _cmd_convert(args) -> int:
 
     local = _check_model(args.model)
     target = check_target(args.out_dir, args.overwrite, model=local)
-    _check_storage(args.storage)
+    _check_storage(args.storage, local)
     for pattern in args.skip:
         try:
             re.compile(pattern)
