@@ -6,6 +6,7 @@ CPU, ``aot_eager`` backend (the graphs run as eager ATen ops, so the outputs sta
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import tritoff
 
@@ -86,9 +87,11 @@ def test_compiled_runs_repeat_exactly_without_recompiling(how, family):
     assert torch.equal(_run(pipe, call, "latent")[1], expected)
     compiled = len(recorder.graphs)
     assert compiled > 0
+    unique = counters["stats"]["unique_graphs"]
     for _ in range(2):
         assert torch.equal(_run(pipe, call, "latent")[1], expected)
-    assert len(recorder.graphs) == compiled  # no recompilation after the first call
+    # no recompilation after the first call: no graph reached the backend, dynamo's counters agree
+    assert len(recorder.graphs) == compiled and counters["stats"]["unique_graphs"] == unique
     assert recorder.traced_tritoff() == []
     if how != "whole":  # the graphs of the same compilation without tritoff: streaming adds none
         assert compiled == plain
