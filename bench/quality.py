@@ -4,7 +4,9 @@ For tiny and mid-size random-weight Wan and CogVideoX transformers whose weights
 (std = gain / sqrt(fan_in), gain swept from 1 down to 0.05), on the same weights and inputs:
 tritoff e4m3 and e5m2 with power-of-two row scales, tritoff e4m3 with per-tensor scales, and diffusers'
 ``enable_layerwise_casting`` (unscaled fp8). Then the frames of a full tiny Wan pipeline with the same seed (PSNR).
-Runs on the CPU. Usage: python bench/quality.py [--smoke]
+With ``--vae``: only the frames of each tiny pipeline family with its VAE in fp8_e4m3 against its VAE kept in its own
+dtype (tritoff's default), everything else alike (bench/results/vae_psnr.json).
+Runs on the CPU. Usage: python bench/quality.py [--smoke] [--vae]
 """
 
 from __future__ import annotations
@@ -102,7 +104,10 @@ def pipeline_psnr(steps: int) -> dict:
     for storage in ("fp8_e4m3", "fp8_e5m2"):
         pipe = tiny_wan_pipeline()
         tritoff.enable(pipe, storage=storage, progress=False, kernels="reference")
-        results[f"tritoff {storage} (all components)"] = _psnr(reference, frames(pipe))
+        results[f"tritoff {storage} (VAE kept in its dtype)"] = _psnr(reference, frames(pipe))
+        pipe = tiny_wan_pipeline()
+        tritoff.enable(pipe, storage={"vae": storage, "transformer": storage, "text_encoder": storage}, progress=False)
+        results[f"tritoff {storage} (all components, VAE too)"] = _psnr(reference, frames(pipe))
     pipe = tiny_wan_pipeline()
     tritoff.enable(pipe.transformer, progress=False, kernels="reference")
     results["tritoff fp8_e4m3 (transformer only)"] = _psnr(reference, frames(pipe))
@@ -110,6 +115,46 @@ def pipeline_psnr(steps: int) -> dict:
     pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
     results["diffusers layerwise e4m3 (transformer only)"] = _psnr(reference, frames(pipe))
     return results
+
+
+def vae_psnr() -> dict:
+    """Per tiny pipeline family: PSNR (dB) of its frames with the VAE in fp8_e4m3 against the VAE kept in its own
+    dtype (both through tritoff, everything else alike), and each against the plain pipeline."""
+    from tritoff import tiny
+
+    video = dict(prompt="a cat", num_inference_steps=4, max_sequence_length=16, output_type="pt")
+    families = {
+        "wan": (tiny.tiny_wan_pipeline, dict(video, height=32, width=32, num_frames=9)),
+        "cogvideox": (tiny.tiny_cogvideox_pipeline, dict(video, height=32, width=32, num_frames=9)),
+        "hunyuan-video": (
+            tiny.tiny_hunyuan_video_pipeline,
+            dict(video, height=32, width=32, num_frames=9, prompt_template={"template": "{}", "crop_start": 0}),
+        ),
+        "ltx-video": (tiny.tiny_ltx_video_pipeline, dict(video, height=32, width=32, num_frames=9)),
+        "flux": (tiny.tiny_flux_pipeline, dict(video, height=32, width=32)),
+    }
+    rows = []
+    for name, (factory, call) in families.items():
+
+        def frames(pipe, call=call):
+            out = pipe(**call, generator=torch.Generator().manual_seed(0))
+            return (out.frames if hasattr(out, "frames") else out.images).float().clamp(0, 1)
+
+        plain = frames(factory())
+        kept, quantized = factory(), factory()
+        tritoff.enable(kept, progress=False, kernels="reference")
+        tritoff.enable(quantized, storage={"vae": "fp8_e4m3"}, progress=False, kernels="reference")
+        a, b = frames(kept), frames(quantized)
+        rows.append(
+            {
+                "family": name,
+                "vae_fp8_vs_vae_kept": _psnr(a, b),
+                "vae_kept_vs_plain": _psnr(plain, a),
+                "vae_fp8_vs_plain": _psnr(plain, b),
+                "vae_params": sum(p.numel() for p in factory().vae.parameters()),
+            }
+        )
+    return {"unit": "dB", "rows": rows}
 
 
 def _psnr(reference: torch.Tensor, frames: torch.Tensor) -> float:
@@ -121,7 +166,16 @@ def main() -> None:
     """Measure, print tables, write bench/results/quality.json."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="tiny models and two gains only (CI)")
+    parser.add_argument("--vae", action="store_true", help="only the PSNR of VAEs in fp8 against VAEs kept")
     args = parser.parse_args()
+    if args.vae:
+        result = vae_psnr()
+        print("PSNR (dB) of tiny pipelines' frames: VAE in fp8_e4m3 against VAE kept in its own dtype (CPU)")
+        header = ["family", "VAE fp8 vs kept", "VAE kept vs plain", "VAE fp8 vs plain"]
+        keys = ("vae_fp8_vs_vae_kept", "vae_kept_vs_plain", "vae_fp8_vs_plain")
+        print(markdown_table(header, [[r["family"], *(f"{r[k]:.1f}" for k in keys)] for r in result["rows"]]))
+        print(f"\nwrote {write_result('vae_psnr', result)}")
+        return
     names = ["wan-tiny", "cogvideox-tiny"] if args.smoke else list(SIZES)
     gains = (1.0, 0.1) if args.smoke else GAINS
     rows = [measure(name, gain) for name in names for gain in gains]

@@ -27,6 +27,10 @@ EXIT_INTERRUPTED = 130
 # once (a test keeps them equal)
 TRANSPORTS = ("auto", "staged", "zero_copy")
 STORAGES = ("fp8_e4m3", "fp8_e5m2", "bf16", "fp16")
+STORAGE_HELP = (
+    "a format (fp8_e4m3, fp8_e5m2, bf16 or fp16) for the text encoders and denoisers, VAEs keeping their own dtype; "
+    "or component=format pairs, e.g. vae=fp8_e4m3"
+)
 
 
 class CliError(Exception):
@@ -124,10 +128,20 @@ def _check_percentage(budget: str | None, device: str | None) -> None:
             raise CliError(f"--budget {budget} is a share of GPU memory, but there is no GPU; give bytes, e.g. 4GB")
 
 
-def _check_storage(storage: str | None) -> None:
-    """The same names (and spellings) ``tritoff.formats.get_format`` accepts."""
-    if storage is not None and storage.lower().replace("-", "_") not in STORAGES:
-        raise CliError(f"unknown storage {storage!r}: use one of {', '.join(STORAGES)}")
+def _check_storage(storage: str | None, local: Path | None = None):
+    """``--storage``: a format (the same names and spellings ``tritoff.formats.get_format`` accepts) or
+    ``component=format`` pairs, whose names the local pipeline directory ``local`` must have; returns what
+    ``tritoff.enable`` takes."""
+    from tritoff.storage import parse_storage, resolve_storage
+
+    try:
+        parsed = parse_storage(storage)
+        if isinstance(parsed, dict) and local is not None and (local / "model_index.json").is_file():
+            index = _json(local / "model_index.json")
+            resolve_storage(parsed, {n: None for n, spec in index.items() if isinstance(spec, list) and spec[0]})
+        return parsed
+    except ValueError as err:
+        raise CliError(f"--storage {storage}: {err}" if "--storage" not in str(err) else str(err)) from None
 
 
 def _size_hint(nbytes: int) -> str:
@@ -173,7 +187,8 @@ def _cmd_demo(args) -> int:
 
     print("tritoff demo: a Wan pipeline built locally (random weights), weights in fp8 packs, blocks streamed")
     try:
-        frames, engine, psnr = run_demo(args.storage, args.budget, args.steps, args.device, frames=args.frames)
+        storage = _check_storage(args.storage)
+        frames, engine, psnr = run_demo(storage, args.budget, args.steps, args.device, frames=args.frames)
     except BudgetError as err:
         raise _budget_error(err) from None
     path = write_video(frames, args.out, fps=8)
@@ -278,11 +293,21 @@ def _empty_component(directory: Path, name: str, class_name: str, store: str):
 def _check_store(args, local: Path) -> dict:
     """The store's index (structure, own hash), its fit with --storage and --mode, and, for a local model, that it
     was made from MODEL's weight files; all cheap, before torch is imported."""
-    from tritoff.store import check_source, read_index
+    from tritoff.storage import resolve_storage
+    from tritoff.store import check_source, component_storages, read_index
 
     index = read_index(args.store)
-    if args.storage is not None and args.storage.lower().replace("-", "_") != index["storage"]:
-        raise CliError(f"--storage {args.storage} but the store {args.store} holds {index['storage']}; drop --storage")
+    if args.storage is not None:
+        held = component_storages(index)
+        try:
+            wanted = resolve_storage(_check_storage(args.storage), dict.fromkeys(held))
+        except ValueError as err:
+            raise CliError(f"--storage {args.storage}: {err}") from None
+        for name, fmt in held.items():
+            if wanted[name] != fmt:
+                raise CliError(
+                    f"--storage {args.storage} but the store {args.store} holds {fmt} for {name}; drop --storage"
+                )
     if (args.mode == "leaf") != (index["grouping"] == "leaf"):
         wanted = "--mode leaf" if index["grouping"] == "leaf" else "a --mode other than leaf"
         raise CliError(f"the store {args.store} was made with {index['grouping']} groups; pass {wanted}")
@@ -296,9 +321,9 @@ def _cmd_run(args) -> int:
 
     _check_budget(args.budget)
     _check_budget(args.reserve, what="reserve")
-    _check_storage(args.storage)
     check_writable(args.out)
     local = _check_model(args.model)
+    _check_storage(args.storage, local)
     if local.is_dir():
         _check_dimensions(args, *_local_configs(local))
     index = _check_store(args, local) if args.store else None
@@ -333,7 +358,7 @@ def _cmd_run(args) -> int:
     try:
         engine = tritoff.enable(
             pipe,
-            args.storage,
+            _check_storage(args.storage),
             mode=args.mode,
             budget=args.budget,
             device=args.device,
@@ -373,7 +398,7 @@ def _cmd_convert(args) -> int:
 
     local = _check_model(args.model)
     target = check_target(args.out_dir, args.overwrite, model=local)
-    _check_storage(args.storage)
+    _check_storage(args.storage, local)
     for pattern in args.skip:
         try:
             re.compile(pattern)
@@ -386,18 +411,20 @@ def _cmd_convert(args) -> int:
     _prepare_backend(None)
 
     from tritoff.convert import convert_pipeline
+    from tritoff.storage import describe_storage
 
     packed = convert_pipeline(
         args.model,
         args.out_dir,
-        args.storage,
+        _check_storage(args.storage),
         args.granularity,
         tuple(args.skip),
         "leaf" if args.mode == "leaf" else "block",
         overwrite=args.overwrite,
     )
     total = sum(p.arena.nbytes for p in packed.values())
-    print(f"wrote {args.out_dir}: {len(packed)} components, {total / 2**20:.1f} MiB of packs ({args.storage})")
+    storage = describe_storage({name: p.storage.name for name, p in packed.items()})
+    print(f"wrote {args.out_dir}: {len(packed)} components, {total / 2**20:.1f} MiB of packs ({storage})")
     return 0
 
 
@@ -445,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a small locally built Wan pipeline through tritoff; write the video", **kw)
-    demo.add_argument("--storage", default="fp8_e4m3", help="fp8_e4m3, fp8_e5m2, bf16 or fp16")
+    demo.add_argument("--storage", default="fp8_e4m3", help=STORAGE_HELP)
     demo.add_argument("--budget", default=None, help="GPU memory budget (default: 1.2x the smallest that works)")
     demo.add_argument("--steps", type=_at_least(1), default=4, help="denoising steps")
     demo.add_argument("--frames", type=_at_least(1), default=9, help="frames to generate")
@@ -458,9 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--prompt", required=True, help="what to generate")
     run.add_argument("--negative-prompt", default=None, help="what to steer away from (default: none)")
     run.add_argument("--budget", default=None, help="e.g. 12GB, 12GiB, 80%% (default: the GPU's free memory)")
-    run.add_argument(
-        "--storage", default=None, help="fp8_e4m3, fp8_e5m2, bf16, fp16 (default: fp8_e4m3, or the store's)"
-    )
+    run.add_argument("--storage", default=None, help=f"{STORAGE_HELP} (default: fp8_e4m3, or the store's)")
     run.add_argument("--mode", default="auto", choices=MODES, help="how components are split (see docs/usage.md)")
     run.add_argument("--prefetch", type=_at_least(1), default=2, help="blocks in flight ahead of the running one")
     run.add_argument(
@@ -485,7 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help="quantize a pipeline once and save its packs as a store", **kw)
     convert.add_argument("model", help="a local diffusers pipeline directory or a hub id")
     convert.add_argument("out_dir", help="the store's directory: new, empty, or a store to replace with --overwrite")
-    convert.add_argument("--storage", default="fp8_e4m3", help="fp8_e4m3, fp8_e5m2, bf16 or fp16")
+    convert.add_argument("--storage", default="fp8_e4m3", help=STORAGE_HELP)
     convert.add_argument(
         "--granularity",
         default="row",

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from tritoff.groups import Group
 from tritoff.packer import PackedModel, pack_model
+from tritoff.storage import resolve_storage
 from tritoff.store import check_target, describe_source, fingerprint, save_store
 
 
@@ -111,7 +112,7 @@ def from_pretrained(model, dtype: torch.dtype, **components):
 def convert_pipeline(
     model: str | Path,
     out_dir: str | Path,
-    storage: str = "fp8_e4m3",
+    storage: str | dict[str, str] | None = "fp8_e4m3",
     granularity: str = "row",
     skip: tuple[str, ...] = (),
     grouping: str = "block",
@@ -124,6 +125,7 @@ def convert_pipeline(
     ``out_dir``. With ``stream`` (and a local directory), diffusers components are read group by group from their
     safetensors files; otherwise the pipeline is loaded with ``from_pretrained`` and released group by group.
 
+    ``storage`` is what :func:`tritoff.enable` takes (a format for all but the VAEs, or ``{component: format}``).
     ``out_dir`` must be new or empty (or a store, replaced with ``overwrite``) and outside the model directory; this is
     checked before anything is read."""
     from tritoff.engine import _components, _groups_for
@@ -147,6 +149,7 @@ def convert_pipeline(
     for name, module in _components(loaded).items():
         components.setdefault(name, module)
     components = {n: components[n] for n in sorted(components)}
+    storages = resolve_storage(storage, components)
     source_dir = model_directory(model)
     # recorded before the weights are read: what the packs are made from
     source = describe_source(source_dir, components) if source_dir is not None else None
@@ -163,7 +166,7 @@ def convert_pipeline(
 
         packed[name] = pack_model(
             module,
-            storage,
+            storages[name],
             granularity=granularity,
             skip=skip,
             groups=groups,

@@ -53,7 +53,7 @@ def run_demo(
     plain.set_progress_bar_config(desc="reference run (plain bf16, no tritoff)")
     reference = plain(**call, generator=torch.Generator().manual_seed(0)).frames
     del plain
-    pipe.set_progress_bar_config(desc=f"tritoff run ({engine.options.storage} packs)")
+    pipe.set_progress_bar_config(desc=f"tritoff run ({engine.options.storage['transformer']} packs)")
     out = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
     mse = (out.float() - reference.float()).pow(2).mean().item()
     psnr = math.inf if mse == 0 else 10 * math.log10(1 / mse)

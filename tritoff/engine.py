@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 from accelerate.hooks import add_hook_to_module, remove_hook_from_module
 
+from tritoff.adapters import adapter_bytes, merged_adapters, move_adapters, named_parameters, outer_modules
 from tritoff.arena import HostArena
 from tritoff.budget import device_memory, format_bytes, parse_size
 from tritoff.chunks import smallest_chunk
@@ -22,6 +23,7 @@ from tritoff.packer import PackedModel, pack_model, pack_offsets, plan_layouts
 from tritoff.planner import MODES, ComponentSize, GroupSize, PhasedPlan, Plan, chunk_capacity, plan, plan_phases
 from tritoff.report import Report
 from tritoff.skip import SkipRules
+from tritoff.storage import describe_storage, resolve_storage
 
 ENGINE_ATTR = "_tritoff_engine"
 TRANSPORTS = ("auto", "staged", "zero_copy")
@@ -34,7 +36,7 @@ MIN_BLOCKS = 2
 class Options:
     """Validated options of :func:`enable`."""
 
-    storage: str
+    storage: dict[str, str]  # component -> storage format name
     granularity: str
     skip: tuple[str, ...]
     mode: str
@@ -46,13 +48,18 @@ class Options:
     kernels: str
 
 
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper compiles (tritoff manages, and hooks, the module itself)."""
+    return module._orig_mod if type(module).__name__ == "OptimizedModule" else module
+
+
 def _components(target) -> dict[str, nn.Module]:
     if isinstance(target, nn.Module):
-        return {"model": target}
+        return {"model": _unwrap(target)}
     components = getattr(target, "components", None)
     if not isinstance(components, dict):
         raise TypeError(f"tritoff.enable needs a diffusers pipeline or an nn.Module, got {type(target).__name__}")
-    modules = {name: m for name, m in components.items() if isinstance(m, nn.Module)}
+    modules = {name: _unwrap(m) for name, m in components.items() if isinstance(m, nn.Module)}
     if not modules:
         raise ValueError("this pipeline has no model components to manage")
     return modules
@@ -95,7 +102,7 @@ def _check_not_managed_elsewhere(components: dict[str, nn.Module], previous) -> 
 
 
 def _resolve(components, storage, granularity, skip, mode, budget, reserve, device, prefetch, transport, kernels):
-    fmt = get_format(storage)
+    storage = resolve_storage(storage, components)
     check_granularity(granularity)
     if mode is not None and mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
@@ -125,7 +132,7 @@ def _resolve(components, storage, granularity, skip, mode, budget, reserve, devi
     if mode is None:
         mode = "auto"
     return Options(
-        fmt.name, granularity, tuple(skip), mode, budget_bytes, reserve_bytes, device, prefetch, transport, kernels
+        storage, granularity, tuple(skip), mode, budget_bytes, reserve_bytes, device, prefetch, transport, kernels
     )
 
 
@@ -175,6 +182,8 @@ class Engine:
         self.sizes = sizes
         self.plan = the_plan
         self.snr = snr
+        # weights written back into their packs by fusing or unfusing an adapter: name -> ("fuse"|"unfuse", SNR)
+        self.requantized: dict[str, tuple[str, float]] = {}
         self._group_lists = group_lists
         self._hooked: list[nn.Module] = []
         self._runtimes: list[ComponentRuntime] = []
@@ -203,7 +212,7 @@ class Engine:
         runtimes = []
         for name, module in self.components.items():
             packed = self.packed[name]
-            params_by_name = dict(module.named_parameters())
+            params_by_name = dict(named_parameters(module))
             phase = self.plan.phases[name]
             comp = ComponentRuntime(name, module, phase, _looped(name))
             split = bool(sizes[name].blocks)
@@ -227,7 +236,8 @@ class Engine:
         )
         for comp in runtimes:
             _move_buffers(comp.module, device)
-            modules = dict(comp.module.named_modules())
+            move_adapters(comp.module, device)
+            modules = outer_modules(comp.module)  # an adapted leaf layer: its hook goes around the adapter too
             for group, g in zip(self._group_lists[comp.name], comp.groups, strict=True):
                 if g in comp.blocks:
                     self._hook(modules[group.modules[0][0]], GroupHook(self.manager, g))
@@ -244,6 +254,18 @@ class Engine:
         add_hook_to_module(module, hook)
         guard_forward(module, self.manager)
         self._hooked.append(module)
+
+    def move_hook(self, src: nn.Module, dst: nn.Module) -> None:
+        """Move a leaf layer's hook to the module its parent now calls: peft wrapped it in a tuner layer (whose
+        adapter may read the base weights outside the base layer's forward), or unwrapped it again."""
+        from tritoff import operations
+
+        hook = src._hf_hook
+        operations.remove_block(src)
+        remove_hook_from_module(src)
+        self._hooked.remove(src)
+        self._hook(dst, hook)
+        operations.install_block(dst)
 
     # public -------------------------------------------------------------------------------------------------------
     @property
@@ -267,6 +289,11 @@ class Engine:
     def teardown(self) -> None:
         """Remove every hook and release every GPU buffer (slots, staging, pool units, resident tiers, cached views,
         kernel tables); parameters are left pointing at placeholders."""
+        from tritoff import lora, operations
+
+        lora.detach(self, unwrap=False)
+        blocks = [m for m in self._hooked if isinstance(getattr(m, "_hf_hook", None), GroupHook)]
+        operations.remove(self.target, self.components, blocks)
         for module in self._hooked:
             remove_hook_from_module(module)
         self._hooked = []
@@ -312,8 +339,10 @@ def _sizes(components, group_lists, layouts, mode) -> list[ComponentSize]:
 
 
 def _buffer_bytes(components: dict[str, nn.Module]) -> int:
-    """Bytes of the module buffers (rotary tables, position ids) that move to the device with the components."""
-    return sum(b.numel() * b.element_size() for m in components.values() for b in m.buffers())
+    """Bytes of the module buffers (rotary tables, position ids) and adapter weights that move to the device with the
+    components."""
+    buffers = sum(b.numel() * b.element_size() for m in components.values() for b in m.buffers())
+    return buffers + sum(adapter_bytes(m) for m in components.values())
 
 
 def _plan(sizes, layouts: dict[str, list[PackLayout]], components, options: Options, default_reserve: bool):
@@ -332,7 +361,7 @@ def _plan(sizes, layouts: dict[str, list[PackLayout]], components, options: Opti
 
 def enable(
     target,
-    storage: str | None = None,
+    storage: str | dict[str, str] | None = None,
     mode: str | None = None,
     budget: int | str | None = None,
     *,
@@ -355,9 +384,11 @@ def enable(
     the running one. ``transport``: ``"staged"`` (copy engine then HBM upcast; what ``"auto"`` picks) or
     ``"zero_copy"``. ``reserve``: memory kept for activations (default 10% of the budget). ``skip``: extra regexes of
     module names to keep unquantized. ``kernels``: ``"auto"``, ``"triton"`` or ``"reference"`` (PyTorch).
-    ``storage`` defaults to ``"fp8_e4m3"``. ``store``: a directory written by ``Engine.save`` / ``tritoff convert``
-    whose packs are mapped instead of quantizing (its storage, granularity and skip patterns apply); every store file
-    is checked against the hash its index records unless ``verify=False`` (for stores verified elsewhere).
+    ``storage``: a format for the text encoders, image encoders and denoisers (default ``"fp8_e4m3"``; VAEs keep
+    their own dtype), or ``{component: format}`` (the others get those defaults). ``store``: a directory written by
+    ``Engine.save`` / ``tritoff convert`` whose packs are mapped instead of quantizing (its storage, granularity and
+    skip patterns apply); every store file is checked against the hash its index records unless ``verify=False``
+    (for stores verified elsewhere).
 
     Raises ``ValueError`` (one line, saying what to do) on bad options, a budget too small (naming the smallest that
     works), or a pipeline already carrying accelerate/diffusers hooks. A failed enable leaves ``target`` as it was.
@@ -373,15 +404,28 @@ def enable(
     # taken before any parameter changes (and reused on re-plans, when parameters hold placeholders)
     fingerprints = previous.fingerprints if previous is not None else {n: fingerprint(m) for n, m in components.items()}
     if store is not None:
-        from tritoff.store import read_index
+        from tritoff.store import component_storages, read_index
 
         index = read_index(store)
-        if storage is not None and get_format(storage).name != index["storage"]:
-            raise ValueError(f"storage={storage!r} but the store at {store} holds {index['storage']}; drop one")
-        storage, granularity, skip = index["storage"], index["granularity"], tuple(index["skip"])
+        for name, module in components.items():
+            fused = merged_adapters(module)
+            if fused:
+                raise ValueError(
+                    f"{name} has LoRA adapters fused into its weights ({', '.join(fused)}) but the store at {store} "
+                    "holds weights without them: unfuse_lora() before enable(store=...), or enable without store="
+                )
+        held = {n: f for n, f in component_storages(index).items() if n in components}
+        if storage is not None:
+            wanted = resolve_storage(storage, components)
+            for name in held:
+                if wanted[name] != held[name]:
+                    raise ValueError(
+                        f"storage for {name} is {wanted[name]} but the store at {store} holds {held[name]}; drop "
+                        "storage= (the store's applies)"
+                    )
+        storage, granularity, skip = held, index["granularity"], tuple(index["skip"])
         if (mode == "leaf") != (index["grouping"] == "leaf"):
             raise ValueError(f"the store at {store} was made with {index['grouping']} groups; use a matching mode")
-    storage = storage or "fp8_e4m3"
     options = _resolve(
         components, storage, granularity, skip, mode, budget, reserve, device, prefetch, transport, kernels
     )
@@ -391,8 +435,8 @@ def enable(
         before = (previous.options.storage, previous.options.granularity, previous.options.skip)
         if before != (options.storage, options.granularity, options.skip):
             raise ValueError(
-                f"tritoff is already enabled with storage={before[0]}, granularity={before[1]}, skip={before[2]} and "
-                "the original weights were released; reload the pipeline to change them"
+                f"tritoff is already enabled with storage {describe_storage(before[0])}, granularity={before[1]}, "
+                f"skip={before[2]} and the original weights were released; reload the pipeline to change them"
             )
     # re-planning keeps the packs; switching to or from leaf groups re-packs, which is exact: quantizing a
     # dequantized pow2-scaled row gives back the same scale and codes
@@ -400,7 +444,7 @@ def enable(
     if previous is not None and not reuse:
         disable(target)
         previous = None
-    fmt = get_format(options.storage)
+    fmts = {name: get_format(fmt) for name, fmt in options.storage.items()}
     if reuse:
         group_lists = previous._group_lists
         layouts = {n: [p.layout for p in previous.packed[n].packs] for n in components}
@@ -416,7 +460,7 @@ def enable(
         for name, module in components.items():
             quantized = SkipRules.for_model(module, options.skip).quantized_names(module)
             _check_finite(module, quantized, name)
-            layouts[name] = plan_layouts(group_lists[name], quantized, fmt, options.granularity)
+            layouts[name] = plan_layouts(group_lists[name], quantized, fmts[name], options.granularity)
     sizes = _sizes(components, group_lists, layouts, options.mode)
     the_plan, chunks = _plan(sizes, layouts, components, options, reserve is None)
     # everything that can fail is checked before a parameter changes: from here on the pipeline is modified
@@ -425,6 +469,7 @@ def enable(
         previous.teardown()
         packed, snr = previous.packed, previous.snr
         requires_grad = previous.requires_grad
+        requantized = previous.requantized
     elif store is not None:
         _check_zero_copy(options, stored)
         packed, snr = stored, {}
@@ -440,7 +485,7 @@ def enable(
             stats: dict[str, float] = {}
             packed[name] = pack_model(
                 module,
-                fmt,
+                fmts[name],
                 granularity=options.granularity,
                 skip=options.skip,
                 groups=group_lists[name],
@@ -455,6 +500,8 @@ def enable(
     engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr, chunks, reserve is None)
     engine.fingerprints = fingerprints
     engine.requires_grad = requires_grad
+    if reuse:
+        engine.requantized = requantized
     try:
         engine._build_runtime()
     except BaseException:
@@ -465,6 +512,11 @@ def enable(
             delattr(target, ENGINE_ATTR)
         raise
     setattr(target, ENGINE_ATTR, engine)
+    from tritoff import lora, operations
+
+    lora.attach(engine)  # fuse_lora / unfuse_lora write into the packs
+    blocks = [m for m in engine._hooked if isinstance(getattr(m, "_hf_hook", None), GroupHook)]
+    operations.install(target, components, options.device, blocks)  # .to(), offloading, qkv fusion, compile
     return engine
 
 
@@ -486,7 +538,7 @@ def _freeze(components: dict[str, nn.Module]) -> dict[tuple[str, str], bool]:
     restore on :func:`disable`."""
     flags = {}
     for name, module in components.items():
-        for pname, param in module.named_parameters():
+        for pname, param in named_parameters(module):  # adapters are not managed: they keep their flags
             flags[(name, pname)] = param.requires_grad
             param.requires_grad_(False)
     return flags
@@ -504,7 +556,7 @@ def _replace_meta_params(module: nn.Module, device: torch.device) -> None:
 
 
 def _check_finite(module: nn.Module, quantized: set[str], component: str) -> None:
-    for name, param in module.named_parameters():
+    for name, param in named_parameters(module):
         if name in quantized and not torch.isfinite(param.detach()).all():
             raise ValueError(f"{component}.{name} contains NaN or Inf: fix or skip this weight before tritoff.enable")
 
@@ -520,7 +572,7 @@ def _restore(engine: Engine, device: torch.device) -> None:
     """Tear ``engine`` down and give every parameter its dequantized weights on ``device`` and its requires_grad."""
     engine.teardown()
     for name, module in engine.components.items():
-        params = dict(module.named_parameters())
+        params = dict(named_parameters(module))
         packed = engine.packed.get(name)
         if packed is not None:
             for pack, group in zip(packed.packs, engine._group_lists[name], strict=True):
@@ -530,6 +582,7 @@ def _restore(engine: Engine, device: torch.device) -> None:
         for pname, param in params.items():
             param.requires_grad_(engine.requires_grad.get((name, pname), param.requires_grad))
         _move_buffers(module, device)
+        move_adapters(module, device)
     for packed in engine.packed.values():
         packed.arena.close()
 
@@ -542,7 +595,10 @@ def disable(target, device: str | torch.device | None = None) -> None:
     engine: Engine | None = getattr(target, ENGINE_ATTR, None)
     if engine is None:
         return
+    from tritoff import lora
+
     _restore(engine, torch.device(device) if device is not None else engine.options.device)
+    lora.detach(engine, unwrap=True)
     delattr(target, ENGINE_ATTR)
 
 

@@ -1,10 +1,16 @@
-"""Split a model into module groups: the blocks of its ModuleLists, and the rest of the model as one group."""
+"""Split a model into module groups: the blocks of its ModuleLists, and the rest of the model as one group.
+
+Names and parameters are the model's own, as before any adapter was injected (:mod:`tritoff.adapters`): adapter
+weights never join a group.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch.nn as nn
+
+from tritoff.adapters import is_tuner_layer, named_modules, named_parameters
 
 REST = "<rest>"
 
@@ -18,11 +24,21 @@ class Group:
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
 
 
+def _is_block_list(module: nn.Module) -> bool:
+    """Repeated blocks: a ModuleList or Sequential of at least two modules of one class. A list of unlike layers (an
+    attention's ``to_out`` = [Linear, Dropout], a feed-forward's ``net``) is part of whatever holds it."""
+    return (
+        isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > 1 and len({type(m) for m in module}) == 1
+    )
+
+
 def _block_lists(module: nn.Module, prefix: str = ""):
     """(name, ModuleList) pairs found under ``module`` without descending into the lists' elements."""
     for name, child in module.named_children():
         qualified = f"{prefix}{name}"
-        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 1:
+        if is_tuner_layer(child):  # an adapted layer: no block list inside
+            continue
+        if _is_block_list(child):
             yield qualified, child
         else:
             yield from _block_lists(child, qualified + ".")
@@ -41,11 +57,11 @@ def block_groups(model: nn.Module) -> list[Group]:
     for list_name, blocks in [("", model)] if is_list else _block_lists(model):
         for index, block in enumerate(blocks):
             name = f"{list_name}.{index}" if list_name else str(index)
-            params = [(f"{name}.{p}", t) for p, t in block.named_parameters() if id(t) not in owner]
+            params = [(f"{name}.{p}", t) for p, t in named_parameters(block) if id(t) not in owner]
             if params:
                 owner.update((id(t), name) for _, t in params)
                 groups.append(Group(name, [(name, block)], params))
-    rest = [(n, t) for n, t in model.named_parameters() if id(t) not in owner]
+    rest = [(n, t) for n, t in named_parameters(model) if id(t) not in owner]
     if rest:
         groups.append(Group(REST, [("", model)], rest))
     return groups
@@ -57,13 +73,13 @@ def leaf_groups(model: nn.Module) -> list[Group]:
 
     groups: list[Group] = []
     owner: set[int] = set()
-    for name, module in model.named_modules():
+    for name, module in named_modules(model):
         if name and isinstance(module, QUANTIZABLE_LAYERS):
-            params = [(f"{name}.{p}", t) for p, t in module.named_parameters() if id(t) not in owner]
+            params = [(f"{name}.{p}", t) for p, t in named_parameters(module) if id(t) not in owner]
             if params:
                 owner.update(id(t) for _, t in params)
                 groups.append(Group(name, [(name, module)], params))
-    rest = [(n, t) for n, t in model.named_parameters() if id(t) not in owner]
+    rest = [(n, t) for n, t in named_parameters(model) if id(t) not in owner]
     if rest:
         groups.append(Group(REST, [("", model)], rest))
     return groups

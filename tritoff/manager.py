@@ -10,6 +10,10 @@ Prefetch: the order of a component's groups starts as their module order and is 
 its first forward. After a group's forward starts, the next ``depth`` groups in that order (wrapping to the first
 block of the next forward) are already being written into ring slots on the side stream. A group that runs out of that
 order is loaded synchronously and counted.
+
+Under ``torch.compile`` the hooks stay outside the compiled regions (``torch.compiler.disable``): a block's body
+compiles to one graph, reused for every block of the same class whatever slot its weights sit in, and the binding of
+parameters to slots never becomes part of a graph or of its guards.
 """
 
 from __future__ import annotations
@@ -284,6 +288,14 @@ class HookManager:
 
         return pack
 
+    def drop_prefetch(self) -> None:
+        """Forget the groups in flight, after waiting for every transfer: their packs are about to change (a fused
+        adapter), so what the slots hold is stale; the next forward loads them again."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._invalidate()
+        self.cursor = None
+
     def release(self) -> None:
         """Evict every phase (teardown, recovery)."""
         self._invalidate()
@@ -407,10 +419,12 @@ class ComponentHook(_TritoffHook):
         super().__init__(manager)
         self.component = component
 
+    @torch.compiler.disable
     def pre_forward(self, module, *args, **kwargs):
         """Load what the component needs before it runs."""
         return self.manager.component_pre(self.component, args, kwargs)
 
+    @torch.compiler.disable
     def post_forward(self, module, output):
         """Record the call; finish the trace."""
         self.manager.component_post(self.component)
@@ -424,11 +438,13 @@ class GroupHook(_TritoffHook):
         super().__init__(manager)
         self.group = group
 
+    @torch.compiler.disable
     def pre_forward(self, module, *args, **kwargs):
         """Wait for the block's tensors and bind them."""
         self.manager.group_pre(self.group)
         return args, kwargs
 
+    @torch.compiler.disable
     def post_forward(self, module, output):
         """Release the block's slot."""
         self.manager.group_post(self.group)
@@ -452,4 +468,5 @@ def guard_forward(module: torch.nn.Module, manager: HookManager) -> None:
             manager.recover()
             raise
 
-    module.forward = forward
+    # the wrapper itself is never traced (its try block would split graphs) but what it calls still compiles
+    module.forward = torch.compiler.disable(forward, recursive=False)

@@ -17,6 +17,28 @@ from tritoff.packer import Pack, PackedModel
 
 # the CUDA caching allocator hands out blocks of at least 512 bytes: what a group's tables really cost
 _ALLOCATION = 512
+# one scalar per (dtype, device) behind every placeholder: NaN for floating dtypes, so a forward that reached an
+# unloaded weight would poison its output rather than compute something plausible
+_SCALARS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def placeholder(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape`` that costs nothing: a zero-stride view of one shared scalar.
+
+    Code that reads a parameter's shape, dtype or device (diffusers and peft do when loading adapters) sees the real
+    ones; writing into it raises (its elements overlap), so an in-place update never lands on it silently."""
+    device = torch.device(device)
+    key = (dtype, device)
+    if key not in _SCALARS:
+        fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
+        _SCALARS[key] = torch.full((), fill, dtype=dtype, device=device)
+    return _SCALARS[key].expand(tuple(shape))
+
+
+def is_placeholder(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a :func:`placeholder` (no weight behind it)."""
+    scalar = _SCALARS.get((tensor.dtype, tensor.device))
+    return scalar is not None and tensor.data_ptr() == scalar.data_ptr()
 
 
 def _launch_tables(layout: PackLayout, chunks: list[Chunk], zero_copy: bool) -> list[tuple[torch.Tensor, int]]:
@@ -67,7 +89,8 @@ class GroupRuntime:
         self.zero_copy = zero_copy and device.type == "cuda" and packed.arena.registered
         self.chunks = split_pack(self.layout, chunk_bytes) if chunk_bytes else []
         self._build_tables()
-        self.placeholders = [torch.empty(0, dtype=p.dtype, device=device) for p in params]
+        # shapes from the layout: the parameters themselves were emptied when their group was packed
+        self.placeholders = [placeholder(e.shape, e.dtype, device) for e in self.layout.entries]
         self.tier = "stream"
         self.device_pack: torch.Tensor | None = None  # fp8 tier: the pack resident on the GPU
         self.buffer: torch.Tensor | None = None  # bf16 tier or pool unit: its own buffer
@@ -117,9 +140,9 @@ class GroupRuntime:
             param.data = view
 
     def release(self) -> None:
-        """Point every parameter at a zero-size placeholder on the compute device."""
-        for param, placeholder in zip(self.params, self.placeholders, strict=True):
-            param.data = placeholder
+        """Point every parameter at its placeholder on the compute device (its shape, no memory)."""
+        for param, empty in zip(self.params, self.placeholders, strict=True):
+            param.data = empty
 
     def forget_buffer(self, buffer: torch.Tensor) -> None:
         """Drop cached views of a buffer that is going away."""

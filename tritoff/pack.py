@@ -161,23 +161,39 @@ def write_pack(
     NaN or Inf is refused with an error naming it. ``snr``, when given, receives each quantized weight's SNR in dB.
     """
     for e in layout.entries:
-        t = tensors[e.name]
-        if tuple(t.shape) != e.shape:
-            raise ValueError(f"{e.name}: shape {tuple(t.shape)} does not match the pack's {e.shape}")
-        payload = data[e.offset : e.offset + e.nbytes]
-        if e.kind == KIND_FP8:
-            if not torch.isfinite(t).all():
-                raise ValueError(f"{e.name} contains NaN or Inf: fix or skip this weight before quantizing it")
-            codes, scales = quantizer(t, layout.storage, layout.granularity)
-            if snr is not None:
-                from tritoff.snr import snr_db
+        write_entry(layout, data, e, tensors[e.name], quantizer, snr)
 
-                rows = codes.reshape(len(scales), -1).view(layout.storage.dtype).float() * scales[:, None]
-                snr[e.name] = snr_db(t.reshape(rows.shape).to(rows.device).float(), rows)
-            payload.copy_(codes.reshape(-1).cpu())
-            data[e.scale_offset : e.scale_offset + 4 * e.num_scales].view(torch.float32).copy_(scales.cpu())
-        else:
-            payload.copy_(t.detach().reshape(-1).contiguous().view(torch.uint8).cpu())
+
+def write_entry(
+    layout: PackLayout, data: torch.Tensor, e: PackEntry, t: torch.Tensor, quantizer, snr: dict | None = None
+) -> None:
+    """Write one tensor ``t`` into its place ``e`` of the pack ``data`` (quantized or copied, as the layout says)."""
+    if tuple(t.shape) != e.shape:
+        raise ValueError(f"{e.name}: shape {tuple(t.shape)} does not match the pack's {e.shape}")
+    payload = data[e.offset : e.offset + e.nbytes]
+    if e.kind == KIND_FP8:
+        if not torch.isfinite(t).all():
+            raise ValueError(f"{e.name} contains NaN or Inf: fix or skip this weight before quantizing it")
+        codes, scales = quantizer(t, layout.storage, layout.granularity)
+        if snr is not None:
+            from tritoff.snr import snr_db
+
+            rows = codes.reshape(len(scales), -1).view(layout.storage.dtype).float() * scales[:, None]
+            snr[e.name] = snr_db(t.reshape(rows.shape).to(rows.device).float(), rows)
+        payload.copy_(codes.reshape(-1).cpu())
+        data[e.scale_offset : e.scale_offset + 4 * e.num_scales].view(torch.float32).copy_(scales.cpu())
+    else:
+        payload.copy_(t.detach().to(e.dtype).reshape(-1).contiguous().view(torch.uint8).cpu())
+
+
+def read_entry(layout: PackLayout, data: torch.Tensor, e: PackEntry) -> torch.Tensor:
+    """One tensor of the pack ``data``, dequantized exactly as the kernels do (a fresh tensor on ``data``'s device)."""
+    payload = data[e.offset : e.offset + e.nbytes]
+    if e.kind != KIND_FP8:
+        return payload.clone().view(e.dtype).view(e.shape)
+    codes = payload.view(layout.storage.dtype).to(torch.float32).view(e.num_scales, -1)
+    scales = data[e.scale_offset : e.scale_offset + 4 * e.num_scales].view(torch.float32)
+    return (codes * scales[:, None]).to(e.dtype).view(e.shape)
 
 
 def unpack_reference(layout: PackLayout, data: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tritoff.budget import format_bytes
+from tritoff.storage import describe_storage
 
 
 def host_rss() -> int | None:
@@ -69,14 +70,18 @@ class Report:
             total["peak_vram_bytes"] = manager.peak_bytes() if manager else torch.cuda.max_memory_allocated(device)
             total["activation_bytes"] = dict(manager.activation_peaks) if manager else {}
         worst = sorted(engine.snr.items(), key=lambda kv: kv[1])[:5]
+        requantized = sorted(engine.requantized.items(), key=lambda kv: kv[1][1])
         return {
             "device": str(device),
-            "storage": engine.options.storage,
+            "storage": dict(engine.options.storage),  # component -> format
             "budget_bytes": engine.plan.budget,
             "planned_bytes": engine.plan.planned_bytes,
             "components": components,
             "total": total,
             "worst_layers_snr_db": dict(worst),
+            # fp8 weights quantized again after fuse_lora/unfuse_lora: how many, and the five lowest SNRs
+            "requantized_weights": len(requantized),
+            "requantized_worst_snr_db": {name: snr for name, (_, snr) in requantized[:5]},
         }
 
     def _mode_names(self) -> dict[str, str]:
@@ -87,8 +92,8 @@ class Report:
         d = self.data()
         o = self.engine.options
         lines = [
-            f"tritoff on {d['device']}, storage {d['storage']}, mode {o.mode}, transport {o.transport}, "
-            f"prefetch {o.prefetch}",
+            f"tritoff on {d['device']}, storage {describe_storage(d['storage'])}, mode {o.mode}, "
+            f"transport {o.transport}, prefetch {o.prefetch}",
             self.engine.plan.summary(self._mode_names()),
             "",
         ]
@@ -118,6 +123,11 @@ class Report:
             lines.append(
                 f"  peak VRAM {format_bytes(t['peak_vram_bytes'])}, compute stream waited on transfers "
                 f"{t['compute_wait_s'] * 1e3:.1f} ms"
+            )
+        if d["requantized_weights"]:
+            lines.append(
+                f"  LoRA fuse/unfuse re-quantized {d['requantized_weights']} weights, lowest SNR: "
+                + ", ".join(f"{name} {snr:.1f} dB" for name, snr in d["requantized_worst_snr_db"].items())
             )
         if d["worst_layers_snr_db"]:
             lines.append(

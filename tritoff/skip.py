@@ -68,7 +68,9 @@ class SkipRules:
     def quantized_names(self, model: nn.Module) -> set[str]:
         """Qualified names of the parameters of ``model`` that are quantized."""
         names = set()
-        for module_name, module in model.named_modules():
+        from tritoff.adapters import named_modules
+
+        for module_name, module in named_modules(model):  # names before adapters were injected
             if isinstance(module, QUANTIZABLE_LAYERS) and not self.skips_module(module_name):
                 if getattr(module, "weight", None) is not None:
                     names.add(f"{module_name}.weight" if module_name else "weight")

@@ -5,9 +5,11 @@ arena as one uint8 tensor, with the pack tables in the file's metadata. The data
 mapped read-only and viewed in place; on CUDA the mapping is registered read-only so the copy engine reads straight
 from the page cache.
 
-The index records the format version, tritoff version, storage, granularity, skip patterns, grouping, per component
-a fingerprint of its class, config and parameter names/shapes/dtypes and its file's size and XXH3-128 hash, what the
-store was made from (:func:`describe_source`), and a hash of the index itself. What a store guarantees:
+The index records the format version, tritoff version, granularity, skip patterns, grouping, per component its
+storage format, a fingerprint of its class, config and parameter names/shapes/dtypes and its file's size and
+XXH3-128 hash, what the store was made from (:func:`describe_source`), and a hash of the index itself. Format 3 added
+the per-component storage (a VAE is kept in its own dtype while the rest is fp8); format 2 stores, with one storage
+for every component, are read as they were written. What a store guarantees:
 
 - integrity: every file is hashed as it is written and verified before it is used (:func:`load_store`), so a flipped
   byte or a file of another conversion is refused, naming the file;
@@ -44,7 +46,9 @@ if TYPE_CHECKING:  # torch and the packer load on use: the command line reads an
     from tritoff.pack import PackEntry
     from tritoff.packer import PackedModel
 
-STORE_VERSION = 2
+STORE_VERSION = 3
+# formats this tritoff reads: 2 recorded one storage for all components (the top-level "storage")
+READABLE_VERSIONS = (2, 3)
 INDEX = "tritoff_store.json"
 HASH = "xxh3_128"
 CHUNK = 64 << 20  # bytes hashed per call: large enough to run at memory speed, small enough for a smooth progress bar
@@ -60,7 +64,10 @@ class StoreError(ValueError):
 
 
 def fingerprint(module: nn.Module) -> str:
-    """sha256 of the module's class, config and parameter names, shapes and dtypes."""
+    """sha256 of the module's class, config and parameter names, shapes and dtypes (its own parameters, under their
+    names before any adapter was injected)."""
+    from tritoff.adapters import named_parameters
+
     config = getattr(module, "config", None)
     if config is not None and hasattr(config, "to_dict"):
         config = config.to_dict()
@@ -68,7 +75,7 @@ def fingerprint(module: nn.Module) -> str:
         config = dict(config)
     if isinstance(config, dict):
         config = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("transformers_version",)}
-    params = [(n, list(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
+    params = [(n, list(p.shape), str(p.dtype)) for n, p in named_parameters(module)]
     blob = json.dumps({"class": type(module).__name__, "config": config, "params": params}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -273,10 +280,13 @@ def save_store(
         target = Path(os.path.realpath(target))
     target.parent.mkdir(parents=True, exist_ok=True)
     first = next(iter(packed.values()))
+    from tritoff.storage import common_fp8
+
     index = {
         "store_version": STORE_VERSION,
         "tritoff": __version__,
-        "storage": first.storage.name,
+        # each component records its own; this is their shared fp8 format (what format 2 recorded)
+        "storage": common_fp8({name: m.storage.name for name, m in packed.items()}),
         "granularity": first.granularity,
         "skip": list(skip),
         "grouping": grouping,
@@ -313,6 +323,7 @@ def save_store(
             size, digest = _write_hashed(tmp / file, [struct.pack("<Q", len(raw)), raw, *_pieces(data)])
             index["components"][name] = {
                 "file": file,
+                "storage": model.storage.name,
                 "fingerprint": fingerprints[name],
                 "nbytes": nbytes,
                 "data_offset": 8 + len(raw),
@@ -370,6 +381,8 @@ def _check_structure(index, path: Path) -> None:
             raise bad(f"component {name!r} names a file outside the store")
         if info["data_offset"] < 8 or info["data_offset"] + info["nbytes"] != info["size"]:
             raise bad(f"component {name!r} has inconsistent sizes")
+        if index.get("store_version", STORE_VERSION) >= 3 and not isinstance(info.get("storage"), str):
+            raise bad(f"component {name!r} has no str 'storage'")
     if not isinstance(index.get("source"), (dict, type(None))):
         raise bad("'source' is not an object")
 
@@ -385,15 +398,21 @@ def read_index(directory: str | Path) -> dict:
         raise StoreError(f"{path} is corrupt ({err}); {RECREATE}") from None
     if not isinstance(index, dict):
         raise StoreError(f"{path} is not a valid tritoff store index (not an object); {RECREATE}")
-    if index.get("store_version") != STORE_VERSION:
+    if index.get("store_version") not in READABLE_VERSIONS:
+        readable = " and ".join(map(str, READABLE_VERSIONS))
         raise StoreError(
-            f"{directory} has store format {index.get('store_version')}, this tritoff reads "
-            f"{STORE_VERSION}; recreate it with `tritoff convert`"
+            f"{directory} has store format {index.get('store_version')}, this tritoff reads formats {readable}; "
+            "recreate it with `tritoff convert`"
         )
     _check_structure(index, path)
     if _index_hash(index) != index["index_hash"]:
         raise StoreError(f"{path} was altered after it was written (its hash differs); {RECREATE}")
     return index
+
+
+def component_storages(index: dict) -> dict[str, str]:
+    """Each component's storage format in the store whose ``index`` is given (format 2: the one storage of all)."""
+    return {name: info.get("storage", index["storage"]) for name, info in index["components"].items()}
 
 
 def _read_meta(path: Path) -> dict:
@@ -438,7 +457,7 @@ def load_store(
     stored = set(index["components"])
     if stored != set(components):
         raise StoreError(f"{directory} holds components {sorted(stored)} but the model has {sorted(components)}")
-    fmt = get_format(index["storage"])
+    storages = component_storages(index)
     for name in components:
         if index["components"][name]["fingerprint"] != fingerprints[name]:
             raise StoreError(
@@ -468,11 +487,11 @@ def load_store(
                 p["nbytes"],
                 p["out_nbytes"],
                 getattr(torch, p["out_dtype"]),
-                fmt,
+                get_format(storages[name]),
                 index["granularity"],
             )
             packs.append(Pack(p["name"], layout, p["offset"], arena.view(p["offset"], p["nbytes"])))
-        result[name] = PackedModel(arena, packs, groups, fmt, index["granularity"])
+        result[name] = PackedModel(arena, packs, groups, get_format(storages[name]), index["granularity"])
     return result
 
 

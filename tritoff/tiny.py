@@ -158,3 +158,281 @@ def tiny_cogvideox_pipeline(dtype: torch.dtype = torch.bfloat16, seed: int = 0, 
         transformer=tiny_cogvideox_transformer(dtype, seed, **transformer).eval(),
         scheduler=CogVideoXDDIMScheduler(),
     )
+
+
+# the other pipeline families tritoff is tested on; each call takes a few hundred milliseconds on a CPU
+
+
+def _t5(dtype: torch.dtype, seed: int, d_model: int = 32, vocab_size: int = 256):
+    """A 2-layer T5 encoder (CogVideoX, LTX-Video and Flux use T5-XXL)."""
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    config = T5Config(**{**UMT5_TINY, "vocab_size": vocab_size, "d_model": d_model})
+    return realistic_init(T5EncoderModel(config), seed).to(dtype).eval()
+
+
+def _clip_text(dtype: torch.dtype, seed: int, hidden: int = 32, projection: int = 32):
+    """A 2-layer CLIP text encoder (HunyuanVideo's and Flux's pooled prompt embedding)."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    torch.manual_seed(seed)
+    config = CLIPTextConfig(
+        vocab_size=256,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        projection_dim=projection,
+        max_position_embeddings=77,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    return realistic_init(CLIPTextModel(config), seed).to(dtype).eval()
+
+
+def _clip_tokenizer():
+    tokenizer = tiny_tokenizer()
+    tokenizer.model_max_length = 77  # CLIP's context; pipelines read it from the tokenizer
+    return tokenizer
+
+
+def tiny_wan_i2v_pipeline(dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    """A Wan 2.1 image-to-video pipeline: the transformer takes the image latents (36 channels in) and a CLIP vision
+    encoder's embedding through added key/value projections."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
+    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
+    )
+    image_encoder = realistic_init(CLIPVisionModel(vision), seed).to(dtype).eval()
+    inner = WAN_TINY["num_attention_heads"] * WAN_TINY["attention_head_dim"]
+    transformer = tiny_wan_transformer(dtype, seed, in_channels=36, image_dim=16, added_kv_proj_dim=inner)
+    return WanImageToVideoPipeline(
+        tokenizer=tiny_tokenizer(),
+        text_encoder=tiny_umt5(dtype, seed),
+        vae=AutoencoderKLWan(**WAN_VAE_TINY).eval(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        image_processor=CLIPImageProcessorPil(crop_size=32, size={"shortest_edge": 32}),
+        image_encoder=image_encoder,
+        transformer=transformer.eval(),
+    )
+
+
+def tiny_wan_vace_pipeline(dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    """A Wan VACE pipeline: a transformer with VACE control blocks beside its blocks (two lists of blocks)."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanVACEPipeline, WanVACETransformer3DModel
+
+    torch.manual_seed(seed)
+    transformer = WanVACETransformer3DModel(**{**WAN_TINY, "num_layers": 3}, vace_layers=[0, 2], vace_in_channels=96)
+    transformer = cast_like_from_pretrained(realistic_init(transformer, seed), dtype).eval()
+    return WanVACEPipeline(
+        tokenizer=tiny_tokenizer(),
+        text_encoder=tiny_umt5(dtype, seed),
+        vae=AutoencoderKLWan(**WAN_VAE_TINY).eval(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        transformer=transformer,
+    )
+
+
+def tiny_wan22_ti2v_pipeline(dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    """A Wan 2.2 TI2V-5B-like pipeline: the 48-channel residual VAE with 2x2 patches, timesteps expanded per token,
+    the first frame's latents given by the image (no image encoder)."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLWan(
+        base_dim=4,
+        z_dim=48,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        latents_mean=[0.0] * 48,
+        latents_std=[1.0] * 48,
+    ).eval()
+    return WanImageToVideoPipeline(
+        tokenizer=tiny_tokenizer(),
+        text_encoder=tiny_umt5(dtype, seed),
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+        transformer=tiny_wan_transformer(dtype, seed, in_channels=48, out_channels=48).eval(),
+        expand_timesteps=True,
+    )
+
+
+def tiny_cogvideox_i2v_pipeline(dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    """A CogVideoX image-to-video pipeline: the image latents are concatenated to the noise (8 channels in)."""
+    from diffusers import (
+        AutoencoderKLCogVideoX,
+        CogVideoXDDIMScheduler,
+        CogVideoXImageToVideoPipeline,
+        CogVideoXTransformer3DModel,
+    )
+
+    torch.manual_seed(seed)
+    transformer = CogVideoXTransformer3DModel(
+        **{**COGVIDEOX_TINY, "in_channels": 8, "num_attention_heads": 2, "attention_head_dim": 16},
+        use_rotary_positional_embeddings=True,
+        use_learned_positional_embeddings=True,
+    )
+    transformer = cast_like_from_pretrained(realistic_init(transformer, seed), dtype).eval()
+    return CogVideoXImageToVideoPipeline(
+        tokenizer=tiny_tokenizer(),
+        text_encoder=_t5(dtype, seed),
+        vae=cast_like_from_pretrained(AutoencoderKLCogVideoX(**COGVIDEOX_VAE_TINY), dtype).eval(),
+        transformer=transformer,
+        scheduler=CogVideoXDDIMScheduler(),
+    )
+
+
+def tiny_hunyuan_video_pipeline(dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    """A HunyuanVideo pipeline: dual- and single-stream blocks and a token refiner, a Llama text encoder and a CLIP
+    one."""
+    from diffusers import (
+        AutoencoderKLHunyuanVideo,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideoPipeline,
+        HunyuanVideoTransformer3DModel,
+    )
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(seed)
+    transformer = HunyuanVideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=10,
+        num_layers=2,
+        num_single_layers=2,
+        num_refiner_layers=1,
+        patch_size=1,
+        patch_size_t=1,
+        guidance_embeds=True,
+        text_embed_dim=16,
+        pooled_projection_dim=8,
+        rope_axes_dim=(2, 4, 4),
+    )
+    transformer = cast_like_from_pretrained(realistic_init(transformer, seed), dtype).eval()
+    vae = AutoencoderKLHunyuanVideo(
+        latent_channels=4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        norm_num_groups=4,
+        spatial_compression_ratio=8,
+        temporal_compression_ratio=4,
+    ).eval()
+    llama = LlamaConfig(
+        vocab_size=256,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    text_encoder = realistic_init(LlamaModel(llama), seed).to(dtype).eval()
+    return HunyuanVideoPipeline(
+        text_encoder=text_encoder,
+        tokenizer=tiny_tokenizer(),
+        transformer=transformer,
+        vae=cast_like_from_pretrained(vae, dtype),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        text_encoder_2=_clip_text(dtype, seed, hidden=8, projection=8),
+        tokenizer_2=_clip_tokenizer(),
+    )
+
+
+def tiny_ltx_video_pipeline(dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    """An LTX-Video pipeline: a T5 text encoder, 1x1 patches, the LTX VAE."""
+    from diffusers import (
+        AutoencoderKLLTXVideo,
+        FlowMatchEulerDiscreteScheduler,
+        LTXPipeline,
+        LTXVideoTransformer3DModel,
+    )
+
+    torch.manual_seed(seed)
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=8,
+        out_channels=8,
+        num_attention_heads=4,
+        attention_head_dim=8,
+        cross_attention_dim=32,
+        num_layers=2,
+        caption_channels=32,
+    )
+    transformer = cast_like_from_pretrained(realistic_init(transformer, seed), dtype).eval()
+    vae = AutoencoderKLLTXVideo(
+        latent_channels=8,
+        block_out_channels=(8, 8, 8, 8),
+        decoder_block_out_channels=(8, 8, 8, 8),
+        layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1, 1),
+        spatio_temporal_scaling=(True, True, False, False),
+        decoder_spatio_temporal_scaling=(True, True, False, False),
+        decoder_inject_noise=(False, False, False, False, False),
+        upsample_residual=(False, False, False, False),
+        upsample_factor=(1, 1, 1, 1),
+        patch_size=1,
+        patch_size_t=1,
+        encoder_causal=True,
+        decoder_causal=False,
+    ).eval()
+    vae.use_framewise_encoding = vae.use_framewise_decoding = False
+    return LTXPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=cast_like_from_pretrained(vae, dtype),
+        text_encoder=_t5(dtype, seed),
+        tokenizer=tiny_tokenizer(),
+        transformer=transformer,
+    )
+
+
+def tiny_flux_pipeline(dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    """A Flux pipeline (images): dual- and single-stream blocks, CLIP and T5 text encoders, a 2D VAE."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=[4, 4, 8],
+    )
+    transformer = cast_like_from_pretrained(realistic_init(transformer, seed), dtype).eval()
+    vae = AutoencoderKL(
+        sample_size=32,
+        block_out_channels=(4,),
+        layers_per_block=1,
+        latent_channels=1,
+        norm_num_groups=1,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5035,
+    ).eval()
+    return FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        text_encoder=_clip_text(dtype, seed),
+        text_encoder_2=_t5(dtype, seed),
+        tokenizer=_clip_tokenizer(),
+        tokenizer_2=tiny_tokenizer(),
+        transformer=transformer,
+        vae=cast_like_from_pretrained(vae, dtype),
+    )

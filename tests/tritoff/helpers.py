@@ -2,8 +2,10 @@
 
 import torch
 
+from tritoff.adapters import named_parameters
 from tritoff.pack import unpack_reference
 from tritoff.packer import pack_model
+from tritoff.storage import FP8, resolve_storage
 from tritoff.tiny import tiny_cogvideox_pipeline, tiny_wan_pipeline
 
 # blocks large enough that small budgets force streaming
@@ -24,7 +26,7 @@ def run(pipe, call=WAN_CALL, **overrides):
 def dequantize_in_place(module: torch.nn.Module, storage: str = "fp8_e4m3", skip=()) -> torch.nn.Module:
     """Replace every weight by what tritoff would compute with: its pack, dequantized by the reference."""
     packed = pack_model(module, storage, skip=skip, progress=False)
-    params = dict(module.named_parameters())
+    params = dict(named_parameters(module))  # names before adapters were injected, as in the packs
     for pack in packed.packs:
         for name, tensor in unpack_reference(pack.layout, pack.data).items():
             params[name].data = tensor
@@ -32,11 +34,13 @@ def dequantize_in_place(module: torch.nn.Module, storage: str = "fp8_e4m3", skip
 
 
 def dequantized_pipeline(factory, storage="fp8_e4m3", **kwargs):
-    """A pipeline from ``factory`` whose weights are replaced by their dequantized values."""
+    """A pipeline from ``factory`` whose weights are replaced by the values tritoff computes with for ``storage``
+    (what ``tritoff.enable`` takes: VAEs keep their own dtype unless named)."""
     pipe = factory(**kwargs)
-    for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module):
-            dequantize_in_place(component, storage)
+    modules = {n: c for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+    for name, fmt in resolve_storage(storage, modules).items():
+        if fmt in FP8:
+            dequantize_in_place(modules[name], fmt)
     return pipe
 
 
@@ -48,3 +52,22 @@ def wan(**kwargs):
 def cogvideox(**kwargs):
     """The tiny CogVideoX pipeline."""
     return tiny_cogvideox_pipeline(**kwargs)
+
+
+def lora_state_dict(
+    model: torch.nn.Module, prefix="transformer", targets=("to_q", "to_k", "to_v"), rank=2, seed=1, use_dora=False
+):
+    """A LoRA (or DoRA) for ``model``'s architecture in the format ``pipe.load_lora_weights`` takes, with random A and
+    B (peft's default leaves B at zero, which would change nothing)."""
+    import copy
+
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    twin = copy.deepcopy(model)
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=rank, lora_alpha=rank, target_modules=list(targets), init_lora_weights=False, use_dora=use_dora
+    )
+    twin.add_adapter(config)
+    return {f"{prefix}.{k}": v.detach().clone() for k, v in get_peft_model_state_dict(twin).items()}

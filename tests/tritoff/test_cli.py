@@ -129,6 +129,9 @@ BAD = [
     (["demo", "--device", "cuda"], "CUDA is not available"),
     (["demo", "--out", "{tmp}/demo.webm"], "name the video .mp4 or .gif"),
     (["convert", "{pipe}", "{tmp}/s", "--storage", "int3"], "unknown storage"),
+    (["convert", "{pipe}", "{tmp}/s", "--storage", "vae="], "use a format, or component=format pairs"),
+    (["convert", "{pipe}", "{tmp}/s", "--storage", "unet=fp8_e4m3"], "storage names 'unet', which is not a component"),
+    (["run", "{pipe}", "--prompt", "x", "--storage", "vae=int3"], "unknown storage 'int3'"),
     (["convert", "{pipe}", "{pipe}/store"], "inside the model directory"),
     (["convert", "{pipe}", "{tmp}"], "is not empty and holds no tritoff store"),
     (["convert", "no-such-dir", "{tmp}/s"], "not found"),
@@ -251,7 +254,7 @@ def test_a_store_is_refused_for_other_weights_corruption_and_mismatched_options(
     for model, args, message in [
         ("other", ["--store", store], "was made from other weights"),  # other random weights, same architecture
         ("pipe", ["--store", store, "--mode", "group"], "made with leaf groups; pass --mode leaf"),
-        ("pipe", ["--store", store, "--storage", "fp8_e5m2"], "holds fp8_e4m3; drop --storage"),
+        ("pipe", ["--store", store, "--storage", "fp8_e5m2"], "holds fp8_e4m3 for text_encoder; drop --storage"),
     ]:
         code, out, err = tritoff("run", root / model, *RUN, "--mode", "leaf", *args, "--out", tmp_path / "v.gif")
         assert_one_line_error(code, out, err, message)

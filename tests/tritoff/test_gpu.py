@@ -397,3 +397,44 @@ def test_a_saved_store_runs_on_the_gpu_like_fresh_packs(tmp_path, transport):
     assert all(p.arena.registered for p in engine.packed.values())  # mapped read-only, page-locked
     assert engine.plan.tier_counts("transformer")["stream"] > 0
     assert torch.equal(run(pipe), expected)
+
+
+def test_lora_adapters_live_on_the_gpu_and_fuse_exactly():
+    from .helpers import lora_state_dict
+
+    lora = lora_state_dict(wan().transformer, targets=("to_q", "to_k", "to_v", "to_out.0"))
+    reference = dequantized_pipeline(wan).to("cuda")
+    reference.load_lora_weights(lora, adapter_name="a")
+    expected = run(reference)
+    reference.fuse_lora(components=["transformer"])
+    dequantize_in_place(reference.transformer)  # quantized again, as the packs are
+    reference.transformer.to("cuda")
+    expected_fused = run(reference)
+    pipe = wan()
+    pipe.load_lora_weights(lora, adapter_name="a")  # on the CPU, before enable: the adapters move with the plan
+    engine = tritoff.enable(pipe, mode="group", budget="6MB", progress=False)
+    assert engine.plan.tier_counts("transformer")["stream"] > 0 and engine.plan.tier_counts("transformer")["fp8"] > 0
+    adapters = [p for n, p in pipe.transformer.named_parameters() if "lora_" in n]
+    assert adapters and all(p.is_cuda and p.dtype == torch.bfloat16 for p in adapters)
+    assert torch.equal(run(pipe), expected)
+    pipe.fuse_lora(components=["transformer"])  # written back into host packs and the resident fp8 packs
+    assert torch.equal(run(pipe), expected_fused)
+    # loaded after enable, through peft's low_cpu_mem_usage path too: placed beside the base layers' placeholders
+    pipe.load_lora_weights(lora_state_dict(wan().transformer, seed=2), adapter_name="b", low_cpu_mem_usage=True)
+    assert all(p.is_cuda for n, p in pipe.transformer.named_parameters() if "lora_" in n)
+
+
+def test_regional_compile_with_inductor_while_blocks_stream():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    pipe = wan()
+    engine = tritoff.enable(pipe, mode="group", budget="4MB", progress=False)
+    assert engine.plan.tier_counts("transformer")["stream"] > 0
+    eager = run(pipe).float()
+    pipe.transformer.compile_repeated_blocks(fullgraph=True)
+    first = run(pipe)
+    graphs = counters["stats"]["unique_graphs"]
+    assert torch.equal(run(pipe), first) and counters["stats"]["unique_graphs"] == graphs  # no recompilation
+    mse = (first.float() - eager).pow(2).mean().item()
+    assert mse < 1e-4  # inductor's kernels round differently from eager ones, not more

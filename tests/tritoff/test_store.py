@@ -52,7 +52,7 @@ def test_round_trip_is_exact_and_maps_the_files(saved):
     assert torch.equal(run(pipe), expected)
     for packed in engine.packed.values():
         assert packed.arena.read_only  # a mapping of the file, not a copy
-    assert engine.options.storage == "fp8_e4m3"
+    assert engine.options.storage == {"text_encoder": "fp8_e4m3", "transformer": "fp8_e4m3", "vae": "bf16"}
 
 
 def test_other_config_is_refused(saved):
@@ -75,7 +75,7 @@ def test_truncated_missing_and_other_version_are_refused(copy, tmp_path):
     index = json.loads((copy / INDEX).read_text())
     index["store_version"] = 1
     (copy / INDEX).write_text(json.dumps(index))
-    with pytest.raises(StoreError, match="store format 1, this tritoff reads 2"):
+    with pytest.raises(StoreError, match="store format 1, this tritoff reads formats 2 and 3"):
         _enable(wan(), store=copy)
     with pytest.raises(StoreError, match="not a tritoff store"):
         _enable(wan(), store=tmp_path)

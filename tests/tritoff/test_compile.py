@@ -1,0 +1,150 @@
+"""torch.compile after tritoff.enable: whole-model and regional compilation repeat exactly, never recompile after the
+first call, and never trace tritoff's own code (its hooks stay outside the compiled regions).
+
+CPU, ``aot_eager`` backend (the graphs run as eager ATen ops, so the outputs stay bit-exact); every block streams.
+"""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import tritoff
+
+from .helpers import dequantized_pipeline
+from .test_families import FAMILIES, _minimum, _run
+
+pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
+
+
+class Recorder:
+    """A backend that keeps every graph dynamo hands it (a recompilation hands it one more) and runs it eagerly."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.debugging import aot_eager
+
+        self.graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    def traced_tritoff(self) -> list[str]:
+        """Stack traces of graph nodes that come from tritoff's source."""
+        traces = [n.meta.get("stack_trace") or "" for g in self.graphs for n in g.graph.nodes]
+        return [t for t in traces if "/tritoff/" in t]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _streaming(family, how=None):
+    """The family's pipeline with every block streaming, and the latents of its dequantized twin (compiled ``how``
+    when given: then also the number of graphs that took, without tritoff)."""
+    factory, call = FAMILIES[family]
+    reference = dequantized_pipeline(factory)
+    reference.set_progress_bar_config(disable=True)
+    plain = Recorder()
+    if how is not None:
+        _compile(reference, how, plain)
+    _, expected = _run(reference, call, "latent")
+    torch._dynamo.reset()
+    pipe = factory()
+    pipe.set_progress_bar_config(disable=True)
+    tritoff.enable(
+        pipe, mode="group", budget=_minimum(pipe, "group"), reserve=1000, progress=False, kernels="reference"
+    )
+    return pipe, call, expected, len(plain.graphs)
+
+
+def _compile(pipe, how, backend):
+    if how == "whole":
+        pipe.transformer = torch.compile(pipe.transformer, backend=backend)
+    elif how == "regional":
+        pipe.transformer.compile_repeated_blocks(backend=backend, fullgraph=True)
+    else:  # no _repeated_blocks in this model: each block by hand
+        for block in pipe.transformer.transformer_blocks:
+            block.compile(backend=backend, fullgraph=True)
+
+
+@pytest.mark.parametrize(
+    "how,family",
+    [
+        ("whole", "wan21-i2v"),
+        ("whole", "flux"),
+        ("regional", "hunyuan-video"),
+        ("regional", "wan-vace"),
+        ("blocks", "cogvideox"),
+    ],
+)
+def test_compiled_runs_repeat_exactly_without_recompiling(how, family):
+    pipe, call, expected, plain = _streaming(family, how if how != "whole" else None)
+    recorder = Recorder()
+    _compile(pipe, how, recorder)
+    assert torch.equal(_run(pipe, call, "latent")[1], expected)
+    compiled = len(recorder.graphs)
+    assert compiled > 0
+    unique = counters["stats"]["unique_graphs"]
+    for _ in range(2):
+        assert torch.equal(_run(pipe, call, "latent")[1], expected)
+    # no recompilation after the first call: no graph reached the backend, dynamo's counters agree
+    assert len(recorder.graphs) == compiled and counters["stats"]["unique_graphs"] == unique
+    assert recorder.traced_tritoff() == []
+    if how != "whole":  # the graphs of the same compilation without tritoff: streaming adds none
+        assert compiled == plain
+
+
+def test_compile_then_replan_then_disable():
+    pipe, call, expected, _ = _streaming("wan21-t2v")
+    recorder = Recorder()
+    _compile(pipe, "regional", recorder)
+    assert torch.equal(_run(pipe, call, "latent")[1], expected)
+    # another budget: some blocks now resident, others still streamed; the compiled blocks stay compiled
+    engine = tritoff.enable(pipe, mode="group", budget="1MB", reserve=1000, progress=False, kernels="reference")
+    assert engine.plan.tier_counts("transformer")["stream"] < len(pipe.transformer.blocks)
+    assert torch.equal(_run(pipe, call, "latent")[1], expected)
+    compiled = len(recorder.graphs)
+    assert torch.equal(_run(pipe, call, "latent")[1], expected)
+    assert len(recorder.graphs) == compiled
+    tritoff.disable(pipe)  # ordinary modules holding the dequantized weights, blocks still compiled
+    assert torch.equal(_run(pipe, call, "latent")[1], expected)
+    assert recorder.traced_tritoff() == []
+
+
+def test_fullgraph_over_hooked_blocks_is_refused_in_one_line():
+    pipe, _, _, _ = _streaming("wan21-t2v")
+    with pytest.raises(RuntimeError, match=r"compile_repeated_blocks\(fullgraph=True\)") as info:
+        pipe.transformer.compile(fullgraph=True)
+    assert "\n" not in str(info.value)
+    assert pipe.transformer._compiled_call_impl is None  # nothing was compiled
+
+
+def test_lora_on_a_transformer_compiled_whole():
+    """diffusers' pipe.fuse_lora skips a component compiled whole without a word (it is no ModelMixin): refused in
+    one line, and the way it names works."""
+    from .helpers import dequantize_in_place, lora_state_dict
+
+    factory, call = FAMILIES["wan21-t2v"]
+    lora = lora_state_dict(factory().transformer)
+    reference = dequantized_pipeline(factory)
+    reference.set_progress_bar_config(disable=True)
+    reference.load_lora_weights(lora, adapter_name="style")
+    _, expected = _run(reference, call, "latent")
+    reference.fuse_lora(components=["transformer"])
+    dequantize_in_place(reference.transformer)
+    _, expected_fused = _run(reference, call, "latent")
+    pipe, call, _, _ = _streaming("wan21-t2v")
+    recorder = Recorder()
+    _compile(pipe, "whole", recorder)
+    pipe.load_lora_weights(lora, adapter_name="style")
+    assert torch.equal(_run(pipe, call, "latent")[1], expected)
+    with pytest.raises(ValueError, match=r"call pipe.transformer._orig_mod.fuse_lora\(...\)") as info:
+        pipe.fuse_lora(components=["transformer"])
+    assert "\n" not in str(info.value)
+    assert torch.equal(_run(pipe, call, "latent")[1], expected)  # nothing changed
+    pipe.transformer._orig_mod.fuse_lora()
+    assert torch.equal(_run(pipe, call, "latent")[1], expected_fused)
+    assert recorder.traced_tritoff() == []

@@ -1,0 +1,126 @@
+"""Every pipeline family, built tiny and locally, equals its dequantized twin bit for bit in every mode.
+
+One pipeline per family runs through four modes in turn (``enable`` again re-plans): ``group`` and ``leaf`` at the
+smallest budget each accepts (every block streamed), ``model`` and ``auto`` at theirs. The first run decodes frames;
+the others stop at the latents (what the mode changes is the denoising), compared as the last step left them.
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import tritoff
+from tritoff import tiny
+from tritoff.planner import BudgetError
+
+from .helpers import dequantize_in_place, dequantized_pipeline, lora_state_dict
+
+pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
+
+IMAGE = Image.fromarray((np.random.RandomState(0).rand(32, 32, 3) * 255).astype("uint8"))
+BASE = dict(prompt="a cat", negative_prompt="blurry", num_inference_steps=2, max_sequence_length=16)
+VIDEO = dict(BASE, height=16, width=16, num_frames=5)
+
+FAMILIES = {
+    "wan21-t2v": (tiny.tiny_wan_pipeline, VIDEO),
+    "wan21-i2v": (tiny.tiny_wan_i2v_pipeline, dict(VIDEO, image=IMAGE)),
+    "wan-vace": (tiny.tiny_wan_vace_pipeline, VIDEO),
+    # the boundary falls inside 4 steps: both experts run
+    "wan22-a14b": (lambda: tiny.tiny_wan_pipeline(two_experts=True), dict(VIDEO, num_inference_steps=4)),
+    "wan22-ti2v-5b": (tiny.tiny_wan22_ti2v_pipeline, dict(VIDEO, image=IMAGE, height=32, width=32)),
+    "cogvideox": (tiny.tiny_cogvideox_pipeline, dict(VIDEO, num_frames=9)),
+    # learned positional embeddings: the configured sample size (8x8 latents)
+    "cogvideox-i2v": (tiny.tiny_cogvideox_i2v_pipeline, dict(VIDEO, image=IMAGE, height=64, width=64, num_frames=9)),
+    "hunyuan-video": (
+        tiny.tiny_hunyuan_video_pipeline,
+        dict(VIDEO, negative_prompt=None, prompt_template={"template": "{}", "crop_start": 0}),
+    ),
+    "ltx-video": (tiny.tiny_ltx_video_pipeline, dict(VIDEO, height=32, width=32, num_frames=9)),
+    "flux": (tiny.tiny_flux_pipeline, dict(BASE, negative_prompt=None, height=16, width=16)),
+}
+
+
+def _run(pipe, call, output_type="pt"):
+    """(frames or images, the latents the last step left) for a fixed seed."""
+    seen = {}
+
+    def keep(pipe, step, timestep, kwargs):
+        seen["latents"] = kwargs["latents"].clone()
+        return kwargs
+
+    out = pipe(
+        **call,
+        output_type=output_type,
+        callback_on_step_end=keep,
+        generator=torch.Generator().manual_seed(0),
+    )
+    return (getattr(out, "frames", None) if hasattr(out, "frames") else out.images), seen["latents"]
+
+
+def _minimum(pipe, mode) -> int:
+    with pytest.raises(BudgetError) as info:
+        tritoff.enable(pipe, mode=mode, budget=1000, reserve=1000, progress=False, kernels="reference")
+    return info.value.minimum
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_equals_the_dequantized_pipeline_in_every_mode(family):
+    factory, call = FAMILIES[family]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = dequantized_pipeline(factory)
+        reference.set_progress_bar_config(disable=True)
+        expected, expected_latents = _run(reference, call)
+        del reference
+        pipe = factory()
+    pipe.set_progress_bar_config(disable=True)
+    components = [n for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)]
+    for mode in ("group", "leaf", "model", "auto"):
+        budget = _minimum(pipe, mode)
+        engine = tritoff.enable(pipe, mode=mode, budget=budget, reserve=1000, progress=False, kernels="reference")
+        frames, latents = _run(pipe, call, "pt" if mode == "group" else "latent")
+        assert torch.equal(latents, expected_latents), mode
+        stats = engine.stats
+        denoisers = [n for n in components if n.startswith("transformer")]
+        if mode in ("group", "leaf"):
+            assert all(engine.plan.tier_counts(n)["stream"] > 0 for n in denoisers), mode
+        if mode == "group":
+            assert torch.equal(frames, expected)
+            # every denoiser and encoder streams its blocks, in the traced order after the first call
+            assert all(stats["components"][n]["calls"] > 0 for n in components)
+            assert stats["total"]["onloads"] > 0 and stats["total"]["sync_onloads"] == 0
+    tritoff.disable(pipe)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_lora_loaded_and_fused_after_enable(family):
+    """A LoRA on every attention projection, loaded after enable while every block streams, then fused into the
+    packs: equal to the dequantized pipeline with the same LoRA (fused, then quantized again like the packs)."""
+    factory, call = FAMILIES[family]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = dequantized_pipeline(factory)
+        reference.set_progress_bar_config(disable=True)
+        lora = lora_state_dict(reference.transformer)
+        _, plain = _run(reference, call, "latent")
+        reference.load_lora_weights(lora, adapter_name="style")
+        _, expected = _run(reference, call, "latent")
+        reference.fuse_lora(components=["transformer"])
+        dequantize_in_place(reference.transformer)
+        _, expected_fused = _run(reference, call, "latent")
+        del reference
+        pipe = factory()
+    assert torch.isfinite(expected).all() and not torch.equal(expected, plain)  # the LoRA changes the result
+    pipe.set_progress_bar_config(disable=True)
+    engine = tritoff.enable(
+        pipe, mode="group", budget=_minimum(pipe, "group"), reserve=1000, progress=False, kernels="reference"
+    )
+    pipe.load_lora_weights(lora, adapter_name="style")
+    assert torch.equal(_run(pipe, call, "latent")[1], expected)
+    pipe.fuse_lora(components=["transformer"])
+    assert torch.equal(_run(pipe, call, "latent")[1], expected_fused)
+    assert engine.stats["requantized_weights"] > 0
+    tritoff.disable(pipe)

@@ -1,0 +1,231 @@
+"""LoRA with tritoff: adapters outside the packs, loaded before or after enable, set, fused into the packs (quantized
+again exactly as the dequantized reference would be), unfused, unloaded, refused where packs are read-only."""
+
+import pytest
+import torch
+
+import tritoff
+from tritoff.adapters import merged_adapters, named_parameters
+from tritoff.store import fingerprint
+
+from .helpers import WAN_CALL, dequantize_in_place, dequantized_pipeline, lora_state_dict, run, wan
+
+pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
+
+LATENTS = dict(WAN_CALL, num_inference_steps=2, output_type="latent")  # the denoiser is what adapters change
+# every attention projection, and proj_out, which is kept unquantized (a copied tensor in its pack)
+TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_out")
+
+
+def _enable(pipe, **kwargs):
+    return tritoff.enable(pipe, progress=False, kernels="reference", **kwargs)
+
+
+def _lora(seed=1):
+    return lora_state_dict(wan().transformer, targets=TARGETS, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """Latents of the dequantized pipeline: plain, with the LoRA, fused (then quantized again, as in the packs),
+    unfused (again), and with the LoRA unloaded after that."""
+    ref = dequantized_pipeline(wan)
+    out = {"plain": run(ref, LATENTS)}
+    ref.load_lora_weights(_lora(), adapter_name="style")
+    out["lora"] = run(ref, LATENTS)
+    ref.fuse_lora(components=["transformer"])
+    dequantize_in_place(ref.transformer)
+    out["fused"] = run(ref, LATENTS)
+    ref.unfuse_lora(components=["transformer"])
+    dequantize_in_place(ref.transformer)
+    out["unfused"] = run(ref, LATENTS)
+    ref.unload_lora_weights()
+    out["unloaded"] = run(ref, LATENTS)
+    assert not torch.equal(out["lora"], out["plain"]) and not torch.equal(out["fused"], out["lora"])
+    return out
+
+
+@pytest.mark.parametrize(
+    "mode,budget",
+    [
+        pytest.param("group", "4MB", id="streamed"),
+        pytest.param("group", "6MB", id="fp8-resident"),
+        pytest.param("group", "9MB", id="bf16-resident"),
+        pytest.param("leaf", "2MB", id="leaf"),
+        pytest.param("model", "6MB", id="model"),
+    ],
+)
+def test_lora_loaded_and_fused_after_enable_in_every_mode(expected, mode, budget):
+    pipe = wan()
+    engine = _enable(pipe, mode=mode, budget=budget)
+    pipe.load_lora_weights(_lora(), adapter_name="style")
+    assert torch.equal(run(pipe, LATENTS), expected["lora"])
+    pipe.fuse_lora(components=["transformer"])
+    assert torch.equal(run(pipe, LATENTS), expected["fused"])
+    # the re-quantized weights are in the report, with their SNR (an fp8 weight: about 31 dB)
+    stats = engine.stats
+    assert stats["requantized_weights"] == 32  # 4 blocks x 2 attentions x (q, k, v, out); proj_out is copied
+    assert all(25 < snr < 40 for snr in stats["requantized_worst_snr_db"].values())
+    assert "LoRA fuse/unfuse re-quantized 32 weights" in engine.report()
+    tritoff.disable(pipe)  # keeps what was fused
+    assert torch.equal(run(pipe, LATENTS), expected["fused"])
+
+
+def test_unfuse_unload_and_fusing_twice(expected):
+    pipe = wan()
+    _enable(pipe, mode="group", budget="4MB")
+    pipe.load_lora_weights(_lora(), adapter_name="style")
+    pipe.fuse_lora(components=["transformer"])
+    pipe.fuse_lora(components=["transformer"])  # already fused: nothing changes
+    assert torch.equal(run(pipe, LATENTS), expected["fused"])
+    pipe.unfuse_lora(components=["transformer"])
+    assert torch.equal(run(pipe, LATENTS), expected["unfused"])
+    pipe.unload_lora_weights()
+    assert torch.equal(run(pipe, LATENTS), expected["unloaded"])
+    assert not any("lora" in n for n, _ in pipe.transformer.named_parameters())
+
+
+def test_unload_after_fuse_keeps_the_fused_weights(expected):
+    pipe = wan()
+    _enable(pipe, mode="group", budget="4MB")
+    pipe.load_lora_weights(_lora(), adapter_name="style")
+    with pytest.raises(ValueError):  # the same adapter name twice: diffusers refuses, nothing changes
+        pipe.load_lora_weights(_lora(), adapter_name="style")
+    pipe.fuse_lora(components=["transformer"])
+    pipe.unload_lora_weights()
+    assert torch.equal(run(pipe, LATENTS), expected["fused"])
+
+
+def test_lora_loaded_before_enable_stays_outside_the_packs(expected):
+    pipe = wan()
+    pipe.load_lora_weights(_lora(), adapter_name="style")
+    adapters = {n: p for n, p in pipe.transformer.named_parameters() if "lora_" in n}
+    assert adapters and all(p.requires_grad for p in adapters.values())
+    engine = _enable(pipe, mode="group", budget="4MB")
+    packed = [e.name for p in engine.packed["transformer"].packs for e in p.layout.entries]
+    assert not any("lora" in n or "base_layer" in n for n in packed)  # the model's own names, no adapter
+    assert "blocks.0.attn1.to_q.weight" in packed
+    # adapters keep their flags (tritoff freezes only what it manages) and their memory: not placeholders
+    assert all(p.requires_grad and p.untyped_storage().nbytes() >= p.numel() * 2 for p in adapters.values())
+    assert not any(p.requires_grad for _, p in named_parameters(pipe.transformer))
+    assert fingerprint(pipe.transformer) == fingerprint(wan().transformer)  # a store of the model still matches
+    # pipelines run under no_grad: adapters requiring grad do not trip the saved-tensor refusal
+    assert torch.equal(run(pipe, LATENTS), expected["lora"])
+    pipe.fuse_lora(components=["transformer"])
+    assert torch.equal(run(pipe, LATENTS), expected["fused"])
+
+
+def test_two_adapters_set_disable_and_delete():
+    a, b = _lora(seed=1), _lora(seed=2)
+    ref = dequantized_pipeline(wan)
+    ref.load_lora_weights(a, adapter_name="a")
+    only_a = run(ref, LATENTS)
+    ref.load_lora_weights(b, adapter_name="b")
+    ref.set_adapters(["a", "b"], [1.0, 0.5])
+    mixed = run(ref, LATENTS)
+    pipe = wan()
+    _enable(pipe, mode="group", budget="4MB")
+    pipe.load_lora_weights(a, adapter_name="a")
+    pipe.load_lora_weights(b, adapter_name="b")
+    pipe.set_adapters(["a", "b"], [1.0, 0.5])
+    assert torch.equal(run(pipe, LATENTS), mixed)
+    pipe.delete_adapters("b")
+    assert torch.equal(run(pipe, LATENTS), only_a)
+
+
+def test_bf16_storage_fuses_exactly_like_plain_diffusers():
+    lora = _lora()
+    ref = wan()
+    ref.load_lora_weights(lora, adapter_name="style")
+    ref.fuse_lora(components=["transformer"])
+    expected = run(ref, LATENTS)
+    pipe = wan()
+    engine = _enable(pipe, storage="bf16", mode="group", budget="6MB")
+    assert engine.plan.tier_counts("transformer")["stream"] > 0
+    pipe.load_lora_weights(lora, adapter_name="style")
+    pipe.fuse_lora(components=["transformer"])
+    assert torch.equal(run(pipe, LATENTS), expected)
+    assert engine.stats["requantized_weights"] == 0  # copied, not quantized
+
+
+def test_a_broken_adapter_is_refused_and_changes_nothing():
+    lora = _lora()
+    lora["transformer.blocks.2.attn1.to_v.lora_B.weight"][0, 0] = float("nan")
+    pipe = wan()
+    engine = _enable(pipe, mode="group", budget="6MB")  # fp8-resident blocks and streamed ones
+    pipe.load_lora_weights(lora, adapter_name="broken")
+    arena = {n: p.arena.buffer.clone() for n, p in engine.packed.items()}
+    with pytest.raises(ValueError, match="'broken' has NaN or Inf in its delta for transformer.blocks.2.attn1.to_v"):
+        pipe.fuse_lora(components=["transformer"])
+    assert all(torch.equal(engine.packed[n].arena.buffer, before) for n, before in arena.items())
+    assert merged_adapters(pipe.transformer) == []
+    pipe.unload_lora_weights()
+    assert torch.equal(run(pipe, LATENTS), run(dequantized_pipeline(wan), LATENTS))
+
+
+def test_fusing_into_a_store_is_refused(tmp_path, expected):
+    engine = _enable(wan(), mode="group", budget="4MB")
+    engine.save(tmp_path / "store")
+    pipe = wan()
+    _enable(pipe, mode="group", budget="4MB", store=tmp_path / "store")
+    pipe.load_lora_weights(_lora(), adapter_name="style")
+    with pytest.raises(ValueError, match="mapped read-only from a store") as info:
+        pipe.fuse_lora(components=["transformer"])
+    assert "\n" not in str(info.value)
+    assert merged_adapters(pipe.transformer) == []
+    assert torch.equal(run(pipe, LATENTS), expected["lora"])  # the unfused LoRA still works
+    # a LoRA fused before enable(store=...) would be silently replaced by the store's weights: refused
+    fused = wan()
+    fused.load_lora_weights(_lora(), adapter_name="style")
+    fused.fuse_lora(components=["transformer"])
+    with pytest.raises(ValueError, match="fused into its weights") as info:
+        _enable(fused, mode="group", budget="4MB", store=tmp_path / "store")
+    assert "\n" not in str(info.value) and not hasattr(fused, "_tritoff_engine")
+
+
+def test_adapters_requiring_grad_are_refused_under_grad_mode_not_silently_wrong():
+    pipe = wan()
+    _enable(pipe, mode="group", budget="4MB")
+    pipe.load_lora_weights(_lora(), adapter_name="style")
+    inputs = dict(
+        hidden_states=torch.randn(1, 16, 2, 4, 4, dtype=torch.bfloat16),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 8, 32, dtype=torch.bfloat16),
+    )
+    with torch.no_grad():
+        pipe.transformer(**inputs)
+    with pytest.raises(RuntimeError, match="autograd would save a weight that lives in a reused GPU slot"):
+        pipe.transformer(**inputs)
+    with torch.no_grad():  # the refusal left nothing held
+        pipe.transformer(**inputs)
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["loaded-before-enable", "loaded-after-enable"])
+def test_dora_in_leaf_mode_hooks_around_the_adapter(before):
+    """DoRA reads the base weight outside the base layer's forward: in leaf mode the layer's hook moves to the tuner
+    layer peft wraps it in (and back when the adapter is unloaded)."""
+    dora = lora_state_dict(wan().transformer, targets=("to_q", "to_k"), use_dora=True)
+    assert any("lora_magnitude_vector" in k for k in dora)
+    ref = dequantized_pipeline(wan)
+    plain = run(ref, LATENTS)
+    ref.load_lora_weights(dora, adapter_name="dora")
+    expected = run(ref, LATENTS)
+    ref.fuse_lora(components=["transformer"])
+    dequantize_in_place(ref.transformer)
+    expected_fused = run(ref, LATENTS)
+    pipe = wan()
+    if before:
+        pipe.load_lora_weights(dora, adapter_name="dora")
+    engine = _enable(pipe, mode="leaf", budget="2MB")
+    if not before:
+        pipe.load_lora_weights(dora, adapter_name="dora")
+    assert engine.plan.tier_counts("transformer")["stream"] > 0
+    adapted = pipe.transformer.blocks[0].attn1.to_q
+    assert hasattr(adapted, "_hf_hook") and not hasattr(adapted.base_layer, "_hf_hook")
+    assert torch.equal(run(pipe, LATENTS), expected)
+    pipe.unload_lora_weights()
+    assert hasattr(pipe.transformer.blocks[0].attn1.to_q, "_hf_hook")  # back on the plain layer
+    assert torch.equal(run(pipe, LATENTS), plain)
+    pipe.load_lora_weights(dora, adapter_name="dora")
+    pipe.fuse_lora(components=["transformer"])
+    assert torch.equal(run(pipe, LATENTS), expected_fused)

@@ -1,0 +1,93 @@
+"""Pipeline operations after tritoff.enable: they work, or are refused in one line before anything changes."""
+
+import pytest
+import torch
+
+import tritoff
+
+from .helpers import WAN_CALL, dequantize_in_place, run, wan
+
+pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
+
+LATENTS = dict(WAN_CALL, num_inference_steps=2, output_type="latent")
+
+
+@pytest.fixture(scope="module")
+def enabled():
+    pipe = wan()
+    tritoff.enable(pipe, mode="group", budget="4MB", progress=False, kernels="reference")
+    return pipe, run(pipe, LATENTS)
+
+
+def test_moves_that_change_nothing_work(enabled):
+    pipe, before = enabled
+    device = pipe._tritoff_engine.options.device
+    assert pipe.to(device) is pipe
+    pipe.to(device.type)
+    pipe.transformer.to(device)
+    pipe.text_encoder.to(device=device, dtype=torch.bfloat16)
+    assert torch.equal(run(pipe, LATENTS), before)
+
+
+@pytest.mark.parametrize(
+    "operation,message",
+    [
+        (lambda p: p.to(torch.float32), "moving or casting text_encoder to torch.float32"),
+        (lambda p: p.to("meta"), "moving or casting .* to meta"),
+        (lambda p: p.transformer.half(), "moving or casting transformer to torch.float16"),
+        (lambda p: p.vae.to(torch.bfloat16), "moving or casting vae to torch.bfloat16"),
+        (lambda p: p.enable_model_cpu_offload(), r"enable_model_cpu_offload\(\): tritoff already places"),
+        (lambda p: p.enable_sequential_cpu_offload(), r"enable_sequential_cpu_offload\(\): tritoff already"),
+        (lambda p: p.enable_group_offload("cpu"), r"enable_group_offload\(\): tritoff already streams"),
+        (lambda p: p.transformer.enable_group_offload("cpu"), r"enable_group_offload\(\)"),
+        (
+            lambda p: p.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn),
+            r"enable_layerwise_casting\(\)",
+        ),
+        (lambda p: p.remove_all_hooks(), r"remove_all_hooks\(\): the hooks on this pipeline are tritoff's"),
+        (lambda p: p.transformer.fuse_qkv_projections(), r"call it before tritoff.enable"),
+    ],
+)
+def test_operations_that_would_break_the_engine_are_refused_in_one_line(enabled, operation, message):
+    pipe, before = enabled
+    dtypes = {n: m.dtype for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+    with pytest.raises(RuntimeError, match=message) as info:
+        operation(pipe)
+    text = str(info.value)  # one line saying what to do
+    assert "\n" not in text and ("tritoff.disable(pipe)" in text or "before tritoff.enable" in text)
+    assert {n: m.dtype for n, m in pipe.components.items() if isinstance(m, torch.nn.Module)} == dtypes
+    assert torch.equal(run(pipe, LATENTS), before)  # the pipeline is as it was
+
+
+def test_disable_gives_the_operations_back():
+    pipe = wan()
+    tritoff.enable(pipe, mode="group", budget="4MB", progress=False, kernels="reference")
+    tritoff.disable(pipe)
+    shadowed = ("to", "_apply", "enable_model_cpu_offload", "remove_all_hooks", "fuse_qkv_projections", "compile")
+    for obj in (pipe, *[m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]):
+        assert not any(name in vars(obj) for name in shadowed), obj
+    assert not any("compile" in vars(b) for b in pipe.transformer.blocks)
+    pipe.to(torch.float32)
+    assert pipe.transformer.dtype == torch.float32
+
+
+def test_qkv_fused_before_enable_is_packed_and_unfused_after():
+    def fused():
+        pipe = wan()
+        pipe.transformer.fuse_qkv_projections()
+        # the separate projections stay beside the fused one: make them differ, so the two paths give two results
+        pipe.transformer.blocks[0].attn1.to_q.weight.data.mul_(2)
+        return pipe
+
+    reference = fused()
+    for component in (reference.text_encoder, reference.transformer):
+        dequantize_in_place(component)
+    expected = run(reference, LATENTS)
+    reference.transformer.unfuse_qkv_projections()
+    expected_unfused = run(reference, LATENTS)
+    assert not torch.equal(expected, expected_unfused)
+    pipe = fused()
+    tritoff.enable(pipe, mode="group", budget="5MB", progress=False, kernels="reference")
+    assert torch.equal(run(pipe, LATENTS), expected)
+    pipe.transformer.unfuse_qkv_projections()
+    assert torch.equal(run(pipe, LATENTS), expected_unfused)

@@ -1,0 +1,163 @@
+"""Pipeline and module operations after :func:`tritoff.enable`: they work, or are refused in one line saying what to do.
+
+tritoff owns where every managed weight lives, so operations that would move, cast, re-hook or rebuild those weights
+behind its back are intercepted on the enabled pipeline and its components (instance attributes shadowing the
+methods; :func:`remove` gives the originals back):
+
+- ``.to(...)``, ``.cuda()``, ``.cpu()``, ``.half()``... (all through ``nn.Module._apply``): a move or cast that leaves
+  every managed weight where and what it is (``pipe.to("cuda")`` with tritoff on that GPU) works and is otherwise a
+  no-op for them; one that would move managed weights elsewhere or change their dtype is refused before anything moves;
+- diffusers' offloading (``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``, ``enable_group_offload``),
+  ``enable_layerwise_casting`` and ``remove_all_hooks``: refused, since they would strip or fight tritoff's hooks;
+- ``fuse_qkv_projections``: refused, since it would concatenate placeholders; fusing before ``enable`` works;
+- ``block.compile(...)`` on a streamed or fp8-resident block (what diffusers' ``compile_repeated_blocks`` calls):
+  compiles the block's own forward, inside tritoff's hooks rather than around them, so ``fullgraph=True`` works and
+  binding the block's weights to a slot is never traced. ``component.compile(fullgraph=True)`` on a component
+  holding such blocks is refused (tritoff's hooks are graph breaks inside it); without ``fullgraph`` it works.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+DISABLE_FIRST = "call tritoff.disable(pipe) first"
+REFUSED = {
+    "enable_model_cpu_offload": f"tritoff already places every weight within its budget; {DISABLE_FIRST} to use "
+    "diffusers' offloading instead",
+    "enable_sequential_cpu_offload": f"tritoff already places every weight within its budget; {DISABLE_FIRST} to "
+    "use diffusers' offloading instead",
+    "enable_group_offload": f"tritoff already streams the weights group by group; {DISABLE_FIRST} to use diffusers' "
+    "group offloading instead",
+    "enable_layerwise_casting": f"tritoff already stores the weights in its packs (storage=...); {DISABLE_FIRST} to "
+    "use diffusers' layerwise casting instead",
+    "remove_all_hooks": "the hooks on this pipeline are tritoff's: call tritoff.disable(pipe) to remove them",
+    "fuse_qkv_projections": "fuse_qkv_projections() after tritoff.enable would concatenate weights that live in "
+    "tritoff's packs: call it before tritoff.enable (the fused projections are then packed)",
+}
+
+
+def _refusal(name: str, message: str):
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{name}(): {message}")
+
+    refuse._tritoff = True
+    return refuse
+
+
+def install(target, components: dict, device: torch.device, blocks=()) -> None:
+    """Intercept the operations above on ``target`` (a pipeline or module), on each of its ``components`` and on the
+    hooked ``blocks``."""
+    for block in blocks:
+        install_block(block)
+    for obj in {id(o): o for o in (target, *components.values())}.values():
+        for name, message in REFUSED.items():
+            if callable(getattr(type(obj), name, None)) and name not in obj.__dict__:
+                setattr(obj, name, _refusal(name, message))
+    for name, module in components.items():
+        if "_apply" not in module.__dict__:
+            module._apply = _guarded_apply(module, name, device)
+        inside = {id(m) for m in module.modules()}
+        if "compile" not in module.__dict__ and any(id(b) in inside for b in blocks):
+            module.compile = _compile_around_hooks(module, name)
+    if not isinstance(target, torch.nn.Module) and callable(getattr(target, "to", None)) and "to" not in vars(target):
+        target.to = _guarded_to(target, components, device)
+
+
+def remove(target, components: dict, blocks=()) -> None:
+    """Give back the methods :func:`install` shadowed (a block compiled meanwhile stays compiled)."""
+    for obj in (target, *components.values(), *blocks):
+        for name in (*REFUSED, "_apply", "to", "compile"):
+            if getattr(obj.__dict__.get(name), "_tritoff", False):
+                delattr(obj, name)
+
+
+def _check(module: torch.nn.Module, component: str, fn, device: torch.device) -> None:
+    """Refuse a move or cast ``fn`` (what ``_apply`` applies to each tensor) that would change a managed weight."""
+    from tritoff.adapters import named_parameters
+
+    for dtype, where in {(p.dtype, p.device) for _, p in named_parameters(module)}:
+        # what the move or cast would do to a managed weight of this dtype, tried on an empty tensor
+        probe = fn(torch.empty(0, dtype=dtype, device=where))
+        if probe.dtype != dtype or probe.device != where:
+            change = f"to {probe.dtype}" if probe.dtype != dtype else f"to {probe.device}"
+            raise RuntimeError(
+                f"moving or casting {component} {change}: its weights live in tritoff's packs and are placed on "
+                f"{device} by tritoff; call tritoff.disable(pipe) first (it leaves ordinary modules holding the "
+                "dequantized weights), or reload the pipeline in the dtype you want before tritoff.enable"
+            )
+
+
+def install_block(block: torch.nn.Module) -> None:
+    """Make ``block.compile(...)`` compile the hooked block's own forward (inside tritoff's hooks)."""
+    if "compile" not in block.__dict__:
+        block.compile = _compile_inside_hooks(block)
+
+
+def remove_block(block: torch.nn.Module) -> None:
+    """Undo :func:`install_block`."""
+    if getattr(block.__dict__.get("compile"), "_tritoff", False):
+        del block.compile
+
+
+def _compile_inside_hooks(block: torch.nn.Module):
+    def compile(*args, **kwargs):
+        """``torch.compile`` the block's own forward; tritoff's hooks run around it, uncompiled."""
+        # accelerate keeps the block's original forward here and calls it between the hooks
+        block._old_forward = torch.compile(block._old_forward, *args, **kwargs)
+
+    compile._tritoff = True
+    return compile
+
+
+def _compile_around_hooks(module: torch.nn.Module, component: str):
+    original = module.compile
+
+    @functools.wraps(original)
+    def compile(*args, **kwargs):
+        if kwargs.get("fullgraph"):
+            raise RuntimeError(
+                f"{component}.compile(fullgraph=True): tritoff's hooks on its streamed blocks are graph breaks inside "
+                f"it; use {component}.compile_repeated_blocks(fullgraph=True) (each block's own forward compiles as "
+                "one graph), or drop fullgraph"
+            )
+        return original(*args, **kwargs)
+
+    compile._tritoff = True
+    return compile
+
+
+def _guarded_apply(module: torch.nn.Module, component: str, device: torch.device):
+    original = module._apply  # nn.Module's, bound
+
+    @functools.wraps(original)
+    def _apply(fn, *args, **kwargs):
+        _check(module, component, fn, device)
+        return original(fn, *args, **kwargs)
+
+    _apply._tritoff = True
+    return _apply
+
+
+def _guarded_to(pipe, components: dict, device: torch.device):
+    """``pipe.to``: every component is checked before any moves, so a refusal leaves the whole pipeline as it was."""
+    original = pipe.to
+
+    @functools.wraps(original)
+    def to(*args, **kwargs):
+        options = {k: v for k, v in kwargs.items() if k in ("device", "dtype")}
+        try:
+            where, dtype, _, _ = torch._C._nn._parse_to(*args, **options)
+        except (TypeError, RuntimeError):  # arguments only diffusers understands: each component checks itself
+            return original(*args, **kwargs)
+
+        def fn(t):
+            return t.to(where, dtype if t.is_floating_point() or t.is_complex() else None)
+
+        for name, module in components.items():
+            _check(module, name, fn, device)
+        return original(*args, **kwargs)
+
+    to._tritoff = True
+    return to
