@@ -44,14 +44,26 @@ def native_fp8(device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(torch.device(device)) >= (8, 9)
 
 
+def _registered(name: str):
+    """The op ``tritoff::<name>`` if it is registered already, else None."""
+    try:
+        return getattr(torch.ops.tritoff, name).default
+    except AttributeError:
+        return None
+
+
 def register_op(name: str, mutates_args: tuple[str, ...]):
     """Register a Triton launcher as the torch custom op ``tritoff::<name>``.
 
     Compiled Triton goes through ``triton_op`` + ``wrap_triton`` so torch.compile traces into the kernel. The
     interpreter cannot run under fake tensors, so there the launcher becomes an opaque ``custom_op`` (fake: no-op).
+    An op registered already is returned as it is: registering it again would replace it under its earlier handles.
     """
 
     def decorate(launcher):
+        existing = _registered(name)
+        if existing is not None:  # this file imported again under another name (see kernels/__init__.py)
+            return existing
         if interpreting():
             op = torch.library.custom_op(f"tritoff::{name}", mutates_args=mutates_args)(launcher)
             op.register_fake(lambda *args, **kwargs: None)

@@ -26,3 +26,25 @@ def test_quantize_rows_op(device):
     q = torch.zeros(24, 70, dtype=torch.uint8, device=device)
     scales = torch.zeros(24, device=device)
     torch.library.opcheck(_quantize_rows_op, (w, q, scales, 0, True, False))
+
+
+def test_the_checkout_importable_as_top_level_kernels_leaves_the_ops_registered_once(tmp_path):
+    """From a source checkout, transformers imports this directory as Hugging Face's ``kernels`` to read a version: that
+    import must not register tritoff's ops again (torch would replace them under tritoff's handles)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]);"
+        "import torch._library.custom_ops as co, tritoff.kernels.upcast as up;"
+        "before = co.OPDEF_TO_LIB['tritoff::upcast_pack'];"
+        "import kernels, kernels.upcast as again;"
+        "assert not hasattr(kernels, 'upcast_pack') and not hasattr(kernels, '__version__');"
+        "assert co.OPDEF_TO_LIB['tritoff::upcast_pack'] is before;"
+        "assert again._upcast_pack_op is up._upcast_pack_op._opoverload;"
+        "from transformers.utils import is_kernels_available; assert not is_kernels_available()"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(root)], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
