@@ -14,7 +14,8 @@ from tritoff.arena import HostArena
 from tritoff.budget import device_memory, format_bytes, parse_size
 from tritoff.chunks import smallest_chunk
 from tritoff.formats import check_granularity, get_format
-from tritoff.groups import REST, Group, block_groups, leaf_groups
+from tritoff.groups import REST, Group, block_groups, is_block, is_host, leaf_groups
+from tritoff.host_lookup import HostLookupHook, host_views
 from tritoff.kernels.upcast import upcast_pack_reference
 from tritoff.manager import ComponentHook, ComponentRuntime, GroupHook, HookManager, guard_forward
 from tritoff.onload import GroupRuntime, table_bytes
@@ -140,14 +141,14 @@ def _groups_for(module: nn.Module, mode: str) -> list[Group]:
     if mode == "leaf":
         return leaf_groups(module)
     groups = block_groups(module)
-    if mode == "group" and not any(g.name != REST for g in groups):
+    if mode == "group" and not any(is_block(g) for g in groups):
         # no block list to stream (a model without ModuleLists): stream its layers instead
         return leaf_groups(module)
     return groups
 
 
 def _splittable(module: nn.Module, groups: list[Group]) -> bool:
-    blocks = [g for g in groups if g.name != REST]
+    blocks = [g for g in groups if is_block(g)]
     # VAEs are called through encode/decode, which run only pre_forward hooks: they move whole
     return len(blocks) >= MIN_BLOCKS and not hasattr(module, "decode")
 
@@ -220,8 +221,13 @@ class Engine:
             chunk = self.chunks[name]
             for pack, group in zip(packed.packs, self._group_lists[name], strict=True):
                 params = [params_by_name[n] for n, _ in group.params]
+                if is_host(group):  # a lookup table that never leaves the host arena
+                    for param, view in zip(params, host_views(pack), strict=True):
+                        param.data = view
+                    comp.host.append((group, params))
+                    continue
                 g = GroupRuntime(name, pack, packed, params, device, use_triton, zero_copy, chunk)
-                if split and g.name != REST:
+                if split and is_block(group):
                     g.tier = "bf16" if phase.modes[name] == "resident" else tiers[g.name]
                     comp.blocks.append(g)
                 else:  # the rest of a split component, or any group of a whole-moving one
@@ -238,9 +244,12 @@ class Engine:
             _move_buffers(comp.module, device)
             move_adapters(comp.module, device)
             modules = outer_modules(comp.module)  # an adapted leaf layer: its hook goes around the adapter too
-            for group, g in zip(self._group_lists[comp.name], comp.groups, strict=True):
+            groups = [group for group in self._group_lists[comp.name] if not is_host(group)]
+            for group, g in zip(groups, comp.groups, strict=True):
                 if g in comp.blocks:
                     self._hook(modules[group.modules[0][0]], GroupHook(self.manager, g))
+            for group, _ in comp.host:
+                self._hook(modules[group.modules[0][0]], HostLookupHook(device))
             self._hook(comp.module, ComponentHook(self.manager, comp))
 
     def _replan(self, name: str, reserve: int) -> Plan:
@@ -318,9 +327,13 @@ def _sizes(components, group_lists, layouts, mode) -> list[ComponentSize]:
     sizes = []
     for name, module in components.items():
         groups, lays = group_lists[name], layouts[name]
-        each = [
+        if all(is_host(g) for g in groups):  # nothing but host lookup tables: no device bytes at all
+            sizes.append(ComponentSize(name, [], None, _looped(name)))
+            continue
+        each = [  # host lookup tables take no device memory
             GroupSize(g.name, lay.nbytes, lay.out_nbytes, smallest_chunk(lay))
             for g, lay in zip(groups, lays, strict=True)
+            if not is_host(g)
         ]
         blocks = [s for s in each if s.name != REST]
         rest = [s for s in each if s.name == REST]

@@ -1,4 +1,5 @@
-"""Split a model into module groups: the blocks of its ModuleLists, and the rest of the model as one group.
+"""Split a model into module groups: the blocks of its ModuleLists, large embedding tables kept on the host, and the
+rest of the model as one group.
 
 Names and parameters are the model's own, as before any adapter was injected (:mod:`tritoff.adapters`): adapter
 weights never join a group.
@@ -13,6 +14,10 @@ import torch.nn as nn
 from tritoff.adapters import is_tuner_layer, named_modules, named_parameters
 
 REST = "<rest>"
+HOST = "host:"
+# An embedding table larger than this stays in host memory and its lookups run there: a prompt reads a few hundred
+# of its rows, so uploading UMT5's 256k x 4096 table (2 GiB) for each prompt would move 4000x the bytes it uses.
+HOST_EMBEDDING_BYTES = 16 * 2**20
 
 
 @dataclass
@@ -22,6 +27,49 @@ class Group:
     name: str
     modules: list[tuple[str, nn.Module]] = field(default_factory=list)
     params: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+
+
+def is_host(group: Group) -> bool:
+    """Whether ``group`` is an embedding table kept in host memory (see :func:`host_embeddings`)."""
+    return group.name.startswith(HOST)
+
+
+def is_block(group: Group) -> bool:
+    """Whether ``group`` is one of the blocks a component streams (not its rest, not a host table)."""
+    return group.name != REST and not is_host(group)
+
+
+def host_embeddings(model: nn.Module) -> list[tuple[str, nn.Embedding]]:
+    """The ``nn.Embedding`` modules of ``model`` whose table is larger than ``HOST_EMBEDDING_BYTES`` and read only
+    through embedding lookups (a table tied to an output head is multiplied whole, so it must move), each once."""
+    readers: dict[int, list[nn.Module]] = {}
+    for _, module in named_modules(model):
+        for param in module._parameters.values():
+            if param is not None:
+                readers.setdefault(id(param), []).append(module)
+    found, seen = [], set()
+    for name, module in named_modules(model):
+        weight = getattr(module, "weight", None)
+        if (
+            name
+            and type(module) is nn.Embedding
+            and isinstance(weight, nn.Parameter)
+            and id(weight) not in seen
+            and weight.numel() * weight.element_size() > HOST_EMBEDDING_BYTES
+            and all(type(m) is nn.Embedding for m in readers[id(weight)])
+        ):
+            seen.add(id(weight))
+            found.append((name, module))
+    return found
+
+
+def _host_groups(model: nn.Module, owner: dict[int, str]) -> list[Group]:
+    groups = []
+    for name, module in host_embeddings(model):
+        group = Group(f"{HOST}{name}", [(name, module)], [(f"{name}.weight", module.weight)])
+        owner[id(module.weight)] = group.name
+        groups.append(group)
+    return groups
 
 
 def _is_block_list(module: nn.Module) -> bool:
@@ -45,13 +93,15 @@ def _block_lists(module: nn.Module, prefix: str = ""):
 
 
 def block_groups(model: nn.Module) -> list[Group]:
-    """One group per element of each ModuleList of ``model`` (e.g. ``blocks.0``), then the rest of the model.
+    """One group per element of each ModuleList of ``model`` (e.g. ``blocks.0``), then one per large embedding table
+    kept on the host (``host:shared``), then the rest of the model.
 
     A model that is itself a ModuleList or Sequential is one list of blocks (``0``, ``1``, ...). A ModuleList element
     without parameters makes no group. Parameters shared between groups belong to the first.
     """
-    groups: list[Group] = []
     owner: dict[int, str] = {}
+    host = _host_groups(model, owner)
+    groups: list[Group] = []
     # a model that is itself a list (a plain nn.Sequential) streams its children
     is_list = isinstance(model, (nn.ModuleList, nn.Sequential)) and len(model) > 1
     for list_name, blocks in [("", model)] if is_list else _block_lists(model):
@@ -61,6 +111,7 @@ def block_groups(model: nn.Module) -> list[Group]:
             if params:
                 owner.update((id(t), name) for _, t in params)
                 groups.append(Group(name, [(name, block)], params))
+    groups += host
     rest = [(n, t) for n, t in named_parameters(model) if id(t) not in owner]
     if rest:
         groups.append(Group(REST, [("", model)], rest))
@@ -68,17 +119,20 @@ def block_groups(model: nn.Module) -> list[Group]:
 
 
 def leaf_groups(model: nn.Module) -> list[Group]:
-    """One group per Linear/Conv layer (smallest memory), then the rest of the model."""
+    """One group per Linear/Conv layer (smallest memory), then the large embedding tables kept on the host, then the
+    rest of the model."""
     from tritoff.skip import QUANTIZABLE_LAYERS
 
+    owner: dict[int, str] = {}
+    host = _host_groups(model, owner)
     groups: list[Group] = []
-    owner: set[int] = set()
     for name, module in named_modules(model):
         if name and isinstance(module, QUANTIZABLE_LAYERS):
             params = [(f"{name}.{p}", t) for p, t in named_parameters(module) if id(t) not in owner]
             if params:
-                owner.update(id(t) for _, t in params)
+                owner.update((id(t), name) for _, t in params)
                 groups.append(Group(name, [(name, module)], params))
+    groups += host
     rest = [(n, t) for n, t in named_parameters(model) if id(t) not in owner]
     if rest:
         groups.append(Group(REST, [("", model)], rest))

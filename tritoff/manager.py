@@ -67,6 +67,7 @@ class ComponentRuntime:
     groups: list[GroupRuntime] = field(default_factory=list)  # all of them, in module order
     blocks: list[GroupRuntime] = field(default_factory=list)  # split blocks, whatever their tier
     unit: list[GroupRuntime] = field(default_factory=list)  # loaded whole when the phase is entered
+    host: list = field(default_factory=list)  # (group, params) of lookup tables kept in host memory
     order: list[int] = field(default_factory=list)  # module order until the first forward is traced
     trace: list[int] | None = None
     traced: bool = False

@@ -52,6 +52,8 @@ class Report:
                 "reserve_bytes": comp.plan.reserve,
                 "activation_estimate_bytes": comp.estimate,
                 "activation_measured_bytes": comp.measured,
+                # embedding tables looked up in host memory: never on the GPU
+                "host_lookup_bytes": sum(p.numel() * p.element_size() for _, params in comp.host for p in params),
             }
         keys = (
             "bytes_h2d",
@@ -62,6 +64,7 @@ class Report:
             "evictions",
             "host_arena_bytes",
             "packed_bytes",
+            "host_lookup_bytes",
         )
         total = {k: sum(c[k] for c in components.values()) for k in keys}
         device = engine.options.device
@@ -119,6 +122,12 @@ class Report:
             f"  {'total':<16}{'':<10}{'':>6}{format_bytes(t['bytes_h2d']):>12}{t['onloads']:>9}"
             f"{t['sync_onloads']:>6}{t['pool_loads']:>6}{'':>9}{format_bytes(t['host_arena_bytes']):>12}"
         )
+        host = {name: c["host_lookup_bytes"] for name, c in d["components"].items() if c["host_lookup_bytes"]}
+        if host:
+            lines.append(
+                "  embedding tables looked up in host memory (never uploaded): "
+                + ", ".join(f"{name} {format_bytes(n)}" for name, n in host.items())
+            )
         if "peak_vram_bytes" in t:
             lines.append(
                 f"  peak VRAM {format_bytes(t['peak_vram_bytes'])}, compute stream waited on transfers "

@@ -256,41 +256,45 @@ def test_memory_returns_to_baseline_after_enable_reenable_and_disable():
 
 
 class BigEmbedding(nn.Module):
-    """Small blocks beside a large kept embedding: its pool unit is many times the staging chunk."""
+    """Small blocks beside a large embedding; with ``tied``, the table is also the output head, so it cannot stay on
+    the host and its pool unit is many times the staging chunk."""
 
-    def __init__(self, vocab=65536, width=1024, n=4):
+    def __init__(self, vocab=65536, width=1024, n=4, tied=False):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(n))
+        self.head = nn.Linear(width, vocab, bias=False) if tied else None
+        if tied:
+            self.head.weight = self.embed.weight
 
     def forward(self, ids):
         x = self.embed(ids)
         for block in self.blocks:
             x = x + block(x)
-        return x
+        return self.head(x) if self.head is not None else x
 
 
-def test_a_unit_larger_than_staging_stays_within_the_budget():
+def _within_exact_budget(make, ids, reserve, expect_plan):
+    """Run ``make()`` under tritoff at its smallest budget (plus allocator headroom) with the process capped there:
+    any unplanned buffer fails. Returns nothing; asserts the output equals the dequantized model's."""
     import gc
 
     torch.manual_seed(0)
-    ids = torch.randint(0, 65536, (8, 128), device="cuda")
-    reference = dequantize_in_place(realistic_init(BigEmbedding()).to(torch.bfloat16).eval()).cuda()
+    reference = dequantize_in_place(realistic_init(make()).to(torch.bfloat16).eval()).cuda()
     with torch.no_grad():
         expected = reference(ids)
     del reference
     gc.collect()
     torch.cuda.empty_cache()
-    model = realistic_init(BigEmbedding()).to(torch.bfloat16).eval()
-    reserve = 8 * 128 * 1024 * 2 * 8
+    model = realistic_init(make()).to(torch.bfloat16).eval()
     # allocator rounding (2 MiB segments for small blocks) comes on top of the planned bytes: some headroom
-    budget = _minimum(realistic_init(BigEmbedding()).to(torch.bfloat16), reserve=reserve) + 64 * 2**20
+    budget = _minimum(realistic_init(make()).to(torch.bfloat16), reserve=reserve) + 64 * 2**20
     base = torch.cuda.memory_reserved()
     total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction((base + budget + 2**20) / total)  # any unplanned buffer fails
+    torch.cuda.set_per_process_memory_fraction((base + budget + 2**20) / total)
     try:
         engine = tritoff.enable(model, mode="group", budget=budget, reserve=reserve, progress=False)
-        assert engine.plan.chunk_bytes < 65536 * 1024 * 2 // 8  # the embedding moves in many chunks
+        expect_plan(engine)
         torch.cuda.reset_peak_memory_stats()
         with torch.no_grad():
             got = model(ids)
@@ -299,6 +303,26 @@ def test_a_unit_larger_than_staging_stays_within_the_budget():
         assert torch.equal(got, expected)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_a_unit_larger_than_staging_stays_within_the_budget():
+    ids = torch.randint(0, 65536, (2, 16), device="cuda")
+
+    def chunked(engine):  # the tied table (128 MiB) moves in many chunks
+        assert engine.plan.phases["model"].chunk_bytes < 65536 * 1024 * 2 // 8
+        assert engine.stats["total"]["host_lookup_bytes"] == 0
+
+    _within_exact_budget(lambda: BigEmbedding(tied=True), ids, 2 * 16 * 65536 * 2 * 8, chunked)
+
+
+def test_a_large_table_is_looked_up_on_the_host_and_never_uploaded():
+    ids = torch.randint(0, 65536, (8, 128), device="cuda")
+
+    def on_host(engine):
+        assert engine.stats["total"]["host_lookup_bytes"] == 65536 * 1024 * 2
+        assert engine.plan.planned_bytes < 65536 * 1024 * 2  # the plan holds less than the table alone
+
+    _within_exact_budget(BigEmbedding, ids, 8 * 128 * 1024 * 2 * 8, on_host)
 
 
 def test_a_pack_over_2_gib_unpacks_exactly():

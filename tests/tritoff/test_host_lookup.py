@@ -1,0 +1,100 @@
+"""Large embedding tables stay in host memory: only the rows a prompt reads move, and the output is exact."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import tritoff
+from tritoff import groups
+from tritoff.groups import HOST, REST, block_groups, host_embeddings, leaf_groups
+
+from .helpers import dequantized_pipeline, run, wan
+
+pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
+
+
+@pytest.fixture
+def small_threshold(monkeypatch):
+    """Tables above 8 KiB count as large: the tiny UMT5's 256 x 32 bf16 table (16 KiB) stays on the host."""
+    monkeypatch.setattr(groups, "HOST_EMBEDDING_BYTES", 8 * 1024)
+
+
+class Encoder(nn.Module):
+    def __init__(self, tied_head: bool = False):
+        super().__init__()
+        self.shared = nn.Embedding(512, 16)
+        self.embed_tokens = self.shared  # a second name for the same table, as T5 has
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 512, bias=False)
+        if tied_head:
+            self.head.weight = self.shared.weight
+
+    def forward(self, ids):
+        x = self.embed_tokens(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def test_a_large_table_read_only_by_lookups_gets_its_own_host_group(small_threshold):
+    model = Encoder()
+    assert [name for name, _ in host_embeddings(model)] == ["shared"]  # its second name is the same table
+    for split in (block_groups, leaf_groups):
+        names = [g.name for g in split(model)]
+        assert f"{HOST}shared" in names and names[-1] == REST
+        rest = next(g for g in split(model) if g.name == REST)
+        assert "shared.weight" not in [n for n, _ in rest.params]
+
+
+def test_a_table_tied_to_an_output_head_moves_with_the_model(small_threshold):
+    assert host_embeddings(Encoder(tied_head=True)) == []  # the head multiplies the whole table
+
+
+def test_a_small_table_is_not_kept_on_the_host():
+    assert host_embeddings(Encoder()) == []  # 512 x 16 fp32 = 32 KiB, below the 16 MiB default
+
+
+def test_the_pipeline_with_a_host_table_equals_the_dequantized_pipeline(small_threshold, monkeypatch):
+    expected = run(dequantized_pipeline(wan))
+    pipe = wan()
+    table = pipe.text_encoder.shared.weight
+    engine = tritoff.enable(pipe, mode="group", progress=False, kernels="reference")
+    arena = engine.packed["text_encoder"].arena.buffer
+    # the table is a view of the host arena, not a copy
+    start = arena.data_ptr()
+    assert start <= table.data_ptr() < start + arena.numel()
+    assert torch.equal(run(pipe), expected)
+    stats = engine.stats["components"]["text_encoder"]
+    assert stats["host_lookup_bytes"] == table.numel() * table.element_size() == 256 * 32 * 2
+    assert "looked up in host memory" in engine.report()
+    # the table's bytes are in no phase's device plan
+    with_table = tritoff.enable(wan(), mode="model", budget="1GB", progress=False, kernels="reference")
+    tritoff.disable(pipe)
+    assert torch.equal(pipe.text_encoder.shared.weight, dequantized_pipeline(wan).text_encoder.shared.weight)
+    monkeypatch.setattr(groups, "HOST_EMBEDDING_BYTES", 2**40)  # the same pipeline, its table moving to the device
+    without = tritoff.enable(wan(), mode="model", budget="1GB", progress=False, kernels="reference")
+    grew = without.plan.phases["text_encoder"].pool_bytes - with_table.plan.phases["text_encoder"].pool_bytes
+    assert grew == 256 * 32 * 2
+
+
+def test_a_host_table_survives_a_store_round_trip(small_threshold, tmp_path):
+    pipe = wan()
+    engine = tritoff.enable(pipe, mode="group", progress=False, kernels="reference")
+    expected = run(pipe)
+    engine.save(tmp_path / "store")
+    again = wan()
+    tritoff.enable(again, mode="group", store=tmp_path / "store", progress=False, kernels="reference")
+    assert torch.equal(run(again), expected)
+
+
+def test_the_lookup_runs_where_the_table_is_and_returns_on_the_compute_device(small_threshold):
+    from tritoff.host_lookup import HostLookupHook
+
+    table = nn.Embedding(512, 16)
+    hook = HostLookupHook(torch.device("cpu"))
+    ids = torch.tensor([[3, 511, 0]])
+    args, kwargs = hook.pre_forward(table, ids)
+    assert args[0].device == table.weight.device and kwargs == {}
+    out = hook.post_forward(table, table(*args))
+    assert torch.equal(out, table.weight[ids]) and out.device == torch.device("cpu")

@@ -1,0 +1,44 @@
+"""Embedding lookups that run where the table is: in host memory.
+
+A text encoder's embedding table can be the largest tensor of a pipeline (UMT5-XXL's 256k x 4096, 2 GiB in bf16)
+while a prompt reads only a few hundred of its rows. Tables larger than ``groups.HOST_EMBEDDING_BYTES`` keep their
+pack in the host arena, unquantized, and never reach the GPU: the token ids move to the host, the lookup gathers the
+rows there (an exact copy, as ``nn.Embedding`` on the GPU would make) and only its output moves to the device, e.g.
+512 x 4096 x 2 bytes = 4 MiB for a Wan prompt.
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate.hooks import ModelHook
+
+
+class HostLookupHook(ModelHook):
+    """Runs an ``nn.Embedding`` whose weight lives in host memory: ids in, rows out on ``device``."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def pre_forward(self, module, *args, **kwargs):
+        """Move the ids to the table's device."""
+        where = module.weight.device
+        args = tuple(a.to(where) if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: v.to(where) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        """Move the gathered rows to the compute device."""
+        return output.to(self.device)
+
+
+def host_views(pack) -> list[torch.Tensor]:
+    """The tensors of an unquantized pack as views of its host bytes, in entry order."""
+    from tritoff.kernels.upcast import KIND_COPY
+
+    views = []
+    for e in pack.layout.entries:
+        if e.kind != KIND_COPY:
+            raise ValueError(f"{e.name} is quantized: a host lookup table must be stored in its own dtype")
+        views.append(pack.data[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape))
+    return views
