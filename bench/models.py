@@ -13,50 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from tritoff.presets import COGVIDEOX_5B, UMT5_XXL, WAN_14B  # noqa: F401  (the benchmarks' full-size shapes)
 from tritoff.tiny import COGVIDEOX_TINY, WAN_TINY
 
-WAN_14B = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=40,
-    attention_head_dim=128,
-    in_channels=16,
-    out_channels=16,
-    text_dim=4096,
-    freq_dim=256,
-    ffn_dim=13824,
-    num_layers=40,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    eps=1e-6,
-    rope_max_seq_len=1024,
-)
-COGVIDEOX_5B = dict(
-    num_attention_heads=48,
-    attention_head_dim=64,
-    in_channels=16,
-    out_channels=16,
-    time_embed_dim=512,
-    text_embed_dim=4096,
-    num_layers=42,
-    sample_width=90,
-    sample_height=60,
-    sample_frames=49,
-    patch_size=2,
-    temporal_compression_ratio=4,
-    max_text_seq_length=226,
-    use_rotary_positional_embeddings=True,
-)
-UMT5_XXL = dict(
-    vocab_size=256384,
-    d_model=4096,
-    d_kv=64,
-    d_ff=10240,
-    num_layers=24,
-    num_heads=64,
-    relative_attention_num_buckets=32,
-    feed_forward_proj="gated-gelu",
-    dropout_rate=0.0,
-)
 # small but not tiny: what --smoke runs on the CPU
 WAN_SMOKE = {**WAN_TINY, "num_layers": 4, "ffn_dim": 1024, "num_attention_heads": 4, "attention_head_dim": 32}
 COGVIDEOX_SMOKE = {

@@ -23,6 +23,8 @@ _LAZY = {
     "disable": "tritoff.engine",
     "Engine": "tritoff.engine",
     "BudgetError": "tritoff.planner",
+    "plan": "tritoff.preview",
+    "Preview": "tritoff.preview",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -1,4 +1,4 @@
-"""The ``tritoff`` command line (also ``python -m tritoff``): demo, run, convert, bench, info.
+"""The ``tritoff`` command line (also ``python -m tritoff``): demo, run, convert, plan, bench, info.
 
 Every bad input ends with a one-line error and exit code 2, found before anything slow: options are checked before
 torch is imported where they can be, and stores are checked before the pipeline is loaded. Outputs are written to a
@@ -436,6 +436,34 @@ def _cmd_bench(args) -> int:
     return subprocess.call([sys.executable, str(script), *args.rest], cwd=bench.parent)
 
 
+def _cmd_plan(args) -> int:
+    for what in ("budget", "host_budget", "link"):
+        value = getattr(args, what)
+        if value is not None and value.strip().endswith("%"):
+            raise CliError(f"--{what.replace('_', '-')}: give bytes (e.g. 12GB), not a percentage")
+        _check_budget(value, what.replace("_", " "))
+    import tritoff
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # diffusers' dtype advice for models built on the meta device
+        preview = tritoff.plan(
+            args.model,
+            args.budget,
+            host_budget=args.host_budget,
+            frames=args.frames,
+            height=args.height,
+            width=args.width,
+            steps=args.steps,
+            storage=_check_storage(args.storage),
+            mode=args.mode,
+            prefetch=args.prefetch,
+            link=args.link,
+            vae_tiling=args.vae_tiling,
+        )
+    print(preview.json() if args.json else preview.text())
+    return 0
+
+
 def _cmd_info(args) -> int:
     _prepare_backend(None)
     import torch
@@ -521,6 +549,26 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--mode", default="group", choices=("group", "leaf"), help="grouping of the packs")
     convert.add_argument("--overwrite", action="store_true", help="replace the store already in OUT_DIR")
     convert.set_defaults(func=_cmd_convert)
+
+    preview = sub.add_parser(
+        "plan", help="what a pipeline needs at a budget and video shape, from its configs alone (nothing read)", **kw
+    )
+    preview.add_argument(
+        "model", help="a local diffusers pipeline directory, or wan2.1-t2v-14b, wan2.2-t2v-a14b, cogvideox-5b"
+    )
+    preview.add_argument("--budget", default="12GB", help="GPU memory budget")
+    preview.add_argument("--host-budget", default=None, help="host memory tritoff may hold for packs (default: any)")
+    preview.add_argument("--frames", type=_at_least(1), default=81, help="frames to generate")
+    preview.add_argument("--height", type=_at_least(1), default=480, help="video height")
+    preview.add_argument("--width", type=_at_least(1), default=832, help="video width")
+    preview.add_argument("--steps", type=_at_least(1), default=50, help="denoising steps")
+    preview.add_argument("--storage", default="fp8_e4m3", help=STORAGE_HELP)
+    preview.add_argument("--mode", default="auto", choices=MODES, help="how components are split")
+    preview.add_argument("--prefetch", type=_at_least(1), default=2, help="blocks in flight ahead of the running one")
+    preview.add_argument("--link", default="25GB", help="host-to-GPU bytes per second, for transfer times")
+    preview.add_argument("--vae-tiling", action="store_true", help="decode in tiles (pipe.vae.enable_tiling())")
+    preview.add_argument("--json", action="store_true", help="print the plan as JSON")
+    preview.set_defaults(func=_cmd_plan)
 
     bench = sub.add_parser("bench", help="run a benchmark of bench/ (kernels, e2e, quality)", **kw)
     bench.add_argument("which", choices=("kernels", "e2e", "quality"), help="which benchmark")

@@ -19,7 +19,6 @@ from tritoff.host_lookup import HostLookupHook, host_views
 from tritoff.kernels.upcast import upcast_pack_reference
 from tritoff.manager import ComponentHook, ComponentRuntime, GroupHook, HookManager, guard_forward
 from tritoff.onload import GroupRuntime, table_bytes
-from tritoff.pack import PackLayout
 from tritoff.packer import PackedModel, pack_model, pack_offsets, plan_layouts
 from tritoff.planner import MODES, ComponentSize, GroupSize, PhasedPlan, Plan, chunk_capacity, plan, plan_phases
 from tritoff.report import Report
@@ -358,14 +357,25 @@ def _buffer_bytes(components: dict[str, nn.Module]) -> int:
     return buffers + sum(adapter_bytes(m) for m in components.values())
 
 
-def _plan(sizes, layouts: dict[str, list[PackLayout]], components, options: Options, default_reserve: bool):
+def shared_bytes(sizes, group_lists, layouts, components, staged: bool, zero_copy: bool) -> tuple[dict[str, int], int]:
+    """Each component's staging chunk capacity, and the device bytes every phase shares: module buffers and the
+    kernel tables (cut for those chunks; host lookup tables have none)."""
+    chunks = {s.name: chunk_capacity(s, staged) for s in sizes}
+    tables = sum(
+        table_bytes(lay, chunks[name], zero_copy)
+        for name, lays in layouts.items()
+        for lay, group in zip(lays, group_lists[name], strict=True)
+        if not is_host(group)
+    )
+    return chunks, _buffer_bytes(components) + tables
+
+
+def _plan(sizes, group_lists, layouts, components, options: Options, default_reserve: bool):
     """The phased plan, with every device byte the engine allocates outside the groups accounted for (module buffers
     and the kernel tables, cut for each phase's staging chunk), and each component's chunk capacity."""
     staged = options.transport != "zero_copy"
     zero_copy = not staged and options.device.type == "cuda"
-    chunks = {s.name: chunk_capacity(s, staged) for s in sizes}
-    tables = sum(table_bytes(lay, chunks[name], zero_copy) for name, lays in layouts.items() for lay in lays)
-    fixed = _buffer_bytes(components) + tables
+    chunks, fixed = shared_bytes(sizes, group_lists, layouts, components, staged, zero_copy)
     fraction = 0.1 if default_reserve else None
     reserves = dict.fromkeys(chunks, options.reserve)
     phased = plan_phases(sizes, options.budget, options.mode, options.prefetch, reserves, staged, fraction, fixed)
@@ -475,7 +485,7 @@ def enable(
             _check_finite(module, quantized, name)
             layouts[name] = plan_layouts(group_lists[name], quantized, fmts[name], options.granularity)
     sizes = _sizes(components, group_lists, layouts, options.mode)
-    the_plan, chunks = _plan(sizes, layouts, components, options, reserve is None)
+    the_plan, chunks = _plan(sizes, group_lists, layouts, components, options, reserve is None)
     # everything that can fail is checked before a parameter changes: from here on the pipeline is modified
     if reuse:
         _check_zero_copy(options, previous.packed)

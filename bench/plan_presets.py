@@ -1,0 +1,58 @@
+"""The recipes of docs/usage.md: ``tritoff plan`` for the presets at 12 GB and 8 GB, 480p and 720p.
+
+Runs on any machine (configs only, on the meta device) and writes ``bench/results/plan_presets.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+
+import tritoff
+from tritoff.budget import format_bytes
+
+SHAPES = {
+    "wan2.1-t2v-14b": [(81, 480, 832), (81, 720, 1280)],
+    "wan2.2-t2v-a14b": [(81, 480, 832), (81, 720, 1280)],
+    "cogvideox-5b": [(49, 480, 720)],
+}
+BUDGETS = ("12GB", "8GB")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "plan_presets.json"))
+    parser.add_argument("--smoke", action="store_true", help="one preset, one shape")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    rows = []
+    presets = list(SHAPES.items())[:1] if args.smoke else SHAPES.items()
+    for model, shapes in presets:
+        for frames, height, width in shapes[:1] if args.smoke else shapes:
+            for budget in BUDGETS[:1] if args.smoke else BUDGETS:
+                for tiling in (False,) if args.smoke else (False, True):
+                    start = time.time()
+                    p = tritoff.plan(model, budget, frames=frames, height=height, width=width, vae_tiling=tiling)
+                    rows.append({**p.as_dict(), "seconds": round(time.time() - start, 1)})
+                    print(p.text(), "\n", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"tritoff": tritoff.__version__, "rows": rows}, indent=2))
+    print("model", "shape", "budget", "vae tiling", "fits", "minimum", sep=" | ")
+    for r in rows:
+        s = r["shape"]
+        print(
+            r["model"],
+            f"{s['frames']}x{s['height']}x{s['width']}",
+            format_bytes(r["budget"]),
+            s["vae_tiling"],
+            r["feasible"],
+            format_bytes(r["minimum_budget"]),
+            sep=" | ",
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""``tritoff.plan``: a pipeline's per-phase plan from its configs alone, for a budget and a video shape."""
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import tritoff
+from tritoff.budget import parse_size
+
+from .helpers import wan
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def wan14b_8gb():
+    """Wan 2.1 T2V-14B (UMT5-XXL, the 14B transformer, the Wan VAE; meta, nothing read) at 8 GB, 480x832x81, loaded
+    in bf16 as ``tritoff run`` loads it (decoding in fp32 needs tiles at 8 GB: docs/usage.md)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return tritoff.plan("wan2.1-t2v-14b", "8GB", frames=81, height=480, width=832)
+
+
+def test_wan_14b_fits_8gb_at_480p(wan14b_8gb):
+    p = wan14b_8gb
+    assert p.feasible and p.minimum_budget <= p.budget == parse_size("8GB")
+    phases = {ph.components[0]: ph for ph in p.phases}
+    assert set(phases) == {"text_encoder", "transformer", "vae"}
+    assert all(0 < ph.gpu_peak_bytes <= p.budget for ph in phases.values())
+    denoiser = phases["transformer"]
+    assert denoiser.mode == "group" and denoiser.calls_per_run == 100  # 50 steps, CFG as two calls
+    assert sum(denoiser.tiers.values()) == 40 and denoiser.tiers["stream"] > 0 and denoiser.streamed_bytes_per_call > 0
+    # UMT5's 256k x 4096 table stays on the host: the text encoder's phase holds no 2 GiB unit
+    assert phases["text_encoder"].gpu_peak_bytes < 8 * GiB
+
+
+def test_the_activation_estimate_is_what_one_block_must_hold(wan14b_8gb):
+    """The denoiser's peak is at least one feed-forward: its input, its 13824-wide hidden layer and the GELU of it,
+    for 21 x 30 x 52 latent tokens in bf16; attention and the residual stream come on top, within a few x of it."""
+    tokens = 21 * (480 // 16) * (832 // 16)
+    feed_forward = tokens * (5120 + 2 * 13824) * 2
+    estimate = next(ph for ph in wan14b_8gb.phases if ph.components == ["transformer"]).activation_bytes
+    assert feed_forward < estimate < 2.5 * feed_forward
+
+
+def test_720p_does_not_fit_8gb_and_the_minimum_it_names_does():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        too_small = tritoff.plan("wan2.1-t2v-14b", "8GB", frames=81, height=720, width=1280)
+        assert not too_small.feasible and "transformer needs" in too_small.reason
+        enough = tritoff.plan("wan2.1-t2v-14b", too_small.minimum_budget, frames=81, height=720, width=1280)
+    assert enough.feasible and enough.minimum_budget == too_small.minimum_budget
+
+
+def test_a_directory_plans_from_its_configs_as_enable_packs(tmp_path):
+    from diffusers import WanPipeline
+
+    wan().save_pretrained(tmp_path / "pipe")
+    preview = tritoff.plan(tmp_path / "pipe", "1GB", frames=5, height=16, width=16, steps=2)
+    pipe = WanPipeline.from_pretrained(tmp_path / "pipe", torch_dtype=torch.bfloat16)  # as `tritoff run` loads it
+    engine = tritoff.enable(pipe, budget="1GB", progress=False, kernels="reference")
+    assert preview.feasible and preview.host_bytes == sum(p.arena.nbytes for p in engine.packed.values())
+    assert [ph.components[0] for ph in preview.phases] == ["text_encoder", "transformer", "vae"]
+
+
+def test_a_host_budget_smaller_than_the_packs_does_not_fit(tmp_path):
+    wan().save_pretrained(tmp_path / "pipe")
+    preview = tritoff.plan(tmp_path / "pipe", "1GB", host_budget="1MB", frames=5, height=16, width=16)
+    assert not preview.feasible and "of host memory" in preview.reason
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["no-such-model"], "neither a local pipeline directory nor a preset"),
+        (["cogvideox-5b", "--budget", "50%"], "--budget: give bytes"),
+        (["cogvideox-5b", "--frames", "0"], "--frames: must be an integer >= 1"),
+    ],
+)
+def test_bad_input_is_one_line(argv, message):
+    done = subprocess.run([sys.executable, "-m", "tritoff", "plan", *argv], capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and message in done.stderr, done.stderr
+
+
+def test_the_command_prints_json_with_the_promised_fields():
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tritoff",
+            "plan",
+            "cogvideox-5b",
+            "--budget",
+            "12GB",
+            "--frames",
+            "49",
+            "--width",
+            "720",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    # CogVideoX's VAE decodes 49 frames untiled with ~17 GiB of activations: 12 GB is too small, and it says so
+    assert data["feasible"] is False and data["minimum_budget"] > data["budget"] and "vae needs" in data["reason"]
+    assert data["host_bytes"] > 4 * GiB
+    for phase in data["phases"]:
+        assert {"components", "gpu_peak_bytes", "activation_bytes", "streamed_bytes_per_call"} <= set(phase)

@@ -1,0 +1,125 @@
+"""Configurations of the pipelines people run most, so ``tritoff plan`` can answer before anything is downloaded.
+
+The shapes are those of the published checkpoints (transformer, text encoder and VAE configs); no weights are involved.
+"""
+
+from __future__ import annotations
+
+WAN_14B = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=40,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=13824,
+    num_layers=40,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=1024,
+)
+COGVIDEOX_5B = dict(
+    num_attention_heads=48,
+    attention_head_dim=64,
+    in_channels=16,
+    out_channels=16,
+    time_embed_dim=512,
+    text_embed_dim=4096,
+    num_layers=42,
+    sample_width=90,
+    sample_height=60,
+    sample_frames=49,
+    patch_size=2,
+    temporal_compression_ratio=4,
+    max_text_seq_length=226,
+    use_rotary_positional_embeddings=True,
+)
+UMT5_XXL = dict(
+    vocab_size=256384,
+    d_model=4096,
+    d_kv=64,
+    d_ff=10240,
+    num_layers=24,
+    num_heads=64,
+    relative_attention_num_buckets=32,
+    feed_forward_proj="gated-gelu",
+    dropout_rate=0.0,
+)
+T5_XXL = dict(
+    vocab_size=32128,
+    d_model=4096,
+    d_kv=64,
+    d_ff=10240,
+    num_layers=24,
+    num_heads=64,
+    relative_attention_num_buckets=32,
+    feed_forward_proj="gated-gelu",
+    dropout_rate=0.0,
+)
+
+# name -> (pipeline family, denoiser components, transformer config, text encoder config); the VAEs are the
+# diffusers classes' default configs, which are the published ones
+PRESETS = {
+    "wan2.1-t2v-14b": ("wan", ("transformer",), WAN_14B, UMT5_XXL),
+    "wan2.2-t2v-a14b": ("wan", ("transformer", "transformer_2"), WAN_14B, UMT5_XXL),
+    "cogvideox-5b": ("cogvideox", ("transformer",), COGVIDEOX_5B, T5_XXL),
+}
+
+
+def as_loaded(module, dtype):
+    """Cast ``module``'s floating parameters as ``from_pretrained(torch_dtype=dtype)`` does: the modules its class
+    keeps in fp32 (diffusers' ``_keep_in_fp32_modules``; transformers' strict list, and its plain list for fp16) stay
+    fp32, and tied weights are tied. Returns ``module`` in eval mode."""
+    import torch
+
+    tied = getattr(module, "_tied_weights_keys", None)
+    if isinstance(tied, dict):  # transformers ties shared tables (T5's input embeddings) when loading
+        params = dict(module.named_parameters(remove_duplicate=False))
+        for target, source in tied.items():
+            if target in params and source in params and not target.startswith("lm_head"):
+                owner, _, leaf = target.rpartition(".")
+                setattr(module.get_submodule(owner), leaf, params[source])
+    keep = set(getattr(module, "_keep_in_fp32_modules_strict", None) or [])
+    if type(module).__module__.startswith("diffusers") or dtype == torch.float16:
+        keep |= set(getattr(module, "_keep_in_fp32_modules", None) or [])
+    cast: dict[int, torch.nn.Parameter] = {}  # a tied parameter stays one parameter
+    for name, sub in module.named_modules(remove_duplicate=False):
+        for pname, param in list(sub._parameters.items()):
+            if param is not None and param.is_floating_point():
+                if id(param) not in cast:
+                    full = f"{name}.{pname}" if name else pname
+                    wanted = torch.float32 if any(k in full.split(".") for k in keep) else dtype
+                    cast[id(param)] = torch.nn.Parameter(param.to(wanted), requires_grad=param.requires_grad)
+                sub._parameters[pname] = cast[id(param)]
+    return module.eval()
+
+
+def build_preset(name: str) -> tuple[str, dict]:
+    """(family, {component: module}) of preset ``name``, built on the meta device in bf16 (as ``tritoff run`` loads
+    pipelines)."""
+    import torch
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}: give a local diffusers directory or one of {', '.join(PRESETS)}")
+    family, denoisers, transformer, encoder = PRESETS[name]
+    with torch.device("meta"):
+        if family == "wan":
+            from diffusers import AutoencoderKLWan, WanTransformer3DModel
+            from transformers import UMT5Config, UMT5EncoderModel
+
+            components = {"text_encoder": UMT5EncoderModel(UMT5Config(**encoder))}
+            for denoiser in denoisers:
+                components[denoiser] = WanTransformer3DModel(**transformer)
+            components["vae"] = AutoencoderKLWan()
+        else:
+            from diffusers import AutoencoderKLCogVideoX, CogVideoXTransformer3DModel
+            from transformers import T5Config, T5EncoderModel
+
+            components = {
+                "text_encoder": T5EncoderModel(T5Config(**encoder)),
+                "transformer": CogVideoXTransformer3DModel(**transformer),
+                "vae": AutoencoderKLCogVideoX(),
+            }
+    return family, {n: as_loaded(m, torch.bfloat16) for n, m in components.items()}

@@ -1,0 +1,291 @@
+"""``tritoff.plan``: what a pipeline needs at a given budget and video shape, from its configs alone.
+
+The components are built on the meta device (no weight is read, nothing is allocated), grouped and laid out exactly as
+``tritoff.enable`` would, and each phase's activation peak is traced from the call the pipeline makes for the asked
+shape (see ``tritoff/activations.py``). The planner then places every phase within the budget, as enable does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from tritoff.activations import estimate, meta_twin
+from tritoff.budget import format_bytes, parse_size
+from tritoff.planner import BudgetError
+from tritoff.planner import plan as phase_plan
+
+# the call a pipeline makes per component, by family: prompt tokens, CFG as separate calls (Wan) or one batch of two
+# (CogVideoX), the latent layout, and the VAE's temporal and spatial compression
+FAMILIES = {
+    "wan": dict(tokens=512, cfg_batch=1, channels_first=True, temporal=4, spatial=8),
+    "cogvideox": dict(tokens=226, cfg_batch=2, channels_first=False, temporal=4, spatial=8),
+}
+PIPELINE_FAMILIES = {"WanPipeline": "wan", "CogVideoXPipeline": "cogvideox"}
+
+
+@dataclass
+class PhasePreview:
+    """One phase of the preview: what it holds, streams and needs."""
+
+    components: list[str]
+    mode: str
+    tiers: dict[str, int]
+    gpu_peak_bytes: int
+    activation_bytes: int
+    resident_bytes: int
+    streamed_bytes_per_call: int
+    calls_per_run: int
+    entry_bytes: int
+
+    def as_dict(self) -> dict:
+        """JSON-ready fields."""
+        return dict(self.__dict__)
+
+
+@dataclass
+class Preview:
+    """What :func:`plan` returns; ``text()`` is what ``tritoff plan`` prints."""
+
+    model: str
+    budget: int
+    feasible: bool
+    minimum_budget: int
+    host_bytes: int
+    host_budget: int | None
+    link_bytes_per_s: float
+    shape: dict
+    phases: list[PhasePreview] = field(default_factory=list)
+    reason: str = ""
+
+    def as_dict(self) -> dict:
+        """The object ``tritoff plan --json`` prints."""
+        return {
+            "model": self.model,
+            "feasible": self.feasible,
+            "budget": self.budget,
+            "minimum_budget": self.minimum_budget,
+            "host_bytes": self.host_bytes,
+            "host_budget": self.host_budget,
+            "link_bytes_per_s": self.link_bytes_per_s,
+            "shape": self.shape,
+            "reason": self.reason,
+            "phases": [p.as_dict() for p in self.phases],
+        }
+
+    def json(self) -> str:
+        """:meth:`as_dict` as indented JSON."""
+        return json.dumps(self.as_dict(), indent=2)
+
+    def text(self) -> str:
+        """A readable table: one row per phase, then host memory and the verdict."""
+        s = self.shape
+        lines = [
+            f"{self.model}: {s['frames']} frames at {s['height']}x{s['width']}, {s['steps']} steps, budget "
+            f"{format_bytes(self.budget)}, link {self.link_bytes_per_s / 1e9:.0f} GB/s",
+            f"  {'phase':<16}{'mode':<10}{'blocks bf16/fp8/stream':>24}{'activations':>13}{'GPU peak':>12}"
+            f"{'streamed/call':>15}{'calls':>7}{'transfer/run':>14}",
+        ]
+        for p in self.phases:
+            tiers = "/".join(str(p.tiers.get(t, 0)) for t in ("bf16", "fp8", "stream")) if p.tiers else "-"
+            seconds = (p.streamed_bytes_per_call * p.calls_per_run + p.entry_bytes) / self.link_bytes_per_s
+            lines.append(
+                f"  {', '.join(p.components):<16}{p.mode:<10}{tiers:>24}{format_bytes(p.activation_bytes):>13}"
+                f"{format_bytes(p.gpu_peak_bytes):>12}{format_bytes(p.streamed_bytes_per_call):>15}"
+                f"{p.calls_per_run:>7}{seconds:>13.1f}s"
+            )
+        host = f"host memory for the packs: {format_bytes(self.host_bytes)}"
+        if self.host_budget is not None:
+            host += f" (host budget {format_bytes(self.host_budget)})"
+        lines.append("  " + host)
+        verdict = "fits" if self.feasible else f"does not fit: {self.reason}"
+        lines.append(f"  {verdict}; the smallest GPU budget that fits is {format_bytes(self.minimum_budget)}")
+        return "\n".join(lines)
+
+
+def _load_directory(path: Path) -> tuple[str, dict[str, nn.Module], str]:
+    """(family, meta components, pipeline class) of a local diffusers pipeline directory, from its configs."""
+    from tritoff.presets import as_loaded
+
+    index_file = path / "model_index.json"
+    if not index_file.is_file():
+        raise ValueError(f"{path} has no model_index.json: give a diffusers pipeline directory or a preset name")
+    index = json.loads(index_file.read_text())
+    pipeline = index.get("_class_name", "")
+    family = PIPELINE_FAMILIES.get(pipeline)
+    if family is None:
+        raise ValueError(
+            f"tritoff plan knows the calls of {', '.join(PIPELINE_FAMILIES)}, not {pipeline or 'this pipeline'}"
+        )
+    components = {}
+    for name, spec in index.items():
+        library, class_name = spec if isinstance(spec, list) and len(spec) == 2 else (None, None)
+        if name.startswith("_") or library not in ("diffusers", "transformers"):
+            continue
+        module = __import__(library, fromlist=[class_name])
+        cls = getattr(module, class_name, None)
+        if cls is None or not (path / name / "config.json").is_file():
+            continue
+        with torch.device("meta"):
+            if library == "diffusers":
+                built = cls.from_config(cls.load_config(path / name))
+            else:
+                from transformers import AutoConfig
+
+                built = cls(AutoConfig.from_pretrained(path / name))
+        if isinstance(built, nn.Module):
+            components[name] = as_loaded(built, torch.bfloat16)  # as ``tritoff run`` loads it
+    return family, components, pipeline
+
+
+def _latent(family: str, frames: int, height: int, width: int, batch: int, dtype: torch.dtype) -> torch.Tensor:
+    f = FAMILIES[family]
+    shape = (batch, 16, (frames - 1) // f["temporal"] + 1, height // f["spatial"], width // f["spatial"])
+    if not f["channels_first"]:
+        shape = (shape[0], shape[2], shape[1], shape[3], shape[4])
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _call(family: str, name: str, module: nn.Module, frames: int, height: int, width: int):
+    """(method, args, kwargs, calls per step or per pipeline call, whether it is called every step) of a component."""
+    f = FAMILIES[family]
+    counts: dict[torch.dtype, int] = {}
+    for p in module.parameters():  # the compute dtype: most of the weights (a few modules may be kept in fp32)
+        counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    dtype = max(counts, key=counts.get)
+    if name.startswith("text_encoder"):
+        ids = torch.zeros(1, f["tokens"], dtype=torch.long, device="meta")
+        return "forward", (), dict(input_ids=ids, attention_mask=torch.ones_like(ids)), 2, False
+    if name.startswith("vae"):
+        latent = _latent("wan", frames, height, width, 1, dtype)  # decode takes channels first in both families
+        return "decode", (latent,), dict(return_dict=False), 1, False
+    batch = f["cfg_batch"]
+    width_text = module.config.get("text_dim", module.config.get("text_embed_dim", 4096))
+    kwargs = dict(
+        hidden_states=_latent(family, frames, height, width, batch, dtype),
+        timestep=torch.zeros(batch, dtype=torch.long, device="meta"),
+        encoder_hidden_states=torch.empty(batch, f["tokens"], width_text, dtype=dtype, device="meta"),
+        return_dict=False,
+    )
+    return "forward", (), kwargs, 2 // batch, True
+
+
+def plan(
+    target,
+    budget: int | str = "12GB",
+    *,
+    host_budget: int | str | None = None,
+    frames: int = 81,
+    height: int = 480,
+    width: int = 832,
+    steps: int = 50,
+    storage: str | dict = "fp8_e4m3",
+    mode: str = "auto",
+    prefetch: int = 2,
+    link: int | str = "25GB",
+    vae_tiling: bool = False,
+    vae_dtype: torch.dtype | None = None,
+) -> Preview:
+    """Plan ``target`` (a preset name such as ``"wan2.1-t2v-14b"``, or a local diffusers pipeline directory) for a
+    ``frames`` x ``height`` x ``width`` video at ``budget`` of GPU memory, from configs alone.
+
+    ``link``: host-to-GPU bytes per second (``"25GB"``: PCIe 4.0 x16 in practice) for the transfer times.
+    ``vae_tiling``: decode in tiles (``pipe.vae.enable_tiling()``); ``vae_dtype``: the VAE's dtype (default: bf16,
+    as ``tritoff run`` loads every component; Wan's own examples decode in fp32). Returns a :class:`Preview`
+    (``.text()``, ``.as_dict()``), feasible or not, with the smallest budget that fits.
+    """
+    from tritoff.engine import _groups_for, _sizes, shared_bytes
+    from tritoff.formats import get_format
+    from tritoff.packer import pack_offsets, plan_layouts
+    from tritoff.presets import PRESETS, as_loaded, build_preset
+    from tritoff.skip import SkipRules
+    from tritoff.storage import resolve_storage
+
+    for what, value in (("frames", frames), ("height", height), ("width", width), ("steps", steps)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
+    budget_bytes = parse_size(budget)
+    host_bytes_budget = parse_size(host_budget, what="host budget") if host_budget is not None else None
+    link_rate = float(parse_size(link, what="link"))
+    if str(target) in PRESETS:
+        model = str(target)
+        family, components = build_preset(model)
+    else:
+        path = Path(target)
+        if not path.is_dir():
+            raise ValueError(f"{target} is neither a local pipeline directory nor a preset ({', '.join(PRESETS)})")
+        family, components, model = _load_directory(path)
+        model = f"{path.name} ({model})"
+    vae = components.get("vae")
+    if vae is not None:
+        if vae_dtype is not None:
+            as_loaded(vae, vae_dtype)
+        if vae_tiling:
+            vae.enable_tiling()
+    formats = resolve_storage(storage, components)
+    group_lists, layouts = {}, {}
+    for name, module in components.items():
+        group_lists[name] = _groups_for(module, mode)
+        quantized = SkipRules.for_model(module, ()).quantized_names(module)
+        layouts[name] = plan_layouts(group_lists[name], quantized, get_format(formats[name]), "row")
+    sizes = _sizes(components, group_lists, layouts, mode)
+    chunks, fixed = shared_bytes(sizes, group_lists, layouts, components, True, False)
+    reserves, calls = {}, {}
+    for name, module in components.items():
+        method, args, kwargs, per_call, looped = _call(family, name, module, frames, height, width)
+        twin = module if next(module.parameters()).is_meta else meta_twin(module)
+        reserves[name] = estimate(twin, args, kwargs, method) or int(0.1 * budget_bytes)
+        calls[name] = per_call * (steps if looped else 1)
+    if "transformer_2" in components:  # Wan 2.2: the high-noise expert takes the first 87.5% of the steps
+        high = round(steps * 0.875)
+        calls["transformer"], calls["transformer_2"] = 2 * high, 2 * (steps - high)
+    host = sum(pack_offsets(lays)[1] for lays in layouts.values())
+    shape = dict(frames=frames, height=height, width=width, steps=steps, vae_tiling=vae_tiling)
+    preview = Preview(model, budget_bytes, False, 0, host, host_bytes_budget, link_rate, shape)
+    by_name = {s.name: s for s in sizes}
+    phases, too_small = {}, []
+    for name in components:
+        try:  # the smallest budget of each phase: the planner names it when given one byte
+            phase_plan([by_name[name]], 1, mode, prefetch, reserves[name], True, None, fixed)
+        except BudgetError as err:
+            preview.minimum_budget = max(preview.minimum_budget, err.minimum)
+            smallest = err.minimum
+        try:
+            phases[name] = phase_plan([by_name[name]], budget_bytes, mode, prefetch, reserves[name], True, None, fixed)
+        except BudgetError:
+            phases[name] = None
+            too_small.append(f"{name} needs {format_bytes(smallest)}")
+    together = (
+        not too_small and sum(p.need_bytes for p in phases.values()) + fixed + max(reserves.values()) <= budget_bytes
+    )
+    preview.phases = [
+        _phase(name, phases[name], by_name[name], calls[name], reserves[name], together) for name in components
+    ]
+    if too_small:
+        preview.reason = "; ".join(too_small)
+    elif host_bytes_budget is not None and host > host_bytes_budget:
+        preview.reason = f"the packs need {format_bytes(host)} of host memory"
+    else:
+        preview.feasible = True
+    return preview
+
+
+def _phase(name: str, p, size, calls: int, reserve: int, together: bool) -> PhasePreview:
+    """One row of the preview (``p`` None: the phase does not fit the budget)."""
+    if p is None:
+        return PhasePreview([name], "too small", {}, 0, reserve, 0, 0, calls, 0)
+    tiers = p.tiers.get(name, {})
+    mode = p.modes[name]
+    streamed = 0 if mode != "group" else sum(g.packed for g in size.blocks if tiers.get(g.name) == "stream")
+    # entering the phase uploads its resident blocks (fp8 packs, or bf16 upcast from the packs) and its unit: once
+    # per pipeline call when the phases do not fit together, else once
+    kept = [g for g in size.blocks if mode == "resident" or tiers.get(g.name) in ("bf16", "fp8")]
+    entry = p.pool_bytes + sum(g.packed for g in kept)
+    counts = p.tier_counts(name) if mode == "group" else {}
+    return PhasePreview(
+        [name], mode, counts, p.planned_bytes, reserve, p.resident_bytes, streamed, calls, 0 if together else entry
+    )
