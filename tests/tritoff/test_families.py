@@ -86,12 +86,17 @@ def test_family_equals_the_dequantized_pipeline_in_every_mode(family):
         stats = engine.stats
         denoisers = [n for n in components if n.startswith("transformer")]
         if mode in ("group", "leaf"):
-            assert all(engine.plan.tier_counts(n)["stream"] > 0 for n in denoisers), mode
+            # each phase has the whole budget, and at the pipeline's smallest one the binding phase may be another
+            # (the tiny VAE moves whole): a denoiser streams only the blocks its phase has no room to keep
+            for n in denoisers:
+                phase, runtime = engine.plan.phases[n], engine.manager.components[n]
+                streamed = [g.packed_bytes for g in runtime.blocks if g.tier == "stream"]
+                assert not streamed or phase.planned_bytes + min(streamed) > budget, (mode, n)
         if mode == "group":
             assert torch.equal(frames, expected)
-            # every denoiser and encoder streams its blocks, in the traced order after the first call
+            # every component ran, and whatever streamed did so in the traced order after the first call
             assert all(stats["components"][n]["calls"] > 0 for n in components)
-            assert stats["total"]["onloads"] > 0 and stats["total"]["sync_onloads"] == 0
+            assert stats["total"]["sync_onloads"] == 0
     tritoff.disable(pipe)
 
 
