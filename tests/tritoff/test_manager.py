@@ -228,3 +228,36 @@ def test_cuda_graph_capture_over_streamed_blocks_is_refused():
     with torch.no_grad(), pytest.raises(RuntimeError, match="a CUDA graph cannot capture") as info:
         model(x)
     assert "\n" not in str(info.value)
+
+
+class _Tied(Stack):
+    """Block 3 reuses block 1's first weight; ``extra``, outside the blocks, reuses block 0's last one."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks[3][0].weight = self.blocks[1][0].weight
+        self.extra = nn.Linear(64, 64)
+        self.extra.weight = self.blocks[0][2].weight
+
+    def forward(self, x):
+        return super().forward(x) + self.head(self.extra(self.proj_in(x)))
+
+
+def _tied():
+    torch.manual_seed(0)
+    return realistic_init(_Tied()).to(torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("mode", ["group", "leaf"])
+def test_weights_tied_across_blocks_stay_in_place_while_blocks_stream(mode):
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    reference = dequantize_in_place(_tied())
+    options = dict(mode=mode, reserve=1000, progress=False, kernels="reference")
+    with pytest.raises(BudgetError) as info:
+        tritoff.enable(_tied(), budget=1000, **options)
+    model = _tied()
+    engine = tritoff.enable(model, budget=info.value.minimum, **options)
+    assert engine.plan.tier_counts("model")["stream"] > 3
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+        assert torch.equal(model(x), reference(x))
