@@ -11,7 +11,7 @@ from accelerate.hooks import add_hook_to_module, remove_hook_from_module
 
 from tritoff.adapters import adapter_bytes, merged_adapters, move_adapters, named_parameters, outer_modules
 from tritoff.arena import HostArena
-from tritoff.budget import device_memory, format_bytes, parse_size
+from tritoff.budget import device_memory, format_bytes, parse_size, percentage
 from tritoff.chunks import smallest_chunk
 from tritoff.formats import check_granularity, get_format
 from tritoff.groups import REST, Group, block_groups, leaf_groups
@@ -46,6 +46,7 @@ class Options:
     prefetch: int
     transport: str
     kernels: str
+    reserve_fraction: float | None = None  # the reserve is this fraction of the budget (the default, or "20%")
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -101,6 +102,25 @@ def _check_not_managed_elsewhere(components: dict[str, nn.Module], previous) -> 
                 )
 
 
+def _check_device(device) -> torch.device:
+    """``device`` as a usable compute device (``cuda`` resolved to its index), or a one-line ValueError."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"invalid device {device!r}: use 'cuda', 'cuda:N' or 'cpu'") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"tritoff cannot compute on device {str(device)!r}: use 'cuda', 'cuda:N' or 'cpu'")
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but CUDA is not available; pass device='cpu'")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"there is no device {str(device)!r}: this machine has {count} CUDA devices")
+    return torch.device("cuda", index)
+
+
 def _resolve(components, storage, granularity, skip, mode, budget, reserve, device, prefetch, transport, kernels):
     storage = resolve_storage(storage, components)
     check_granularity(granularity)
@@ -110,15 +130,9 @@ def _resolve(components, storage, granularity, skip, mode, budget, reserve, devi
         raise ValueError(f"unknown transport {transport!r}: use one of {', '.join(TRANSPORTS)}")
     if kernels not in KERNELS:
         raise ValueError(f"unknown kernels {kernels!r}: use one of {', '.join(KERNELS)}")
-    if not isinstance(prefetch, int) or prefetch < 1:
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
         raise ValueError(f"prefetch must be an integer >= 1, got {prefetch!r}")
-    device = (
-        torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    )
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but CUDA is not available; pass device='cpu'")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _check_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     free, total = device_memory(device)
     if budget is None:
         # no budget: all the device's free memory (on the CPU: everything fits)
@@ -126,13 +140,30 @@ def _resolve(components, storage, granularity, skip, mode, budget, reserve, devi
         budget_bytes = free if free is not None else 2 * total_bytes + 2**30
     else:
         budget_bytes = parse_size(budget, total=total)
-    reserve_bytes = (
-        int(budget_bytes * 0.1) if reserve is None else parse_size(reserve, what="reserve", total=budget_bytes)
-    )
+    if reserve is None:
+        fraction = 0.1
+    else:
+        reserve_bytes = parse_size(reserve, what="reserve", total=budget_bytes)
+        fraction = percentage(reserve)
+        if fraction is not None and fraction >= 1:
+            raise ValueError(f"reserve {reserve!r} leaves nothing of the budget for weights: use less than 100%")
+    # a fraction of the budget is computed as the planner computes it when it names the smallest budget that works
+    if fraction is not None:
+        reserve_bytes = int(budget_bytes * fraction)
     if mode is None:
         mode = "auto"
     return Options(
-        storage, granularity, tuple(skip), mode, budget_bytes, reserve_bytes, device, prefetch, transport, kernels
+        storage,
+        granularity,
+        tuple(skip),
+        mode,
+        budget_bytes,
+        reserve_bytes,
+        device,
+        prefetch,
+        transport,
+        kernels,
+        fraction,
     )
 
 
@@ -345,7 +376,7 @@ def _buffer_bytes(components: dict[str, nn.Module]) -> int:
     return buffers + sum(adapter_bytes(m) for m in components.values())
 
 
-def _plan(sizes, layouts: dict[str, list[PackLayout]], components, options: Options, default_reserve: bool):
+def _plan(sizes, layouts: dict[str, list[PackLayout]], components, options: Options):
     """The phased plan, with every device byte the engine allocates outside the groups accounted for (module buffers
     and the kernel tables, cut for each phase's staging chunk), and each component's chunk capacity."""
     staged = options.transport != "zero_copy"
@@ -353,8 +384,8 @@ def _plan(sizes, layouts: dict[str, list[PackLayout]], components, options: Opti
     chunks = {s.name: chunk_capacity(s, staged) for s in sizes}
     tables = sum(table_bytes(lay, chunks[name], zero_copy) for name, lays in layouts.items() for lay in lays)
     fixed = _buffer_bytes(components) + tables
-    fraction = 0.1 if default_reserve else None
     reserves = dict.fromkeys(chunks, options.reserve)
+    fraction = options.reserve_fraction
     phased = plan_phases(sizes, options.budget, options.mode, options.prefetch, reserves, staged, fraction, fixed)
     return phased, chunks
 
@@ -462,7 +493,7 @@ def enable(
             _check_finite(module, quantized, name)
             layouts[name] = plan_layouts(group_lists[name], quantized, fmts[name], options.granularity)
     sizes = _sizes(components, group_lists, layouts, options.mode)
-    the_plan, chunks = _plan(sizes, layouts, components, options, reserve is None)
+    the_plan, chunks = _plan(sizes, layouts, components, options)
     # everything that can fail is checked before a parameter changes: from here on the pipeline is modified
     if reuse:
         _check_zero_copy(options, previous.packed)
