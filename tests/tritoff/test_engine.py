@@ -331,6 +331,22 @@ def test_a_plain_sequential_streams_its_children(mode):
         assert torch.equal(net(x), reference(x))
 
 
+@pytest.mark.parametrize("mode", ["model", "auto"])
+def test_a_root_never_called_itself_cannot_move_whole(mode):
+    from tritoff.tiny import realistic_init
+
+    torch.manual_seed(0)
+    root = realistic_init(torch.nn.ModuleDict({"a": torch.nn.Linear(64, 64), "b": torch.nn.Linear(64, 64)}))
+    if mode == "model":
+        root = torch.nn.ModuleList([root, torch.nn.Linear(64, 64)])  # splittable, but asked to move whole
+    root = root.to(torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in root.named_parameters()}
+    with pytest.raises(ValueError, match="which is never called itself, so it cannot move as one unit") as info:
+        _enable(root, mode=mode, budget=10**8)
+    assert "\n" not in str(info.value) and not hasattr(root, "_tritoff_engine")
+    assert all(torch.equal(p, before[n]) for n, p in root.named_parameters())
+
+
 def test_a_model_without_block_lists_falls_back_to_layers():
     from tritoff.tiny import realistic_init
 
