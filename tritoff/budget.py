@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,8 @@ def parse_size(value: int | float | str, *, what: str = "budget", total: int | N
     if isinstance(value, bool):
         raise ValueError(f"invalid {what} {value!r}: give bytes, e.g. '12GB', '12GiB' or '80%'")
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise ValueError(f"invalid {what} {value!r}: give a finite number of bytes, e.g. '12GB'")
         if value <= 0:
             raise ValueError(f"invalid {what} {value!r}: it must be positive, e.g. '12GB'")
         return int(value)
@@ -45,6 +48,12 @@ def parse_size(value: int | float | str, *, what: str = "budget", total: int | N
             raise ValueError(f"{what} {value!r} is a percentage, but there is no device memory to take it of")
         return int(total * number / 100)
     return int(number * _UNITS[unit])
+
+
+def percentage(value) -> float | None:
+    """The fraction a valid size ``value`` such as ``"20%"`` names (0.2), or None when it is not a percentage."""
+    match = _PATTERN.match(value) if isinstance(value, str) else None
+    return float(match.group(1)) / 100 if match and match.group(2) == "%" else None
 
 
 def device_memory(device: torch.device) -> tuple[int | None, int | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -11,14 +12,14 @@ from accelerate.hooks import add_hook_to_module, remove_hook_from_module
 
 from tritoff.adapters import adapter_bytes, merged_adapters, move_adapters, named_parameters, outer_modules
 from tritoff.arena import HostArena
-from tritoff.budget import device_memory, format_bytes, parse_size
+from tritoff.budget import device_memory, format_bytes, parse_size, percentage
 from tritoff.chunks import smallest_chunk
 from tritoff.formats import check_granularity, get_format
 from tritoff.groups import REST, Group, block_groups, is_block, is_host, leaf_groups
 from tritoff.host_lookup import HostLookupHook, host_views
 from tritoff.kernels.upcast import upcast_pack_reference
 from tritoff.manager import ComponentHook, ComponentRuntime, GroupHook, HookManager, guard_forward
-from tritoff.onload import GroupRuntime, table_bytes
+from tritoff.onload import GroupRuntime, placeholder, table_bytes
 from tritoff.packer import PackedModel, pack_model, pack_offsets, plan_layouts
 from tritoff.planner import MODES, ComponentSize, GroupSize, PhasedPlan, Plan, chunk_capacity, plan, plan_phases
 from tritoff.report import Report
@@ -26,6 +27,8 @@ from tritoff.skip import SkipRules
 from tritoff.storage import describe_storage, resolve_storage
 
 ENGINE_ATTR = "_tritoff_engine"
+# every engine made by enable; those still their target's engine own their components' parameters
+_ENGINES: weakref.WeakSet = weakref.WeakSet()
 TRANSPORTS = ("auto", "staged", "zero_copy")
 KERNELS = ("auto", "triton", "reference")
 # a component with a stack of at least this many blocks is split into groups (transformers, big text encoders)
@@ -46,6 +49,7 @@ class Options:
     prefetch: int
     transport: str
     kernels: str
+    reserve_fraction: float | None = None  # the reserve is this fraction of the budget (the default, or "20%")
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -88,6 +92,28 @@ def _check_no_foreign_hooks(components: dict[str, nn.Module]) -> None:
                 )
 
 
+def _check_components(components: dict[str, nn.Module], previous) -> None:
+    """Refuse, before anything changes, components replaced since the previous enable (its packs hold the old weights)
+    and parameters shared between components (each component is packed and placed on its own)."""
+    if previous is not None:
+        before = previous.components
+        changed = [n for n in {**before, **components} if before.get(n) is not components.get(n)]
+        if changed:
+            raise ValueError(
+                f"{', '.join(changed)} changed since tritoff.enable (replaced, added or removed) while tritoff holds "
+                "the weights it had; call tritoff.disable(pipe) before changing components, then tritoff.enable again"
+            )
+    where: dict[int, tuple[str, str]] = {}
+    for name, component in components.items():
+        for pname, param in named_parameters(component):
+            first = where.setdefault(id(param), (name, pname))
+            if first[0] != name:
+                raise ValueError(
+                    f"{'.'.join(first)} and {name}.{pname} are one parameter shared by two components, which tritoff "
+                    "packs and places each on its own: give each component its own copy, or enable tritoff on one"
+                )
+
+
 def _check_not_managed_elsewhere(components: dict[str, nn.Module], previous) -> None:
     own = previous.manager if previous is not None else None
     for name, component in components.items():
@@ -99,6 +125,37 @@ def _check_not_managed_elsewhere(components: dict[str, nn.Module], previous) -> 
                     f"{where} is already managed by tritoff through another pipeline or module (shared components "
                     "cannot be packed twice); call tritoff.disable on that one first"
                 )
+    # a shared module without a hook of its own (inside another engine's rest group): its parameters tell
+    mine = {id(p): f"{name}.{pname}" for name, c in components.items() for pname, p in named_parameters(c)}
+    for engine in list(_ENGINES):
+        if engine is previous or getattr(engine.target, ENGINE_ATTR, None) is not engine:
+            continue
+        for component in engine.components.values():
+            for _, param in named_parameters(component):
+                if id(param) in mine:
+                    raise ValueError(
+                        f"{mine[id(param)]} is already managed by tritoff through another pipeline or module (shared "
+                        "weights cannot be packed twice); call tritoff.disable on that one first"
+                    )
+
+
+def _check_device(device) -> torch.device:
+    """``device`` as a usable compute device (``cuda`` resolved to its index), or a one-line ValueError."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"invalid device {device!r}: use 'cuda', 'cuda:N' or 'cpu'") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"tritoff cannot compute on device {str(device)!r}: use 'cuda', 'cuda:N' or 'cpu'")
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but CUDA is not available; pass device='cpu'")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"there is no device {str(device)!r}: this machine has {count} CUDA devices")
+    return torch.device("cuda", index)
 
 
 def _resolve(components, storage, granularity, skip, mode, budget, reserve, device, prefetch, transport, kernels):
@@ -110,15 +167,9 @@ def _resolve(components, storage, granularity, skip, mode, budget, reserve, devi
         raise ValueError(f"unknown transport {transport!r}: use one of {', '.join(TRANSPORTS)}")
     if kernels not in KERNELS:
         raise ValueError(f"unknown kernels {kernels!r}: use one of {', '.join(KERNELS)}")
-    if not isinstance(prefetch, int) or prefetch < 1:
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
         raise ValueError(f"prefetch must be an integer >= 1, got {prefetch!r}")
-    device = (
-        torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    )
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but CUDA is not available; pass device='cpu'")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _check_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     free, total = device_memory(device)
     if budget is None:
         # no budget: all the device's free memory (on the CPU: everything fits)
@@ -126,13 +177,30 @@ def _resolve(components, storage, granularity, skip, mode, budget, reserve, devi
         budget_bytes = free if free is not None else 2 * total_bytes + 2**30
     else:
         budget_bytes = parse_size(budget, total=total)
-    reserve_bytes = (
-        int(budget_bytes * 0.1) if reserve is None else parse_size(reserve, what="reserve", total=budget_bytes)
-    )
+    if reserve is None:
+        fraction = 0.1
+    else:
+        reserve_bytes = parse_size(reserve, what="reserve", total=budget_bytes)
+        fraction = percentage(reserve)
+        if fraction is not None and fraction >= 1:
+            raise ValueError(f"reserve {reserve!r} leaves nothing of the budget for weights: use less than 100%")
+    # a fraction of the budget is computed as the planner computes it when it names the smallest budget that works
+    if fraction is not None:
+        reserve_bytes = int(budget_bytes * fraction)
     if mode is None:
         mode = "auto"
     return Options(
-        storage, granularity, tuple(skip), mode, budget_bytes, reserve_bytes, device, prefetch, transport, kernels
+        storage,
+        granularity,
+        tuple(skip),
+        mode,
+        budget_bytes,
+        reserve_bytes,
+        device,
+        prefetch,
+        transport,
+        kernels,
+        fraction,
     )
 
 
@@ -188,6 +256,7 @@ class Engine:
         self._hooked: list[nn.Module] = []
         self._runtimes: list[ComponentRuntime] = []
         self.manager: HookManager | None = None
+        self._torn_down = False
 
     # building -----------------------------------------------------------------------------------------------------
     def _use_triton(self) -> bool:
@@ -296,9 +365,15 @@ class Engine:
 
     def teardown(self) -> None:
         """Remove every hook and release every GPU buffer (slots, staging, pool units, resident tiers, cached views,
-        kernel tables); parameters are left pointing at placeholders."""
+        kernel tables); parameters are left pointing at placeholders.
+
+        Done once: on an engine already torn down (disabled, or replaced by enabling the pipeline again) it does
+        nothing, so it never touches the modules another engine now manages."""
         from tritoff import lora, operations
 
+        if self._torn_down:
+            return
+        self._torn_down = True
         lora.detach(self, unwrap=False)
         blocks = [m for m in self._hooked if isinstance(getattr(m, "_hf_hook", None), GroupHook)]
         operations.remove(self.target, self.components, blocks)
@@ -370,14 +445,14 @@ def shared_bytes(sizes, group_lists, layouts, components, staged: bool, zero_cop
     return chunks, _buffer_bytes(components) + tables
 
 
-def _plan(sizes, group_lists, layouts, components, options: Options, default_reserve: bool):
+def _plan(sizes, group_lists, layouts, components, options: Options):
     """The phased plan, with every device byte the engine allocates outside the groups accounted for (module buffers
     and the kernel tables, cut for each phase's staging chunk), and each component's chunk capacity."""
     staged = options.transport != "zero_copy"
     zero_copy = not staged and options.device.type == "cuda"
     chunks, fixed = shared_bytes(sizes, group_lists, layouts, components, staged, zero_copy)
-    fraction = 0.1 if default_reserve else None
     reserves = dict.fromkeys(chunks, options.reserve)
+    fraction = options.reserve_fraction
     phased = plan_phases(sizes, options.budget, options.mode, options.prefetch, reserves, staged, fraction, fixed)
     return phased, chunks
 
@@ -414,11 +489,13 @@ def enable(
     (for stores verified elsewhere).
 
     Raises ``ValueError`` (one line, saying what to do) on bad options, a budget too small (naming the smallest that
-    works), or a pipeline already carrying accelerate/diffusers hooks. A failed enable leaves ``target`` as it was.
-    Enabling an enabled pipeline re-plans it, reusing its packs when storage, granularity and skip are unchanged.
+    works), a pipeline already carrying accelerate/diffusers hooks, or weights another engine manages or two components
+    share. A failed enable leaves ``target`` as it was. Enabling an enabled pipeline re-plans it, reusing its packs when
+    storage, granularity and skip are unchanged (a component replaced since is refused: disable first).
     """
     components = _components(target)
     previous: Engine | None = getattr(target, ENGINE_ATTR, None)
+    _check_components(components, previous)
     _check_not_managed_elsewhere(components, previous)
     if previous is None:
         _check_no_foreign_hooks(components)
@@ -464,9 +541,6 @@ def enable(
     # re-planning keeps the packs; switching to or from leaf groups re-packs, which is exact: quantizing a
     # dequantized pow2-scaled row gives back the same scale and codes
     reuse = previous is not None and (previous.options.mode == "leaf") == (options.mode == "leaf") and store is None
-    if previous is not None and not reuse:
-        disable(target)
-        previous = None
     fmts = {name: get_format(fmt) for name, fmt in options.storage.items()}
     if reuse:
         group_lists = previous._group_lists
@@ -482,11 +556,19 @@ def enable(
         layouts = {}
         for name, module in components.items():
             quantized = SkipRules.for_model(module, options.skip).quantized_names(module)
-            _check_finite(module, quantized, name)
+            if previous is None:  # else placeholders: the weights come back from packs that hold finite values
+                _check_finite(module, quantized, name)
             layouts[name] = plan_layouts(group_lists[name], quantized, fmts[name], options.granularity)
     sizes = _sizes(components, group_lists, layouts, options.mode)
-    the_plan, chunks = _plan(sizes, group_lists, layouts, components, options, reserve is None)
+    _check_callable(components, sizes)
+    the_plan, chunks = _plan(sizes, group_lists, layouts, components, options)
+    if store is not None:
+        _check_zero_copy(options, stored)
     # everything that can fail is checked before a parameter changes: from here on the pipeline is modified
+    if previous is not None and not reuse:
+        # other groups (leaf <-> block), or a store: pack again from the weights, restored on the host
+        disable(target, device="cpu")
+        previous = None
     if reuse:
         _check_zero_copy(options, previous.packed)
         previous.teardown()
@@ -494,7 +576,6 @@ def enable(
         requires_grad = previous.requires_grad
         requantized = previous.requantized
     elif store is not None:
-        _check_zero_copy(options, stored)
         packed, snr = stored, {}
         requires_grad = _freeze(components)
         for module in components.values():
@@ -529,18 +610,40 @@ def enable(
         engine._build_runtime()
     except BaseException:
         # a failure while placing the packs (an out-of-memory GPU, Ctrl-C): leave ordinary modules holding the
-        # (dequantized) weights rather than placeholders
-        _restore(engine, options.device)
+        # (dequantized) weights rather than placeholders, on the CPU if the device has no room for them
+        try:
+            _restore(engine, options.device)
+        except BaseException:
+            _restore(engine, torch.device("cpu"))
         if hasattr(target, ENGINE_ATTR):  # a re-plan: the previous engine was torn down already
             delattr(target, ENGINE_ATTR)
         raise
-    setattr(target, ENGINE_ATTR, engine)
+    _install(engine)
+    return engine
+
+
+def _install(engine: Engine) -> None:
+    """Make ``engine`` (its runtime built) its target's engine, with tritoff's wrappers of pipeline operations."""
     from tritoff import lora, operations
 
+    setattr(engine.target, ENGINE_ATTR, engine)
+    _ENGINES.add(engine)
     lora.attach(engine)  # fuse_lora / unfuse_lora write into the packs
     blocks = [m for m in engine._hooked if isinstance(getattr(m, "_hf_hook", None), GroupHook)]
-    operations.install(target, components, options.device, blocks)  # .to(), offloading, qkv fusion, compile
-    return engine
+    # .to(), offloading, qkv fusion, compile, save_pretrained
+    operations.install(engine.target, engine.components, engine.options.device, blocks)
+
+
+def _check_callable(components: dict[str, nn.Module], sizes: list[ComponentSize]) -> None:
+    """A component moving whole is loaded when its root is called: refuse a root without a forward of its own."""
+    for size in sizes:
+        module = components[size.name]
+        if not size.blocks and type(module).forward is nn.Module.forward:
+            raise ValueError(
+                f"{size.name} is a {type(module).__name__}, which is never called itself, so it cannot move as one "
+                "unit; use mode='group' (each block is loaded when called), or enable tritoff on the module that "
+                "calls it"
+            )
 
 
 def _check_zero_copy(options: Options, arenas: dict) -> None:
@@ -592,17 +695,25 @@ def _dequantized(pack, device: torch.device) -> dict[str, torch.Tensor]:
 
 
 def _restore(engine: Engine, device: torch.device) -> None:
-    """Tear ``engine`` down and give every parameter its dequantized weights on ``device`` and its requires_grad."""
+    """Tear ``engine`` down and give every parameter its dequantized weights on ``device`` and its requires_grad.
+
+    If that fails (no room on ``device``, Ctrl-C), every parameter points at its placeholder again, the packs are as
+    they were, and the error propagates: nothing is lost."""
     engine.teardown()
+    try:
+        for name, module in engine.components.items():
+            params = dict(named_parameters(module))
+            packed = engine.packed.get(name)
+            if packed is not None:
+                for pack, group in zip(packed.packs, engine._group_lists[name], strict=True):
+                    tensors = _dequantized(pack, device)
+                    for pname, _ in group.params:
+                        params[pname].data = tensors[pname]
+    except BaseException:
+        _release(engine)
+        raise
     for name, module in engine.components.items():
-        params = dict(named_parameters(module))
-        packed = engine.packed.get(name)
-        if packed is not None:
-            for pack, group in zip(packed.packs, engine._group_lists[name], strict=True):
-                tensors = _dequantized(pack, device)
-                for pname, _ in group.params:
-                    params[pname].data = tensors[pname]
-        for pname, param in params.items():
+        for pname, param in named_parameters(module):
             param.requires_grad_(engine.requires_grad.get((name, pname), param.requires_grad))
         _move_buffers(module, device)
         move_adapters(module, device)
@@ -610,17 +721,42 @@ def _restore(engine: Engine, device: torch.device) -> None:
         packed.arena.close()
 
 
+def _release(engine: Engine) -> None:
+    """Point every managed parameter at its placeholder on the compute device (what the engine's runtime expects)."""
+    for name, packed in engine.packed.items():
+        params = dict(named_parameters(engine.components[name]))
+        for pack in packed.packs:
+            for entry in pack.layout.entries:
+                params[entry.name].data = placeholder(entry.shape, entry.dtype, engine.options.device)
+
+
 def disable(target, device: str | torch.device | None = None) -> None:
     """Remove every tritoff hook; leave ordinary modules holding the dequantized weights on ``device``.
 
     ``device`` defaults to the device tritoff computed on. Does nothing if tritoff is not enabled on ``target``.
+    Raises ``ValueError`` for a device tritoff cannot use, before anything changes; if the weights do not fit on
+    ``device`` (``torch.OutOfMemoryError``) or the call is interrupted, tritoff stays enabled, as it was.
     """
     engine: Engine | None = getattr(target, ENGINE_ATTR, None)
     if engine is None:
         return
     from tritoff import lora
 
-    _restore(engine, torch.device(device) if device is not None else engine.options.device)
+    device = _check_device(device) if device is not None else engine.options.device
+    try:
+        _restore(engine, device)
+    except BaseException as err:
+        # the parameters point at their placeholders again: hook the engine back, as it was
+        engine._torn_down = False
+        engine._build_runtime()
+        _install(engine)
+        if isinstance(err, torch.OutOfMemoryError):
+            total = sum(p.layout.out_nbytes for packed in engine.packed.values() for p in packed.packs)
+            raise torch.OutOfMemoryError(
+                f"the weights ({format_bytes(total)}) do not fit on {device}: tritoff stays enabled; free memory, or "
+                "call tritoff.disable(pipe, device='cpu')"
+            ) from err
+        raise
     lora.detach(engine, unwrap=True)
     delattr(target, ENGINE_ATTR)
 

@@ -7,6 +7,7 @@ weights never join a group.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch.nn as nn
@@ -92,25 +93,56 @@ def _block_lists(module: nn.Module, prefix: str = ""):
             yield from _block_lists(child, qualified + ".")
 
 
+def _holders(model: nn.Module, hooked: dict[int, str]) -> dict[int, set[str]]:
+    """For each parameter under ``model``: the groups whose modules hold it (``hooked``: module id -> group name;
+    a module outside them is in the rest). Every path is walked, so a module registered twice counts twice."""
+    holders: dict[int, set[str]] = defaultdict(set)
+
+    def walk(module: nn.Module, group: str) -> None:
+        group = hooked.get(id(module), group)
+        for param in module._parameters.values():
+            if param is not None:
+                holders[id(param)].add(group)
+        for child in module._modules.values():
+            if child is not None:
+                walk(child, group)
+
+    walk(model, REST)
+    return holders
+
+
 def block_groups(model: nn.Module) -> list[Group]:
     """One group per element of each ModuleList of ``model`` (e.g. ``blocks.0``), then one per large embedding table
     kept on the host (``host:shared``), then the rest of the model.
 
     A model that is itself a ModuleList or Sequential is one list of blocks (``0``, ``1``, ...). A ModuleList element
-    without parameters makes no group. Parameters shared between groups belong to the first.
+    without parameters makes no group. A parameter tied across blocks, or between a block and a module outside the
+    blocks, joins the rest: it is loaded with the whole component, so every module using it finds it in place.
     """
-    owner: dict[int, str] = {}
-    host = _host_groups(model, owner)
+    hosted: dict[int, str] = {}
+    host = _host_groups(model, hosted)
     groups: list[Group] = []
     # a model that is itself a list (a plain nn.Sequential) streams its children
     is_list = isinstance(model, (nn.ModuleList, nn.Sequential)) and len(model) > 1
-    for list_name, blocks in [("", model)] if is_list else _block_lists(model):
-        for index, block in enumerate(blocks):
-            name = f"{list_name}.{index}" if list_name else str(index)
-            params = [(f"{name}.{p}", t) for p, t in named_parameters(block) if id(t) not in owner]
-            if params:
-                owner.update((id(t), name) for _, t in params)
-                groups.append(Group(name, [(name, block)], params))
+    named = [
+        (f"{list_name}.{index}" if list_name else str(index), block)
+        for list_name, blocks in ([("", model)] if is_list else _block_lists(model))
+        for index, block in enumerate(blocks)
+    ]
+    first: dict[int, str] = {}  # a block registered twice is one group, under its first name
+    for name, block in named:
+        first.setdefault(id(block), name)
+    holders = _holders(model, first)
+    owner: set[int] = set(hosted)
+    for name, block in named:
+        if first[id(block)] != name:
+            continue
+        params = [
+            (f"{name}.{p}", t) for p, t in named_parameters(block) if holders[id(t)] == {name} and id(t) not in owner
+        ]
+        if params:
+            owner.update(id(t) for _, t in params)
+            groups.append(Group(name, [(name, block)], params))
     groups += host
     rest = [(n, t) for n, t in named_parameters(model) if id(t) not in owner]
     if rest:
@@ -120,18 +152,21 @@ def block_groups(model: nn.Module) -> list[Group]:
 
 def leaf_groups(model: nn.Module) -> list[Group]:
     """One group per Linear/Conv layer (smallest memory), then the large embedding tables kept on the host, then the
-    rest of the model."""
+    rest of the model (with any parameter tied across layers, as in :func:`block_groups`)."""
     from tritoff.skip import QUANTIZABLE_LAYERS
 
     owner: dict[int, str] = {}
     host = _host_groups(model, owner)
     groups: list[Group] = []
-    for name, module in named_modules(model):
-        if name and isinstance(module, QUANTIZABLE_LAYERS):
-            params = [(f"{name}.{p}", t) for p, t in named_parameters(module) if id(t) not in owner]
-            if params:
-                owner.update((id(t), name) for _, t in params)
-                groups.append(Group(name, [(name, module)], params))
+    layers = [(name, m) for name, m in named_modules(model) if name and isinstance(m, QUANTIZABLE_LAYERS)]
+    holders = _holders(model, {id(m): name for name, m in layers})
+    for name, module in layers:
+        params = [
+            (f"{name}.{p}", t) for p, t in named_parameters(module) if holders[id(t)] == {name} and id(t) not in owner
+        ]
+        if params:
+            owner.update((id(t), name) for _, t in params)
+            groups.append(Group(name, [(name, module)], params))
     groups += host
     rest = [(n, t) for n, t in named_parameters(model) if id(t) not in owner]
     if rest:

@@ -18,7 +18,9 @@ parameters to slots never becomes part of a graph or of its guards.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import time
 import warnings
 from collections import deque
@@ -130,6 +132,9 @@ class HookManager:
         self.peak_seen = 0
         self._activation_base: dict[str, int] = {}
         self._saved_hooks: list[saved_tensors_hooks] = []
+        # one forward at a time: calls from several threads take turns (the slots, the prefetch queue and the phases
+        # are shared state); re-entrant, since a component's forward calls its blocks' hooks
+        self.lock = threading.RLock()
 
     @property
     def transfer_ns(self) -> int:
@@ -193,6 +198,9 @@ class HookManager:
     def component_pre(self, comp: ComponentRuntime, args, kwargs):
         """Before a component's forward (or encode/decode): plan its activations, enter its phase, start prefetching
         its first blocks."""
+        if torch.is_grad_enabled():
+            for g in comp.unit:
+                _check_frozen(g)
         comp.stats.calls += 1
         self._plan_activations(comp, args, kwargs)
         if comp.blocks:  # encode/decode run pre_forward only (diffusers' apply_forward_hook): never marked active
@@ -309,8 +317,12 @@ class HookManager:
         """Before a block's forward: make sure it is loaded (or loading), wait for it on the GPU, bind, prefetch."""
         start = time.perf_counter_ns() - self.transfer_ns
         comp = self.components[group.component]
+        if torch.is_grad_enabled():
+            _check_frozen(group)
         if not comp.loaded:  # a block called on its own, outside its component's forward
             self.enter(comp)
+            if not comp.order:  # a root that is never called itself (a ModuleList): prefetch in module order
+                comp.order = list(range(len(comp.blocks)))
         if comp.trace is not None:
             comp.trace.append(self.index[id(group)])
         if group.tier in ("fp8", "stream"):
@@ -402,6 +414,23 @@ class HookManager:
         self.cursor = (name, position)
 
 
+def _check_frozen(group: GroupRuntime) -> None:
+    """Refuse a managed weight that requires grad (set after enable): its values are overwritten on every load."""
+    for param, entry in zip(group.params, group.layout.entries, strict=True):
+        if param.requires_grad:
+            raise RuntimeError(
+                f"{group.component}.{entry.name} requires grad, but the weights tritoff manages are frozen (each load "
+                "overwrites them from its packs): set requires_grad_(False), or call tritoff.disable(pipe) first to "
+                "train"
+            )
+
+
+def _normal_mode():
+    """Device buffers and their views are made outside inference mode whatever mode the caller runs in: tensors made
+    under ``torch.inference_mode()`` could not be written, or saved for backward, by a later call in normal mode."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+
+
 class _TritoffHook(ModelHook):
     """Common base: the execution device diffusers reads from ``module._hf_hook``."""
 
@@ -423,12 +452,15 @@ class ComponentHook(_TritoffHook):
     @torch.compiler.disable
     def pre_forward(self, module, *args, **kwargs):
         """Load what the component needs before it runs."""
-        return self.manager.component_pre(self.component, args, kwargs)
+        # the lock again: encode/decode run this hook alone, outside the guarded forward
+        with self.manager.lock, _normal_mode():
+            return self.manager.component_pre(self.component, args, kwargs)
 
     @torch.compiler.disable
     def post_forward(self, module, output):
         """Record the call; finish the trace."""
-        self.manager.component_post(self.component)
+        with _normal_mode():
+            self.manager.component_post(self.component)
         return output
 
 
@@ -442,13 +474,15 @@ class GroupHook(_TritoffHook):
     @torch.compiler.disable
     def pre_forward(self, module, *args, **kwargs):
         """Wait for the block's tensors and bind them."""
-        self.manager.group_pre(self.group)
+        with _normal_mode():
+            self.manager.group_pre(self.group)
         return args, kwargs
 
     @torch.compiler.disable
     def post_forward(self, module, output):
         """Release the block's slot."""
-        self.manager.group_post(self.group)
+        with _normal_mode():
+            self.manager.group_post(self.group)
         return output
 
 
@@ -457,17 +491,19 @@ def _unpack_saved(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def guard_forward(module: torch.nn.Module, manager: HookManager) -> None:
-    """Wrap ``module.forward`` (already hooked) so that an exception escaping it resets the manager
-    (:meth:`HookManager.recover`) before it propagates. ``remove_hook_from_module`` restores the original forward."""
+    """Wrap ``module.forward`` (already hooked) so that calls from several threads take turns (the manager's lock) and
+    an exception escaping it resets the manager (:meth:`HookManager.recover`) before it propagates.
+    ``remove_hook_from_module`` restores the original forward."""
     hooked = module.forward
 
     @functools.wraps(hooked)
     def forward(*args, **kwargs):
-        try:
-            return hooked(*args, **kwargs)
-        except BaseException:
-            manager.recover()
-            raise
+        with manager.lock:
+            try:
+                return hooked(*args, **kwargs)
+            except BaseException:
+                manager.recover()
+                raise
 
     # the wrapper itself is never traced (its try block would split graphs) but what it calls still compiles
     module.forward = torch.compiler.disable(forward, recursive=False)

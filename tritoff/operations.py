@@ -10,6 +10,7 @@ methods; :func:`remove` gives the originals back):
 - diffusers' offloading (``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``, ``enable_group_offload``),
   ``enable_layerwise_casting`` and ``remove_all_hooks``: refused, since they would strip or fight tritoff's hooks;
 - ``fuse_qkv_projections``: refused, since it would concatenate placeholders; fusing before ``enable`` works;
+- ``save_pretrained``: refused, since it would write placeholders as weights; ``Engine.save`` writes the packs;
 - ``block.compile(...)`` on a streamed or fp8-resident block (what diffusers' ``compile_repeated_blocks`` calls):
   compiles the block's own forward, inside tritoff's hooks rather than around them, so ``fullgraph=True`` works and
   binding the block's weights to a slot is never traced. ``component.compile(fullgraph=True)`` on a component
@@ -35,6 +36,9 @@ REFUSED = {
     "remove_all_hooks": "the hooks on this pipeline are tritoff's: call tritoff.disable(pipe) to remove them",
     "fuse_qkv_projections": "fuse_qkv_projections() after tritoff.enable would concatenate weights that live in "
     "tritoff's packs: call it before tritoff.enable (the fused projections are then packed)",
+    # state_dict() gives the parameters as they are between forwards (placeholders): never written as weights
+    "save_pretrained": f"the weights live in tritoff's packs, not in the modules; {DISABLE_FIRST} (it restores them), "
+    "or engine.save(directory) to write the packs as a store",
 }
 
 

@@ -230,7 +230,15 @@ def plan(
     """
 
     def smallest(need: int) -> int:
-        return need if reserve_fraction is None else int(-(-(need - reserve) // (1 - reserve_fraction)))
+        if reserve_fraction is None:
+            return need
+        # the smallest budget b whose reserve int(b * fraction) (as tritoff.enable computes it) leaves the rest of
+        # need: b - int(b * fraction) grows by 0 or 1 with b, so every smaller budget fails
+        rest, f = need - reserve, reserve_fraction
+        b = max(int(rest / (1 - f)) - 2, 0)
+        while b - int(b * f) < rest:
+            b += 1
+        return b
 
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")

@@ -71,3 +71,29 @@ def lora_state_dict(
     )
     twin.add_adapter(config)
     return {f"{prefix}.{k}": v.detach().clone() for k, v in get_peft_model_state_dict(twin).items()}
+
+
+class Stack(torch.nn.Module):
+    """A small model of the usual shape: an input projection, a list of blocks of Linear layers, a head."""
+
+    def __init__(self, n=5, width=64):
+        super().__init__()
+        self.proj_in = torch.nn.Linear(16, width)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, width))
+            for _ in range(n)
+        )
+        self.head = torch.nn.Linear(width, 16)
+
+    def forward(self, x):
+        x = self.proj_in(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def stack(seed=0, **kwargs):
+    """A bf16 :class:`Stack` with weights drawn reproducibly from ``seed``."""
+    from tritoff.tiny import realistic_init
+
+    return realistic_init(Stack(**kwargs), seed=seed).to(torch.bfloat16).eval()

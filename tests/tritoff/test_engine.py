@@ -9,7 +9,7 @@ import tritoff
 from tritoff.onload import is_placeholder
 from tritoff.planner import BudgetError
 
-from .helpers import COG_CALL, cogvideox, dequantize_in_place, dequantized_pipeline, run, wan
+from .helpers import COG_CALL, cogvideox, dequantize_in_place, dequantized_pipeline, run, stack, wan
 
 pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
 
@@ -199,14 +199,37 @@ def test_execution_device_and_device_report_the_compute_device():
         (dict(budget=-1), "must be positive"),
         (dict(prefetch=0), "prefetch must be"),
         (dict(transport="pcie"), "unknown transport"),
+        (dict(budget=float("inf")), "invalid budget inf: give a finite number"),
+        (dict(budget=float("nan")), "invalid budget nan: give a finite number"),
+        (dict(prefetch=True), "prefetch must be an integer >= 1, got True"),
+        (dict(device="meta"), "tritoff cannot compute on device 'meta'"),
+        (dict(device="gpu0"), "invalid device 'gpu0'"),
+        (dict(budget="1GB", reserve="100%"), "leaves nothing of the budget"),
     ],
 )
 def test_bad_options_are_one_line_errors(kwargs, message):
     pipe = wan()
+    before = {n: (p, p.detach().clone()) for n, p in pipe.transformer.named_parameters()}
     with pytest.raises(ValueError, match=message) as info:
         _enable(pipe, **kwargs)
     assert "\n" not in str(info.value)
     assert not hasattr(pipe, "_tritoff_engine")
+    after = dict(pipe.transformer.named_parameters())
+    assert all(after[n] is p and torch.equal(p, value) for n, (p, value) in before.items())
+
+
+@pytest.mark.parametrize("mode", ["group", "model", "leaf"])
+@pytest.mark.parametrize("reserve", ["25%", None, 1000], ids=["percent", "default", "bytes"])
+def test_the_minimum_budget_named_works_and_one_byte_less_does_not(mode, reserve):
+    options = dict(mode=mode, reserve=reserve)
+    with pytest.raises(BudgetError) as info:
+        _enable(stack(), budget=1000, **options)
+    minimum = info.value.minimum
+    engine = _enable(stack(), budget=minimum, **options)
+    assert engine.plan.planned_bytes <= minimum
+    with pytest.raises(BudgetError) as info:
+        _enable(stack(), budget=minimum - 1, **options)
+    assert info.value.minimum == minimum
 
 
 def test_report_and_stats():
@@ -306,6 +329,22 @@ def test_a_plain_sequential_streams_its_children(mode):
     assert engine.plan.modes["model"] == "group" and engine.plan.tier_counts("model")["stream"] == 8
     with torch.no_grad():
         assert torch.equal(net(x), reference(x))
+
+
+@pytest.mark.parametrize("mode", ["model", "auto"])
+def test_a_root_never_called_itself_cannot_move_whole(mode):
+    from tritoff.tiny import realistic_init
+
+    torch.manual_seed(0)
+    root = realistic_init(torch.nn.ModuleDict({"a": torch.nn.Linear(64, 64), "b": torch.nn.Linear(64, 64)}))
+    if mode == "model":
+        root = torch.nn.ModuleList([root, torch.nn.Linear(64, 64)])  # splittable, but asked to move whole
+    root = root.to(torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in root.named_parameters()}
+    with pytest.raises(ValueError, match="which is never called itself, so it cannot move as one unit") as info:
+        _enable(root, mode=mode, budget=10**8)
+    assert "\n" not in str(info.value) and not hasattr(root, "_tritoff_engine")
+    assert all(torch.equal(p, before[n]) for n, p in root.named_parameters())
 
 
 def test_a_model_without_block_lists_falls_back_to_layers():

@@ -30,3 +30,26 @@ def test_nested_lists_and_tied_weights():
     groups = block_groups(model)
     assert [g.name for g in groups] == ["encoder.block.0", "encoder.block.1", REST]
     _check_partition(model, groups)
+
+
+def test_weights_tied_across_groups_join_the_rest():
+    import torch.nn as nn
+
+    from tritoff.groups import leaf_groups
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)) for _ in range(4))
+            self.blocks[3][0].weight = self.blocks[1][0].weight  # tied across two blocks
+            self.extra = nn.Linear(4, 4)
+            self.extra.weight = self.blocks[0][1].weight  # tied between a block and the rest
+            self.blocks[2] = self.blocks[3]  # one block registered twice: still one group
+
+    model = Tied()
+    for groups in (block_groups(model), leaf_groups(model)):
+        _check_partition(model, groups)
+        rest = {id(p) for _, p in groups[-1].params}
+        assert groups[-1].name == REST
+        assert id(model.blocks[1][0].weight) in rest and id(model.extra.weight) in rest
+    assert [g.name for g in block_groups(model)] == ["blocks.0", "blocks.1", "blocks.2", REST]

@@ -228,3 +228,120 @@ def test_cuda_graph_capture_over_streamed_blocks_is_refused():
     with torch.no_grad(), pytest.raises(RuntimeError, match="a CUDA graph cannot capture") as info:
         model(x)
     assert "\n" not in str(info.value)
+
+
+class _Tied(Stack):
+    """Block 3 reuses block 1's first weight; ``extra``, outside the blocks, reuses block 0's last one."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks[3][0].weight = self.blocks[1][0].weight
+        self.extra = nn.Linear(64, 64)
+        self.extra.weight = self.blocks[0][2].weight
+
+    def forward(self, x):
+        return super().forward(x) + self.head(self.extra(self.proj_in(x)))
+
+
+def _tied():
+    torch.manual_seed(0)
+    return realistic_init(_Tied()).to(torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("mode", ["group", "leaf"])
+def test_weights_tied_across_blocks_stay_in_place_while_blocks_stream(mode):
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    reference = dequantize_in_place(_tied())
+    options = dict(mode=mode, reserve=1000, progress=False, kernels="reference")
+    with pytest.raises(BudgetError) as info:
+        tritoff.enable(_tied(), budget=1000, **options)
+    model = _tied()
+    engine = tritoff.enable(model, budget=info.value.minimum, **options)
+    assert engine.plan.tier_counts("model")["stream"] > 3
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+        assert torch.equal(model(x), reference(x))
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "resident"])
+def test_a_call_under_inference_mode_leaves_the_engine_usable_in_normal_mode(streamed):
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    reference = dequantize_in_place(_stack())
+    model = _stack()
+    engine = _enable(model, _minimum(_stack()) if streamed else 10**8)
+    assert engine.plan.tier_counts("model")["stream" if streamed else "bf16"] == 5
+    with torch.inference_mode():
+        assert torch.equal(model(x), reference(x))  # the first call: the phase is loaded under inference mode
+    assert not any(p.is_inference() for p in model.parameters())
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert torch.equal(model(x), reference(x))  # grad mode
+    with torch.inference_mode():
+        assert torch.equal(model(x), reference(x))
+    if not streamed:  # resident weights may be saved for backward: gradients flow to the input
+        inputs = [x.clone().requires_grad_() for _ in range(2)]
+        model(inputs[0]).float().sum().backward()
+        reference(inputs[1]).float().sum().backward()
+        assert torch.equal(inputs[0].grad, inputs[1].grad)
+
+
+@pytest.mark.parametrize("name", ["head.weight", "blocks.2.0.weight"], ids=["unit", "streamed-block"])
+def test_a_managed_weight_made_to_require_grad_is_refused_in_one_line(name):
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    reference = dequantize_in_place(_stack())
+    model = _stack()
+    _enable(model, _minimum(_stack()))
+    dict(model.named_parameters())[name].requires_grad_(True)
+    with pytest.raises(RuntimeError, match=f"model.{name} requires grad, but the weights tritoff manages are frozen"):
+        model(x)
+    with torch.no_grad():  # nothing is trained without grad mode: the call works, and the engine recovered
+        assert torch.equal(model(x), reference(x))
+
+
+def test_a_module_list_root_prefetches_its_blocks_in_module_order():
+    def blocks():
+        torch.manual_seed(0)
+        return realistic_init(nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(6)))
+
+    def run(model, x):
+        for block in model:  # the root itself is never called
+            x = x + block(x)
+        return x
+
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    reference = dequantize_in_place(blocks().to(torch.bfloat16))
+    model = blocks().to(torch.bfloat16)
+    engine = _enable(model, _minimum(blocks().to(torch.bfloat16)))
+    assert engine.plan.tier_counts("model")["stream"] == 6
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(run(model, x), run(reference, x))
+    assert engine.stats["components"]["model"]["sync_onloads"] == 1  # only the very first block
+
+
+def test_calls_from_two_threads_take_turns():
+    import threading
+
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    reference = dequantize_in_place(_stack())
+    with torch.no_grad():
+        expected = reference(x)
+    model = _stack()
+    _enable(model, _minimum(_stack()))
+    outputs, errors = [], []
+
+    def work():
+        try:
+            for _ in range(6):
+                with torch.no_grad():
+                    outputs.append(model(x))
+        except Exception as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(outputs) == 12
+    assert all(torch.equal(out, expected) for out in outputs)

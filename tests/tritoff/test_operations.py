@@ -91,3 +91,19 @@ def test_qkv_fused_before_enable_is_packed_and_unfused_after():
     assert torch.equal(run(pipe, LATENTS), expected)
     pipe.transformer.unfuse_qkv_projections()
     assert torch.equal(run(pipe, LATENTS), expected_unfused)
+
+
+def test_save_pretrained_is_refused_while_enabled_and_writes_the_weights_after_disable(tmp_path):
+    pipe = wan()
+    tritoff.enable(pipe, mode="group", budget="4MB", progress=False, kernels="reference")
+    for owner in (pipe, pipe.transformer, pipe.text_encoder):
+        with pytest.raises(RuntimeError, match=r"save_pretrained\(\): the weights live in tritoff's packs") as info:
+            owner.save_pretrained(tmp_path / "enabled")
+        assert "\n" not in str(info.value) and "tritoff.disable(pipe)" in str(info.value)
+    assert not (tmp_path / "enabled").exists()  # nothing written
+    tritoff.disable(pipe)
+    pipe.transformer.save_pretrained(tmp_path / "disabled")
+    saved = type(pipe.transformer).from_pretrained(tmp_path / "disabled", torch_dtype=torch.bfloat16)
+    reference = dequantize_in_place(wan().transformer)
+    expected = dict(reference.named_parameters())
+    assert all(torch.equal(p, expected[n]) for n, p in saved.named_parameters())
