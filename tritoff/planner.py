@@ -336,5 +336,10 @@ def plan_phases(
         if worst not in message.split(":")[0]:
             message = message.replace(" is too small", f" is too small for the {worst} phase", 1)
         raise BudgetError(message, errors[worst].minimum)
-    together = sum(p.need_bytes for p in phases.values()) + fixed + max(reserves.values()) <= budget
-    return PhasedPlan(budget, fixed, phases, together)
+    return PhasedPlan(budget, fixed, phases, fit_together(phases.values(), fixed, reserves, budget))
+
+
+def fit_together(phases, fixed: int, reserves: dict[str, int], budget: int) -> bool:
+    """Whether every phase's holdings, the shared bytes and the largest activation reserve fit ``budget`` at once
+    (then nothing is ever evicted)."""
+    return sum(p.need_bytes for p in phases) + fixed + max(reserves.values()) <= budget

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from tritoff.activations import estimate, meta_twin
 from tritoff.budget import format_bytes, parse_size
-from tritoff.planner import BudgetError
+from tritoff.planner import BudgetError, fit_together
 from tritoff.planner import plan as phase_plan
 
 # the call a pipeline makes per component, by family: prompt tokens, CFG as separate calls (Wan) or one batch of two
@@ -253,15 +253,12 @@ def plan(
             phase_plan([by_name[name]], 1, mode, prefetch, reserves[name], True, None, fixed)
         except BudgetError as err:
             preview.minimum_budget = max(preview.minimum_budget, err.minimum)
-            smallest = err.minimum
         try:
             phases[name] = phase_plan([by_name[name]], budget_bytes, mode, prefetch, reserves[name], True, None, fixed)
-        except BudgetError:
+        except BudgetError as err:
             phases[name] = None
-            too_small.append(f"{name} needs {format_bytes(smallest)}")
-    together = (
-        not too_small and sum(p.need_bytes for p in phases.values()) + fixed + max(reserves.values()) <= budget_bytes
-    )
+            too_small.append(f"{name} needs {format_bytes(err.minimum)}")
+    together = not too_small and fit_together(phases.values(), fixed, reserves, budget_bytes)
     preview.phases = [
         _phase(name, phases[name], by_name[name], calls[name], reserves[name], together) for name in components
     ]
