@@ -58,11 +58,14 @@ SHAPES = {
 }
 SMOKE_SHAPES = {"video": (5, 32, 32), "image": (1, 32, 32)}
 DEFAULT_BUDGET, SMOKE_BUDGET = "12GB", "5MB"
+# the tritoff-disk row's host budget, as a share of the packs (the rest is read from disk every forward)
+HOST_FRACTION = 0.3
 
 TRANSFORMER_ROWS = (
     "resident",
     "tritoff-group",
     "tritoff-auto",
+    "tritoff-disk",
     "diffusers-bf16-group",
     "diffusers-fp8-group",
     "diffusers-model-offload",
@@ -75,6 +78,7 @@ LABELS = {
     "tritoff": "tritoff auto @ {b}",
     "tritoff-group": "tritoff group fp8 @ {b}",
     "tritoff-auto": "tritoff auto @ {b}",
+    "tritoff-disk": "tritoff group fp8, host budget {h} of the packs (the rest read from disk) @ {b}",
     "tritoff-group-compile": "tritoff group fp8 + regional compile @ {b}",
     "diffusers-bf16-group": "diffusers bf16 group offload (block, streams, record_stream) @ {b}",
     "diffusers-fp8-group": "diffusers layerwise fp8 + group offload (block, streams, record_stream) @ {b}",
@@ -244,7 +248,7 @@ class Table:
         return f"e2e-{self.model}-{self.shape}{budget}" + (f"-{self.tag}" if self.tag else "")
 
     def label(self, kind: str) -> str:
-        return LABELS[kind].format(b=self.budget_text)
+        return LABELS[kind].format(b=self.budget_text, h=f"{HOST_FRACTION:.0%}")
 
     def data(self, h2d, kinds) -> dict:
         rows = [self.rows[k] for k in kinds if k in self.rows]
@@ -253,6 +257,9 @@ class Table:
             base = self.rows.get(base_kind, {}).get("seconds_per_forward")
             if base and row.get("seconds_per_forward"):
                 row["ratio_to_resident"] = row["seconds_per_forward"] / base
+            held = self.rows.get("tritoff-group", {}).get("seconds_per_forward")
+            if row["kind"] == "tritoff-disk" and held and row.get("seconds_per_forward"):
+                row["slowdown_vs_all_packs_in_ram"] = row["seconds_per_forward"] / held
         return {
             "model": self.model,
             "shape": list(self.frames_hw),
@@ -322,6 +329,12 @@ def measure(model, table: Table, kind: str, device, budget: int | None, engine=N
             row["activation_bytes"] = total.get("activation_bytes")
             row["sync_onloads"] = total["sync_onloads"]
             row["plan"] = engine.plan.summary()
+            if engine.options.host_budget is not None:
+                row["host_budget_bytes"] = engine.options.host_budget
+                row["host_held_bytes"] = total["host_held_bytes"]  # packs held and the disk ring
+                row["disk_pack_bytes"] = total["disk_pack_bytes"]
+                row["disk_bytes_per_forward"] = total["disk_bytes_read"] / forwards
+                row["disk_wait_s_per_forward"] = total["disk_wait_s"] / forwards
             if h2d:
                 row["transfer_bound_s"] = row["bytes_moved_per_forward"] / (h2d * 1e9)
                 if row["transfer_bound_s"] > 0:
@@ -420,6 +433,36 @@ def transformer_tables(args, device) -> tuple[list[Table], float | None, list[st
                 done[t.frames_hw] = t.rows[kind]
                 if t.rows[kind].get("activation_peak_bytes") and kind == "resident":
                     activations[t.frames_hw] = t.rows[kind]["activation_peak_bytes"]
+        elif kind == "tritoff-disk":
+            model, info = built()
+            host_budget = int(HOST_FRACTION * packed_size(model))
+            engine = None
+            for t in tables:
+                reserve, rule = reserve_for(t, activations)
+                setup_start = time.perf_counter()
+                try:
+                    engine = tritoff.enable(
+                        model,
+                        mode="group",
+                        budget=t.budget,
+                        reserve=reserve,
+                        device=device,
+                        progress=False,
+                        host_budget=host_budget,
+                        spill_dir=args.spill_dir,
+                    )
+                except Exception as err:
+                    t.rows[kind] = {"row": t.label(kind), "kind": kind, "note": _error_note(err)}
+                    save()
+                    continue
+                setup = {**info, "setup_s": time.perf_counter() - setup_start, "reserve_bytes": reserve}
+                setup["reserve_rule"] = rule
+                clock.spent("build", info.get("build_s", 0.0) + setup["setup_s"])
+                info = {"host_rss_baseline_bytes": info["host_rss_baseline_bytes"]}
+                run(kind, t, model, t.budget, engine, setup)
+            if engine is not None:
+                engine.teardown()  # stops the disk reader; the spill file goes with the packs
+            del engine
         elif kind.startswith("tritoff"):
             model, info = built()  # a compile row compiles after enable, as users do (the hooks stay outside)
             compile_pending = kind.endswith("-compile")
@@ -477,6 +520,18 @@ def transformer_tables(args, device) -> tuple[list[Table], float | None, list[st
         free_memory(device)
     save()
     return tables, h2d, kinds
+
+
+def packed_size(model) -> int:
+    """Bytes of the fp8 packs tritoff would make of ``model`` (from shapes alone)."""
+    from tritoff.formats import get_format
+    from tritoff.groups import block_groups
+    from tritoff.packer import plan_layouts
+    from tritoff.skip import SkipRules
+
+    groups = block_groups(model)
+    quantized = SkipRules.for_model(model, ()).quantized_names(model)
+    return sum(lay.nbytes for lay in plan_layouts(groups, quantized, get_format("fp8_e4m3"), "row"))
 
 
 def reserve_for(table: Table, activations: dict) -> tuple[int, str]:
@@ -727,6 +782,7 @@ def print_transformer_table(table: dict) -> None:
                 gib(r.get("peak_vram_bytes")),
                 gib(rss),
                 gib(r.get("bytes_moved_per_forward")),
+                gib(r.get("disk_bytes_per_forward")),
                 seconds(r.get("transfer_bound_s")),
                 f"{r['compute_wait_s_per_forward'] * 1e3:.1f}" if "compute_wait_s_per_forward" in r else "-",
                 f"{r['hook_us_per_group']:.1f}" if r.get("hook_us_per_group") else "-",
@@ -742,6 +798,7 @@ def print_transformer_table(table: dict) -> None:
                 "peak VRAM GiB",
                 "host RSS over baseline GiB",
                 "moved GiB / fwd",
+                "disk GiB / fwd",
                 "transfer bound s",
                 "wait ms / fwd",
                 "hook us / group",
@@ -813,6 +870,7 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="appended to the JSON names (e2e-wan-video-TAG.json)")
     parser.add_argument("--deadline", type=float, default=None, help="epoch seconds: start nothing that ends after")
     parser.add_argument("--smoke", action="store_true", help="small models on the CPU (CI)")
+    parser.add_argument("--spill-dir", default=None, help="tritoff-disk row: where packs beyond the host budget go")
     args = parser.parse_args()
     args.configs = parse_configs(args)
     known = PIPELINE_ROWS if args.pipeline else TRANSFORMER_ROWS + COMPILE_ROWS
@@ -837,7 +895,9 @@ def main() -> None:
             failed += [
                 r
                 for r in data["rows"]
-                if r["kind"] in ("tritoff-group", "tritoff-auto") and "note" in r and "not run" not in r["note"]
+                if r["kind"] in ("tritoff-group", "tritoff-auto", "tritoff-disk")
+                and "note" in r
+                and "not run" not in r["note"]
             ]
     print(f"\nwrote JSON under {args.out or 'bench/results'}")
     if failed:  # a peer that does not fit is a result; tritoff failing is a bug

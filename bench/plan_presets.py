@@ -1,4 +1,5 @@
-"""The recipes of docs/usage.md: ``tritoff plan`` for the presets at 12 GB and 8 GB, 480p and 720p.
+"""The recipes of docs/usage.md: ``tritoff plan`` for the presets at 12 GB and 8 GB, 480p and 720p, and the Wan
+presets on machines of 16 GB and 32 GB of RAM (host budgets of 8 GB and 20 GB: the packs beyond them read from disk).
 
 Runs on any machine (configs only, on the meta device) and writes ``bench/results/plan_presets.json``.
 """
@@ -20,6 +21,9 @@ SHAPES = {
     "cogvideox-5b": [(49, 480, 720)],
 }
 BUDGETS = ("12GB", "8GB")
+# RAM of the machine -> the host budget its recipe gives the packs (the rest: the OS, Python, torch and CUDA, the disk
+# ring, the pipeline's host tensors)
+HOST_BUDGETS = {"16GB": "8GB", "32GB": "20GB"}
 
 
 def main() -> None:
@@ -38,8 +42,17 @@ def main() -> None:
                     p = tritoff.plan(model, budget, frames=frames, height=height, width=width, vae_tiling=tiling)
                     rows.append({**p.as_dict(), "seconds": round(time.time() - start, 1)})
                     print(p.text(), "\n", flush=True)
+    host_rows = []
+    for model in ["wan2.1-t2v-14b"] if args.smoke else ["wan2.1-t2v-14b", "wan2.2-t2v-a14b"]:
+        for ram, host_budget in list(HOST_BUDGETS.items())[:1] if args.smoke else HOST_BUDGETS.items():
+            for budget in BUDGETS[:1] if args.smoke else BUDGETS:
+                start = time.time()
+                p = tritoff.plan(model, budget, host_budget=host_budget)
+                host_rows.append({**p.as_dict(), "ram": ram, "seconds": round(time.time() - start, 1)})
+                print(p.text(), "\n", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"tritoff": tritoff.__version__, "rows": rows}, indent=2))
+    data = {"tritoff": tritoff.__version__, "rows": rows, "host_rows": host_rows}
+    Path(args.out).write_text(json.dumps(data, indent=2))
     print("model", "shape", "budget", "vae tiling", "fits", "minimum", sep=" | ")
     for r in rows:
         s = r["shape"]
@@ -52,6 +65,15 @@ def main() -> None:
             format_bytes(r["minimum_budget"]),
             sep=" | ",
         )
+    print("\nmodel", "RAM", "host budget", "GPU budget", "held", "read from disk per run (50 steps)", sep=" | ")
+    for r in host_rows:
+        per_run = {
+            p["components"][0]: p["disk_bytes_per_call"] * p["calls_per_run"] + p["disk_entry_bytes"]
+            for p in r["phases"]
+        }
+        disk = ", ".join(f"{name} {format_bytes(n)}" for name, n in per_run.items())
+        held = f"{format_bytes(r['host_held_bytes'])} of {format_bytes(r['host_bytes'])}"
+        print(r["model"], r["ram"], format_bytes(r["host_budget"]), format_bytes(r["budget"]), held, disk, sep=" | ")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ _LAZY = {
     "Engine": "tritoff.engine",
     "BudgetError": "tritoff.planner",
     "plan": "tritoff.preview",
+    "verify_store": "tritoff.store",
+    "StoreError": "tritoff.store",
     "Preview": "tritoff.preview",
 }
 

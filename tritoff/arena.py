@@ -19,17 +19,14 @@ PAGE = 4096
 class HostArena:
     """One host buffer of ``nbytes``; ``register`` page-locks it (default: when CUDA is available)."""
 
-    def __init__(self, nbytes: int, *, register: bool | None = None, _mapping=None, _offset: int = 0):
+    def __init__(self, nbytes: int, *, register: bool | None = None):
         self.nbytes = int(nbytes)
-        self.read_only = _mapping is not None
-        self._map = _mapping if _mapping is not None else mmap.mmap(-1, max(self.nbytes, PAGE))
-        with warnings.catch_warnings():  # a read-only mapping is never written through this view
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            self.buffer = (
-                torch.frombuffer(self._map, dtype=torch.uint8, offset=_offset, count=self.nbytes)
-                if self.nbytes
-                else torch.empty(0, dtype=torch.uint8)
-            )
+        self._map = mmap.mmap(-1, max(self.nbytes, PAGE))
+        self.buffer = (
+            torch.frombuffer(self._map, dtype=torch.uint8, count=self.nbytes)
+            if self.nbytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
         self.registered = False
         self.register_error: str | None = None
         if register is None:
@@ -37,21 +34,10 @@ class HostArena:
         if register and self.nbytes:
             self._register()
 
-    @classmethod
-    def from_file(cls, path: str, offset: int, nbytes: int, *, register: bool | None = None) -> HostArena:
-        """Map ``nbytes`` of the file at ``path`` from ``offset`` read-only: nothing is read into RAM up front, and
-        on CUDA the mapping is registered so the copy engine reads straight from the page cache."""
-        with open(path, "rb") as f:
-            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        return cls(nbytes, register=register, _mapping=mapping, _offset=offset)
-
     def _register(self) -> None:
         from tritoff import cuda_host
 
-        if self.read_only and not cuda_host.read_only_supported():
-            self.register_error = "this GPU cannot register read-only host memory"
-        else:
-            self.register_error = cuda_host.register(self.buffer.data_ptr(), self.nbytes, read_only=self.read_only)
+        self.register_error = cuda_host.register(self.buffer.data_ptr(), self.nbytes)
         if self.register_error is not None:
             warnings.warn(
                 f"page-locking {self.nbytes / 2**30:.2f} GiB of host memory failed ({self.register_error}); transfers "
@@ -81,6 +67,11 @@ class HostArena:
         device = torch.device("cuda", device_index(device))  # "cuda" alone has no index, which set_ needs
         storage = torch._C._construct_storage_from_data_pointer(host.data_ptr(), device, nbytes)
         return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
+
+    def device_view_of(self, host: torch.Tensor, device: torch.device | str = "cuda") -> torch.Tensor:
+        """:meth:`device_view` of ``host``, a view of this arena."""
+        offset = host.data_ptr() - self.buffer.data_ptr()
+        return self.device_view(offset, host.numel(), device)
 
     def close(self) -> None:
         """Unregister the arena (its memory is freed when the last view goes away)."""

@@ -321,6 +321,10 @@ def _cmd_run(args) -> int:
 
     _check_budget(args.budget)
     _check_budget(args.reserve, what="reserve")
+    if args.host_budget is not None and args.host_budget.strip() != "0":
+        _check_budget(args.host_budget, what="host budget")
+    if args.spill_dir is not None and Path(args.spill_dir).exists() and not Path(args.spill_dir).is_dir():
+        raise CliError(f"--spill-dir {args.spill_dir} is not a directory")
     check_writable(args.out)
     local = _check_model(args.model)
     _check_storage(args.storage, local)
@@ -354,7 +358,7 @@ def _cmd_run(args) -> int:
             directory = model_directory(args.model)
             if directory is not None:
                 check_source(args.store, directory, index)
-    print(f"tritoff: enabling ({'mapping the store' if args.store else 'packing'}, then placing the weights)")
+    print(f"tritoff: enabling ({'reading the store' if args.store else 'packing'}, then placing the weights)")
     try:
         engine = tritoff.enable(
             pipe,
@@ -366,6 +370,8 @@ def _cmd_run(args) -> int:
             prefetch=args.prefetch,
             reserve=args.reserve,
             transport=args.transport,
+            host_budget=args.host_budget,
+            spill_dir=args.spill_dir,
         )
     except BudgetError as err:
         raise _budget_error(err, args.mode, args.prefetch) from None
@@ -437,7 +443,7 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    for what in ("budget", "host_budget", "link"):
+    for what in ("budget", "host_budget", "link", "disk"):
         value = getattr(args, what)
         if value is not None and value.strip().endswith("%"):
             raise CliError(f"--{what.replace('_', '-')}: give bytes (e.g. 12GB), not a percentage")
@@ -458,6 +464,7 @@ def _cmd_plan(args) -> int:
             mode=args.mode,
             prefetch=args.prefetch,
             link=args.link,
+            disk=args.disk,
             vae_tiling=args.vae_tiling,
         )
     print(preview.json() if args.json else preview.text())
@@ -532,7 +539,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="the pipeline's compute dtype")
     run.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     run.add_argument("--out", default="video.mp4", help="video path, .mp4 or .gif")
-    run.add_argument("--store", default=None, help="a store written by `tritoff convert` (mapped, not re-quantized)")
+    run.add_argument("--store", default=None, help="a store written by `tritoff convert` (read, not re-quantized)")
+    run.add_argument(
+        "--host-budget",
+        default=None,
+        help="host memory the packs may hold, e.g. 10GB or 50%% of RAM; the rest are read from disk (default: all)",
+    )
+    run.add_argument(
+        "--spill-dir",
+        default=None,
+        help="without --store: where packs beyond --host-budget are written (default: ~/.cache/tritoff)",
+    )
     run.set_defaults(func=_cmd_run)
 
     convert = sub.add_parser("convert", help="quantize a pipeline once and save its packs as a store", **kw)
@@ -557,7 +574,9 @@ def build_parser() -> argparse.ArgumentParser:
         "model", help="a local diffusers pipeline directory, or wan2.1-t2v-14b, wan2.2-t2v-a14b, cogvideox-5b"
     )
     preview.add_argument("--budget", default="12GB", help="GPU memory budget")
-    preview.add_argument("--host-budget", default=None, help="host memory tritoff may hold for packs (default: any)")
+    preview.add_argument(
+        "--host-budget", default=None, help="host memory the packs may hold; the rest is read from disk (default: all)"
+    )
     preview.add_argument("--frames", type=_at_least(1), default=81, help="frames to generate")
     preview.add_argument("--height", type=_at_least(1), default=480, help="video height")
     preview.add_argument("--width", type=_at_least(1), default=832, help="video width")
@@ -566,6 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
     preview.add_argument("--mode", default="auto", choices=MODES, help="how components are split")
     preview.add_argument("--prefetch", type=_at_least(1), default=2, help="blocks in flight ahead of the running one")
     preview.add_argument("--link", default="25GB", help="host-to-GPU bytes per second, for transfer times")
+    preview.add_argument("--disk", default="2GB", help="disk read bytes per second, for --host-budget's read times")
     preview.add_argument("--vae-tiling", action="store_true", help="decode in tiles (pipe.vae.enable_tiling())")
     preview.add_argument("--json", action="store_true", help="print the plan as JSON")
     preview.set_defaults(func=_cmd_plan)

@@ -16,10 +16,6 @@ import torch
 
 # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP: visible to every context, readable by kernels
 REGISTER_FLAGS = 0x01 | 0x02
-# CU_MEMHOSTREGISTER_READ_ONLY: the only way to register a read-only file mapping (a saved store)
-READ_ONLY = 0x08
-# CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED
-_ATTR_READ_ONLY_SUPPORTED = 113
 
 
 @functools.cache
@@ -27,8 +23,6 @@ def _driver() -> ctypes.CDLL:
     lib = ctypes.CDLL("libcuda.so.1")
     lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
     lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
-    lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
-    lib.cuDeviceGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
     lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     return lib
 
@@ -55,31 +49,17 @@ def device_index(device: torch.device | str | int | None = None) -> int:
     return torch.cuda.current_device() if index is None else index
 
 
-def register(ptr: int, nbytes: int, read_only: bool = False) -> str | None:
+def register(ptr: int, nbytes: int) -> str | None:
     """Page-lock ``nbytes`` of host memory at ``ptr`` (mapped for kernels); returns None, or why it failed."""
     try:
         driver = _driver()
     except OSError as err:
         return f"libcuda could not be loaded ({err})"
     _ensure_context()
-    flags = REGISTER_FLAGS | (READ_ONLY if read_only else 0)
-    code = driver.cuMemHostRegister_v2(ctypes.c_void_p(ptr), nbytes, flags)
+    code = driver.cuMemHostRegister_v2(ctypes.c_void_p(ptr), nbytes, REGISTER_FLAGS)
     return None if code == 0 else _error_name(code)
 
 
 def unregister(ptr: int) -> None:
     """Undo :func:`register` (errors are ignored: the memory is being released anyway)."""
     _driver().cuMemHostUnregister(ctypes.c_void_p(ptr))
-
-
-def read_only_supported(device: torch.device | int | None = None) -> bool:
-    """Whether ``device`` can register read-only host memory (``cudaDevAttrHostRegisterReadOnlySupported``)."""
-    _ensure_context()
-    index = device_index(device)
-    driver = _driver()
-    handle, value = ctypes.c_int(), ctypes.c_int()
-    if driver.cuDeviceGet(ctypes.byref(handle), index) != 0:
-        return False
-    if driver.cuDeviceGetAttribute(ctypes.byref(value), _ATTR_READ_ONLY_SUPPORTED, handle) != 0:
-        return False
-    return bool(value.value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -10,17 +11,28 @@ import torch
 import torch.nn as nn
 from accelerate.hooks import add_hook_to_module, remove_hook_from_module
 
+from tritoff import disk
 from tritoff.adapters import adapter_bytes, merged_adapters, move_adapters, named_parameters, outer_modules
 from tritoff.arena import HostArena
 from tritoff.budget import device_memory, format_bytes, parse_size, percentage
 from tritoff.chunks import smallest_chunk
+from tritoff.disk import DiskRing, spill_file
 from tritoff.formats import check_granularity, get_format
 from tritoff.groups import REST, Group, block_groups, is_block, is_host, leaf_groups
 from tritoff.host_lookup import HostLookupHook, host_views
+from tritoff.host_plan import hold_plan
 from tritoff.kernels.upcast import upcast_pack_reference
 from tritoff.manager import ComponentHook, ComponentRuntime, GroupHook, HookManager, guard_forward
 from tritoff.onload import GroupRuntime, placeholder, table_bytes
-from tritoff.packer import PackedModel, pack_model, pack_offsets, plan_layouts
+from tritoff.packer import (
+    PackedModel,
+    hold_packs,
+    pack_bytes,
+    pack_model,
+    pack_offsets,
+    plan_layouts,
+    restore_params,
+)
 from tritoff.planner import MODES, ComponentSize, GroupSize, PhasedPlan, Plan, chunk_capacity, plan, plan_phases
 from tritoff.report import Report
 from tritoff.skip import SkipRules
@@ -33,6 +45,8 @@ TRANSPORTS = ("auto", "staged", "zero_copy")
 KERNELS = ("auto", "triton", "reference")
 # a component with a stack of at least this many blocks is split into groups (transformers, big text encoders)
 MIN_BLOCKS = 2
+# buffers of the disk ring: one is read while the other is copied to the GPU
+RING_BUFFERS = 2
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,7 @@ class Options:
     transport: str
     kernels: str
     reserve_fraction: float | None = None  # the reserve is this fraction of the budget (the default, or "20%")
+    host_budget: int | None = None  # host bytes the packs may hold (None: all of them)
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -158,8 +173,21 @@ def _check_device(device) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _resolve(components, storage, granularity, skip, mode, budget, reserve, device, prefetch, transport, kernels):
+def _host_budget(host_budget) -> int | None:
+    """``host_budget`` in bytes (a percentage is of the machine's RAM; 0 serves every pack from disk)."""
+    if host_budget is None:
+        return None
+    if isinstance(host_budget, (int, str)) and not isinstance(host_budget, bool) and str(host_budget).strip() == "0":
+        return 0
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    return parse_size(host_budget, what="host_budget", total=ram)
+
+
+def _resolve(
+    components, storage, granularity, skip, mode, budget, reserve, device, prefetch, transport, kernels, host_budget
+):
     storage = resolve_storage(storage, components)
+    host_budget = _host_budget(host_budget)
     check_granularity(granularity)
     if mode is not None and mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
@@ -201,6 +229,7 @@ def _resolve(components, storage, granularity, skip, mode, budget, reserve, devi
         transport,
         kernels,
         fraction,
+        host_budget,
     )
 
 
@@ -256,6 +285,7 @@ class Engine:
         self._hooked: list[nn.Module] = []
         self._runtimes: list[ComponentRuntime] = []
         self.manager: HookManager | None = None
+        self.disk: DiskRing | None = None
         self._torn_down = False
 
     # building -----------------------------------------------------------------------------------------------------
@@ -278,6 +308,7 @@ class Engine:
         use_triton = self._use_triton()
         zero_copy = opts.transport == "zero_copy"
         sizes = {s.name: s for s in self.sizes}
+        self.disk = self._disk_ring()
         runtimes = []
         for name, module in self.components.items():
             packed = self.packed[name]
@@ -294,7 +325,8 @@ class Engine:
                         param.data = view
                     comp.host.append((group, params))
                     continue
-                g = GroupRuntime(name, pack, packed, params, device, use_triton, zero_copy, chunk)
+                ring_arena = self.disk.arena if pack.on_disk else None
+                g = GroupRuntime(name, pack, packed, params, device, use_triton, zero_copy, chunk, ring_arena)
                 if split and is_block(group):
                     g.tier = "bf16" if phase.modes[name] == "resident" else tiers[g.name]
                     comp.blocks.append(g)
@@ -303,10 +335,17 @@ class Engine:
                     comp.unit.append(g)
                 g.release()
                 comp.groups.append(g)
+            comp.reads_disk = any(g.pack.on_disk for g in comp.blocks)
             runtimes.append(comp)
         self._runtimes = runtimes
         self.manager = HookManager(
-            device, runtimes, self.plan, opts.prefetch, replan=self._replan, auto_reserve=self.auto_reserve
+            device,
+            runtimes,
+            self.plan,
+            opts.prefetch,
+            replan=self._replan,
+            auto_reserve=self.auto_reserve,
+            disk=self.disk,
         )
         for comp in runtimes:
             _move_buffers(comp.module, device)
@@ -319,6 +358,33 @@ class Engine:
             for group, _ in comp.host:
                 self._hook(modules[group.modules[0][0]], HostLookupHook(device))
             self._hook(comp.module, ComponentHook(self.manager, comp))
+
+    def _disk_ring(self) -> DiskRing | None:
+        """The bounce ring packs served from disk are read into (None when the host budget holds every pack), with
+        two buffers the size of the largest such pack: one read while the other is copied to the GPU."""
+        on_disk = [
+            (name, pack)
+            for name, packed in self.packed.items()
+            for pack, group in zip(packed.packs, self._group_lists[name], strict=True)
+            if pack.on_disk and not is_host(group)
+        ]
+        if not on_disk:
+            return None
+        cuda = self.options.device.type == "cuda"
+        ring = DiskRing(
+            RING_BUFFERS,
+            max(pack.layout.nbytes for _, pack in on_disk),
+            register=cuda,
+            threaded=cuda or disk.READ_AHEAD_ON_CPU,
+            owners={id(pack): name for name, pack in on_disk},
+        )
+        if cuda and self.options.transport == "zero_copy" and not ring.arena.registered:
+            ring.close()
+            raise ValueError(
+                f"transport='zero_copy' needs page-locked host memory, and the disk ring could not be locked "
+                f"({ring.arena.register_error}); use transport='staged' or raise the locked-memory limit (ulimit -l)"
+            )
+        return ring
 
     def _replan(self, name: str, reserve: int) -> Plan:
         """The phase of component ``name`` planned again with activation reserve ``reserve``."""
@@ -388,6 +454,9 @@ class Engine:
             for g in comp.groups:
                 g.drop_device_state()
         self.manager = None
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
 
 
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
@@ -473,6 +542,8 @@ def enable(
     store: str | None = None,
     verify: bool = True,
     progress: bool = True,
+    host_budget: int | str | None = None,
+    spill_dir: str | None = None,
 ) -> Engine:
     """Store ``target``'s weights off-GPU in ``storage`` and run it within ``budget`` of GPU memory.
 
@@ -485,8 +556,11 @@ def enable(
     ``storage``: a format for the text encoders, image encoders and denoisers (default ``"fp8_e4m3"``; VAEs keep
     their own dtype), or ``{component: format}`` (the others get those defaults). ``store``: a directory written by
     ``Engine.save`` / ``tritoff convert`` whose packs are mapped instead of quantizing (its storage, granularity and
-    skip patterns apply); every store file is checked against the hash its index records unless ``verify=False``
-    (for stores verified elsewhere).
+    skip patterns apply); every store file is checked against the hashes its index records unless ``verify=False``
+    (for stores verified elsewhere). ``host_budget``: host memory the packs may hold (bytes, ``"16GB"``, ``"50%"`` of
+    RAM, or 0; default: all of them): the planner holds the packs read most often (a denoiser's streamed blocks) and
+    the rest are read from disk when needed, through a small page-locked ring read ahead on a thread; from the store
+    when there is one, else from a private spill file written into ``spill_dir`` (default ``~/.cache/tritoff``).
 
     Raises ``ValueError`` (one line, saying what to do) on bad options, a budget too small (naming the smallest that
     works), a pipeline already carrying accelerate/diffusers hooks, or weights another engine manages or two components
@@ -527,10 +601,12 @@ def enable(
         if (mode == "leaf") != (index["grouping"] == "leaf"):
             raise ValueError(f"the store at {store} was made with {index['grouping']} groups; use a matching mode")
     options = _resolve(
-        components, storage, granularity, skip, mode, budget, reserve, device, prefetch, transport, kernels
+        components, storage, granularity, skip, mode, budget, reserve, device, prefetch, transport, kernels, host_budget
     )
     if options.device.type == "cpu":
         warnings.warn("no CUDA device: tritoff packs and upcasts weights but offloads nothing", stacklevel=2)
+    if spill_dir is not None and options.host_budget is None:
+        warnings.warn("spill_dir is used only with host_budget (every pack is held in memory): ignored", stacklevel=2)
     if previous is not None:
         before = (previous.options.storage, previous.options.granularity, previous.options.skip)
         if before != (options.storage, options.granularity, options.skip):
@@ -541,6 +617,11 @@ def enable(
     # re-planning keeps the packs; switching to or from leaf groups re-packs, which is exact: quantizing a
     # dequantized pow2-scaled row gives back the same scale and codes
     reuse = previous is not None and (previous.options.mode == "leaf") == (options.mode == "leaf") and store is None
+    if previous is not None and options.host_budget != previous.options.host_budget:
+        raise ValueError(
+            "host_budget cannot change while tritoff is enabled (the packs stay where they were placed); "
+            "call tritoff.disable(pipe) first, or enable again with the same host_budget"
+        )
     fmts = {name: get_format(fmt) for name, fmt in options.storage.items()}
     if reuse:
         group_lists = previous._group_lists
@@ -562,7 +643,12 @@ def enable(
     sizes = _sizes(components, group_lists, layouts, options.mode)
     _check_callable(components, sizes)
     the_plan, chunks = _plan(sizes, group_lists, layouts, components, options)
+    looped = {name: _looped(name) for name in components}
+    in_ram = None if reuse else hold_plan(group_lists, layouts, the_plan, looped, options.host_budget)
     if store is not None:
+        # the packs the host budget holds are read (and checked) now, before anything changes; the rest stay on disk
+        for name, packed_model in stored.items():
+            hold_packs(packed_model, in_ram and in_ram[name], progress=progress, desc=f"reading {name}")
         _check_zero_copy(options, stored)
     # everything that can fail is checked before a parameter changes: from here on the pipeline is modified
     if previous is not None and not reuse:
@@ -581,26 +667,48 @@ def enable(
         for module in components.values():
             _replace_meta_params(module, options.device)
     else:
-        arenas = {name: HostArena(pack_offsets(layouts[name])[1]) for name in components}
+        kept = {
+            n: [lay for g, lay in zip(group_lists[n], layouts[n], strict=True) if in_ram is None or g.name in in_ram[n]]
+            for n in components
+        }
+        spills = {
+            n: spill_file(spill_dir, sum(lay.nbytes for lay in layouts[n]) - sum(lay.nbytes for lay in kept[n]))
+            for n in components
+            if len(kept[n]) < len(layouts[n])
+        }
+        arenas = {name: HostArena(pack_offsets(kept[name])[1]) for name in components}
         _check_zero_copy(options, arenas)
         requires_grad = _freeze(components)
         packed, snr = {}, {}
-        for name, module in components.items():
-            stats: dict[str, float] = {}
-            packed[name] = pack_model(
-                module,
-                fmts[name],
-                granularity=options.granularity,
-                skip=options.skip,
-                groups=group_lists[name],
-                release=True,
-                progress=progress,
-                snr=stats,
-                layouts=layouts[name],
-                desc=f"packing {name}",
-                arena=arenas[name],
-            )
-            snr.update({f"{name}.{k}": v for k, v in stats.items()})
+        try:
+            for name, module in components.items():
+                stats: dict[str, float] = {}
+                packed[name] = pack_model(
+                    module,
+                    fmts[name],
+                    granularity=options.granularity,
+                    skip=options.skip,
+                    groups=group_lists[name],
+                    release=True,
+                    progress=progress,
+                    snr=stats,
+                    layouts=layouts[name],
+                    desc=f"packing {name}",
+                    arena=arenas[name],
+                    held=in_ram and in_ram[name],
+                    spill=spills.get(name),
+                )
+                snr.update({f"{name}.{k}": v for k, v in stats.items()})
+        except BaseException:
+            # a full spill disk, Ctrl-C: components packed so far get their weights back from their packs (the one
+            # being packed did so itself), and their flags
+            for model in packed.values():
+                for pack, group in zip(model.packs, model.groups, strict=True):
+                    restore_params(group, pack)
+            params = {name: dict(named_parameters(module)) for name, module in components.items()}
+            for (name, pname), flag in requires_grad.items():
+                params[name][pname].requires_grad_(flag)
+            raise
     engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr, chunks, reserve is None)
     engine.fingerprints = fingerprints
     engine.requires_grad = requires_grad
@@ -652,7 +760,7 @@ def _check_zero_copy(options: Options, arenas: dict) -> None:
         return
     for name, arena in arenas.items():
         arena = getattr(arena, "arena", arena)
-        if not arena.registered:
+        if arena.nbytes and not arena.registered:
             raise ValueError(
                 f"transport='zero_copy' needs page-locked host memory, and {name}'s packs could not be locked "
                 f"({arena.register_error}); use transport='staged' or raise the locked-memory limit (ulimit -l)"
@@ -690,7 +798,7 @@ def _check_finite(module: nn.Module, quantized: set[str], component: str) -> Non
 def _dequantized(pack, device: torch.device) -> dict[str, torch.Tensor]:
     """The pack's tensors dequantized exactly (with the reference) into one fresh buffer on ``device``."""
     out = torch.empty(pack.layout.out_nbytes, dtype=torch.uint8)
-    upcast_pack_reference(pack.data, out, pack.layout.table(), pack.layout.out_dtype, pack.layout.storage)
+    upcast_pack_reference(pack_bytes(pack), out, pack.layout.table(), pack.layout.out_dtype, pack.layout.storage)
     return pack.layout.views(out.to(device))
 
 

@@ -36,9 +36,11 @@ def host_views(pack) -> list[torch.Tensor]:
     """The tensors of an unquantized pack as views of its host bytes, in entry order."""
     from tritoff.kernels.upcast import KIND_COPY
 
+    # a table served from disk is mapped: a lookup reads the pages of the rows it gathers, nothing more
+    data = pack.file.map(pack) if pack.on_disk else pack.data
     views = []
     for e in pack.layout.entries:
         if e.kind != KIND_COPY:
             raise ValueError(f"{e.name} is quantized: a host lookup table must be stored in its own dtype")
-        views.append(pack.data[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape))
+        views.append(data[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape))
     return views

@@ -188,11 +188,11 @@ def _edit(layer, change, what: str):
     if engine is None:
         return change()
     for _, g, i in located:
-        if g.arena.read_only:
+        if g.pack.on_disk:
             name = f"{g.component}.{g.layout.entries[i].name}"
             raise ValueError(
-                f"cannot {what} a LoRA into {name}: its pack is mapped read-only from a store; enable without store= "
-                "to fuse (engine.save then writes a store holding the fused weights), or keep the LoRA unfused"
+                f"cannot {what} a LoRA into {name}: its pack is served from disk (beyond host_budget); raise "
+                "host_budget so it is held in memory, or keep the LoRA unfused"
             )
     engine.manager.drop_prefetch()
     device = engine.options.device

@@ -70,6 +70,7 @@ class ComponentRuntime:
     blocks: list[GroupRuntime] = field(default_factory=list)  # split blocks, whatever their tier
     unit: list[GroupRuntime] = field(default_factory=list)  # loaded whole when the phase is entered
     host: list = field(default_factory=list)  # (group, params) of lookup tables kept in host memory
+    reads_disk: bool = False  # some streamed block is served from disk
     order: list[int] = field(default_factory=list)  # module order until the first forward is traced
     trace: list[int] | None = None
     traced: bool = False
@@ -106,7 +107,9 @@ class HookManager:
 
     ``replan(component, reserve) -> Plan`` plans a phase again with another activation reserve; with
     ``auto_reserve``, each new input shape of a component is traced on the meta device first and its phase re-planned
-    around the estimate (see ``tritoff/activations.py``).
+    around the estimate (see ``tritoff/activations.py``). ``disk``: the ring packs served from disk are read into;
+    prefetch issues such a pack only once it is read (it never holds the compute stream's work back waiting for the
+    disk), and names the next ones for the ring's reader.
     """
 
     def __init__(
@@ -117,11 +120,13 @@ class HookManager:
         depth: int,
         replan=None,
         auto_reserve: bool = False,
+        disk=None,
     ):
         self.device = device
         self.components = {c.name: c for c in components}
         self.phased = phased
-        self.residency = Residency(device, phased.budget, phased.fixed_bytes)
+        self.disk = disk  # the DiskRing of packs served from disk (None: every pack is in host memory)
+        self.residency = Residency(device, phased.budget, phased.fixed_bytes, disk)
         self.depth = depth
         self.replan = replan
         self.auto_reserve = auto_reserve
@@ -138,8 +143,10 @@ class HookManager:
 
     @property
     def transfer_ns(self) -> int:
-        """Host time spent filling synchronously (the CPU path): transfer time, not hook overhead."""
-        return sum(c.transfer.sync_fill_ns for c in self.components.values() if c.transfer is not None)
+        """Host time spent filling synchronously (the CPU path) or waiting for the disk: transfer time, not hook
+        overhead."""
+        fills = sum(c.transfer.sync_fill_ns for c in self.components.values() if c.transfer is not None)
+        return fills + (self.disk.wait_ns if self.disk is not None else 0)
 
     def slot_storages(self) -> set[int]:
         """The storages of every loaded ring slot."""
@@ -359,15 +366,18 @@ class HookManager:
 
     def group_post(self, group: GroupRuntime) -> None:
         """After a block's forward: free its slot (an event on the compute stream) and unbind its parameters."""
-        start = time.perf_counter_ns()
+        start = time.perf_counter_ns() - self.transfer_ns
         if self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
         comp = self.components[group.component]
         if group.tier in ("fp8", "stream") and group.slot is not None:
             comp.ring.done(group)
             group.release()
+            if self.disk is not None and not self.inflight:
+                # the block's kernels are queued: wait for the next pack's disk read now, while the GPU computes
+                self._top_up(block=True)
         if comp.traced:
-            comp.stats.hook_ns += time.perf_counter_ns() - start
+            comp.stats.hook_ns += time.perf_counter_ns() - self.transfer_ns - start
 
     def _issue(self, group: GroupRuntime) -> None:
         comp = self.components[group.component]
@@ -393,8 +403,9 @@ class HookManager:
                 kept.append(g)
         self.inflight = kept
 
-    def _top_up(self) -> None:
-        """Issue loads for the groups after the cursor until ``depth`` are in flight."""
+    def _top_up(self, block: bool = False) -> None:
+        """Issue loads for the groups after the cursor until ``depth`` are in flight. A pack served from disk is
+        issued once the disk ring has read it, or (``block``) when nothing else is in flight."""
         if self.cursor is None:
             return
         name, position = self.cursor
@@ -405,13 +416,30 @@ class HookManager:
         for _ in range(len(order)):
             if len(self.inflight) >= self.depth:
                 break
-            position = (position + 1) % len(order)
-            group = comp.blocks[order[position]]
+            step = (position + 1) % len(order)
+            group = comp.blocks[order[step]]
             if group.tier in ("bf16", "pool") or group in self.inflight or group.slot is not None:
+                position = step
                 continue
+            if group.pack.on_disk and not self.disk.ready(group.pack) and (self.inflight or not block):
+                break
+            position = step
             self._issue(group)
             self.inflight.append(group)
         self.cursor = (name, position)
+        if comp.reads_disk:
+            self._read_ahead(comp, position)
+
+    def _read_ahead(self, comp: ComponentRuntime, position: int) -> None:
+        """Name the disk packs of the streamed groups after ``position`` to the disk ring, soonest first."""
+        wanted, order = [], comp.order
+        for offset in range(1, len(order) + 1):
+            group = comp.blocks[order[(position + offset) % len(order)]]
+            if group.tier == "stream" and group.pack.on_disk and group not in self.inflight:
+                wanted.append(group.pack)
+                if len(wanted) == len(self.disk.buffers):
+                    break
+        self.disk.want(wanted)
 
 
 def _check_frozen(group: GroupRuntime) -> None:

@@ -64,6 +64,8 @@ class GroupRuntime:
     """One pack's onload machinery; its parameters point at a GPU buffer while loaded and at placeholders otherwise.
 
     ``chunk_bytes``: the capacity of one staging half, which the pack is split to fit (0: no staging).
+    ``host_arena``: the page-locked arena its bytes are read from (default: its component's; the disk ring's for a
+    pack served from disk).
     """
 
     def __init__(
@@ -76,17 +78,18 @@ class GroupRuntime:
         use_triton: bool,
         zero_copy: bool,
         chunk_bytes: int = 0,
+        host_arena=None,
     ):
         self.component = component
         self.name = pack.name
         self.pack = pack
         self.layout = pack.layout
-        self.arena = packed.arena
+        self.arena = host_arena if host_arena is not None else packed.arena
         self.storage = packed.storage
         self.params = params
         self.device = device
         self.use_triton = use_triton
-        self.zero_copy = zero_copy and device.type == "cuda" and packed.arena.registered
+        self.zero_copy = zero_copy and device.type == "cuda" and self.arena.registered
         self.chunks = split_pack(self.layout, chunk_bytes) if chunk_bytes else []
         self._build_tables()
         # shapes from the layout: the parameters themselves were emptied when their group was packed
@@ -166,24 +169,24 @@ class GroupRuntime:
         """Whether the group fills without staging: from its resident fp8 pack, or zero-copy from the host."""
         return self.device_pack is not None or self.zero_copy
 
-    def fill_direct(self, dst: torch.Tensor) -> int:
-        """Write the group's tensors into ``dst`` from the resident pack (HBM) or the host arena read zero-copy;
-        returns the host bytes read."""
+    def fill_direct(self, dst: torch.Tensor, host: torch.Tensor | None = None) -> int:
+        """Write the group's tensors into ``dst`` from the resident pack (HBM) or its ``host`` bytes (a view of its
+        page-locked arena) read zero-copy; returns the host bytes read."""
         if self.device_pack is not None:
             self._upcast(self.device_pack, dst, 0)
             return 0
-        self._upcast(self.arena.device_view(self.pack.offset, self.packed_bytes, self.device), dst, 1)
+        self._upcast(self.arena.device_view_of(host, self.device), dst, 1)
         return self.packed_bytes
 
     def fill_chunk(self, index: int, staged: torch.Tensor, dst: torch.Tensor) -> None:
         """Upcast chunk ``index`` (already copied into ``staged``) into its places in ``dst``."""
         self._upcast(staged, dst, (2 if self.zero_copy else 1) + index)
 
-    def fill_from_host(self, dst: torch.Tensor) -> int:
-        """Write the group's tensors into ``dst`` from the host pack (a CPU device: no staging needed)."""
+    def fill_from_host(self, dst: torch.Tensor, host: torch.Tensor) -> int:
+        """Write the group's tensors into ``dst`` from its ``host`` bytes (a CPU device: no staging needed)."""
         # Triton's interpreter copies every argument's whole storage back after a launch: a pack's view of the
-        # arena would rewrite the arena (a read-only mapping, for a store), so the kernel gets a copy of the pack
-        source = self.pack.data.clone() if self.use_triton else self.pack.data
+        # arena would rewrite the whole arena, so the kernel gets a copy of the pack
+        source = host.clone() if self.use_triton else host
         self._upcast(source, dst, 0)
         return self.packed_bytes
 

@@ -14,6 +14,7 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from tritoff.arena import PAGE, HostArena
+from tritoff.disk import PackFile
 from tritoff.formats import StorageFormat, check_granularity, get_format
 from tritoff.groups import Group, block_groups
 from tritoff.pack import PackLayout, TensorSpec, align, write_pack
@@ -22,12 +23,20 @@ from tritoff.skip import SkipRules
 
 @dataclass
 class Pack:
-    """One group's pack: its layout and its bytes in the arena."""
+    """One group's pack: its layout and where its bytes are: in the host arena, or in a file (``tritoff/disk.py``)
+    when the host budget does not hold it."""
 
     name: str
     layout: PackLayout
-    offset: int  # in the arena
-    data: torch.Tensor  # uint8 view of the arena
+    offset: int  # in the component's layout of packs (a store file's data, a spill file)
+    data: torch.Tensor | None  # uint8 view of the arena; None when the pack is served from ``file``
+    file: PackFile | None = None  # the file holding it (a store, a spill file), when it has one
+    hash: str | None = None  # XXH3-128 of its bytes, checked when read from a store file
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether the pack is read from its file when needed (not held in host memory)."""
+        return self.data is None
 
 
 @dataclass
@@ -46,9 +55,28 @@ class PackedModel:
         return sum(p.layout.nbytes for p in self.packs)
 
     @property
+    def disk_bytes(self) -> int:
+        """Bytes of the packs served from disk."""
+        return sum(p.layout.nbytes for p in self.packs if p.on_disk)
+
+    @property
+    def layout_bytes(self) -> int:
+        """Bytes of every pack laid out page by page (the size of a store file's data)."""
+        return pack_offsets([p.layout for p in self.packs])[1]
+
+    @property
     def unpacked_bytes(self) -> int:
         """Bytes the same tensors take in their compute dtypes."""
         return sum(p.layout.out_nbytes for p in self.packs)
+
+
+def pack_bytes(pack: Pack) -> torch.Tensor:
+    """``pack``'s bytes: its view of the arena, or a fresh copy read from its file."""
+    if not pack.on_disk:
+        return pack.data
+    out = torch.empty(pack.layout.nbytes, dtype=torch.uint8)
+    pack.file.read(pack, out)
+    return out
 
 
 def _quantizer(device: torch.device):
@@ -63,6 +91,16 @@ def release_params(group: Group) -> None:
     """Point every parameter of ``group`` at an empty tensor of its dtype, freeing the original weights."""
     for _, param in group.params:
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
+def restore_params(group: Group, pack: Pack) -> None:
+    """Give the parameters of ``group`` (released) their weights back, dequantized from ``pack`` (what tritoff
+    computes with: fp8 weights come back rounded to fp8)."""
+    from tritoff.pack import unpack_reference
+
+    tensors = unpack_reference(pack.layout, pack_bytes(pack))
+    for name, param in group.params:
+        param.data = tensors[name].to(param.device)
 
 
 def plan_layouts(groups: list[Group], quantized: set[str], fmt: StorageFormat, granularity: str) -> list[PackLayout]:
@@ -101,6 +139,8 @@ def pack_model(
     layouts: list[PackLayout] | None = None,
     desc: str | None = None,
     arena: HostArena | None = None,
+    held: set[str] | None = None,
+    spill: PackFile | None = None,
 ) -> PackedModel:
     """Quantize ``model`` into packs, one per group (default: its blocks, then the rest), in one host arena.
 
@@ -109,37 +149,77 @@ def pack_model(
     ``snr``, when given, receives each quantized weight's SNR in dB. ``read_group(group) -> {name: tensor}`` supplies
     each group's tensors instead of its parameters (a model built without weights, read from a checkpoint group by
     group). ``layouts``: the groups' layouts when the caller already planned them (:func:`plan_layouts`).
-    ``arena``: an arena sized by :func:`pack_offsets` the caller allocated (and checked) beforehand.
+    ``arena``: an arena sized by :func:`pack_offsets` (of the held packs) the caller allocated beforehand.
+    ``held``: names of the groups whose packs stay in the arena (default: all); the others are written to ``spill``
+    (:func:`tritoff.disk.spill_file`) one at a time, so host memory holds the held packs and one group.
     """
     fmt = get_format(storage)
     check_granularity(granularity)
     groups = block_groups(model) if groups is None else groups
     if layouts is None:
         layouts = plan_layouts(groups, SkipRules.for_model(model, skip).quantized_names(model), fmt, granularity)
-    offsets, total = pack_offsets(layouts)
+    offsets, _ = pack_offsets(layouts)
+    keep = [held is None or g.name in held for g in groups]
+    if not all(keep) and spill is None:
+        raise ValueError("packs that are not held need a spill file")
+    kept_offsets, total = pack_offsets([lay for lay, k in zip(layouts, keep, strict=True) if k])
+    kept_offsets = iter(kept_offsets)
     if arena is None:
         arena = HostArena(total, register=register)
     elif arena.nbytes != total:
         raise ValueError(f"the arena holds {arena.nbytes} bytes but these packs need {total}")
+    spilled = [lay.nbytes for lay, k in zip(layouts, keep, strict=True) if not k]
+    scratch = torch.empty(max(spilled, default=0), dtype=torch.uint8)  # one spilled pack at a time
     device = torch.device(quantize_on) if quantize_on is not None else _default_quantize_device()
     quantizer = _quantizer(device)
     packs = []
     bar = tqdm(
-        zip(groups, layouts, offsets, strict=True),
+        zip(groups, layouts, offsets, keep, strict=True),
         total=len(groups),
         desc=desc or f"packing {type(model).__name__}",
         disable=not progress,
     )
-    for group, layout, offset in bar:
-        data = arena.view(offset, layout.nbytes)
-        with torch.no_grad():
-            tensors = read_group(group) if read_group else {n: p.detach() for n, p in group.params}
-            write_pack(layout, data, tensors, quantizer, snr)
-        packs.append(Pack(group.name, layout, offset, data))
-        if release:
-            release_params(group)
+    try:
+        for group, layout, offset, kept in bar:
+            data = arena.view(next(kept_offsets), layout.nbytes) if kept else scratch[: layout.nbytes].zero_()
+            with torch.no_grad():
+                tensors = read_group(group) if read_group else {n: p.detach() for n, p in group.params}
+                write_pack(layout, data, tensors, quantizer, snr)
+            pack = Pack(group.name, layout, offset, data)
+            if not kept:
+                pack.data, pack.file = None, spill
+                spill.write(pack, data)
+            packs.append(pack)
+            if release:
+                release_params(group)
+    except BaseException:
+        if release:  # a full disk, Ctrl-C: the groups released so far get their weights back from their packs
+            for pack, group in zip(packs, groups, strict=False):
+                restore_params(group, pack)
+        raise
     return PackedModel(arena, packs, groups, fmt, granularity)
 
 
 def _default_quantize_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def hold_packs(
+    packed: PackedModel, held: set[str] | None, *, register: bool | None = None, progress: bool = False, desc=""
+) -> None:
+    """Read the packs of ``packed`` named in ``held`` (default: all) from their file into a new host arena; the
+    others stay on disk. Each pack is checked against its hash as it is read, and its pages are dropped from the
+    kernel's cache afterwards (the arena is now its copy)."""
+    chosen = [p for p in packed.packs if p.on_disk and (held is None or p.name in held)]
+    offsets, total = pack_offsets([p.layout for p in chosen])
+    arena = HostArena(total, register=register)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc or "reading packs", disable=not progress or not total)
+    for pack, offset in zip(chosen, offsets, strict=True):
+        data = arena.view(offset, pack.layout.nbytes)
+        pack.file.read(pack, data)
+        pack.file.drop_cache(pack)
+        pack.data = data
+        bar.update(align(pack.layout.nbytes, PAGE))
+    bar.close()
+    packed.arena.close()
+    packed.arena = arena

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from tritoff.activations import estimate, meta_twin
 from tritoff.budget import format_bytes, parse_size
+from tritoff.groups import is_host
 from tritoff.planner import BudgetError, fit_together
 from tritoff.planner import plan as phase_plan
 
@@ -41,10 +42,17 @@ class PhasePreview:
     streamed_bytes_per_call: int
     calls_per_run: int
     entry_bytes: int
+    disk_bytes_per_call: int = 0  # streamed blocks the host budget leaves on disk, read every call
+    disk_entry_bytes: int = 0  # of the entry bytes, those read from disk
 
     def as_dict(self) -> dict:
         """JSON-ready fields."""
         return dict(self.__dict__)
+
+    @property
+    def disk_bytes_per_run(self) -> int:
+        """Bytes read from disk per pipeline call."""
+        return self.disk_bytes_per_call * self.calls_per_run + self.disk_entry_bytes
 
 
 @dataclass
@@ -61,6 +69,8 @@ class Preview:
     shape: dict
     phases: list[PhasePreview] = field(default_factory=list)
     reason: str = ""
+    host_held_bytes: int | None = None  # packs the host budget holds (None: no host budget, all of them)
+    disk_bytes_per_s: float | None = None
 
     def as_dict(self) -> dict:
         """The object ``tritoff plan --json`` prints."""
@@ -71,7 +81,10 @@ class Preview:
             "minimum_budget": self.minimum_budget,
             "host_bytes": self.host_bytes,
             "host_budget": self.host_budget,
+            "host_held_bytes": self.host_held_bytes,
+            "disk_bytes_per_run": sum(p.disk_bytes_per_run for p in self.phases),
             "link_bytes_per_s": self.link_bytes_per_s,
+            "disk_bytes_per_s": self.disk_bytes_per_s,
             "shape": self.shape,
             "reason": self.reason,
             "phases": [p.as_dict() for p in self.phases],
@@ -100,7 +113,14 @@ class Preview:
             )
         host = f"host memory for the packs: {format_bytes(self.host_bytes)}"
         if self.host_budget is not None:
-            host += f" (host budget {format_bytes(self.host_budget)})"
+            disk = {", ".join(p.components): p.disk_bytes_per_run for p in self.phases if p.disk_bytes_per_run}
+            read = ", ".join(f"{name} {format_bytes(n)}" for name, n in disk.items()) or "nothing"
+            seconds = sum(disk.values()) / self.disk_bytes_per_s
+            host += (
+                f"; host budget {format_bytes(self.host_budget)} holds {format_bytes(self.host_held_bytes)}, the rest "
+                f"is read from disk: per run {read} ({seconds:.0f} s at {self.disk_bytes_per_s / 1e9:.1f} GB/s, "
+                "overlapping compute)"
+            )
         lines.append("  " + host)
         verdict = "fits" if self.feasible else f"does not fit: {self.reason}"
         lines.append(f"  {verdict}; the smallest GPU budget that fits is {format_bytes(self.minimum_budget)}")
@@ -187,6 +207,7 @@ def plan(
     mode: str = "auto",
     prefetch: int = 2,
     link: int | str = "25GB",
+    disk: int | str = "2GB",
     vae_tiling: bool = False,
     vae_dtype: torch.dtype | None = None,
 ) -> Preview:
@@ -194,6 +215,8 @@ def plan(
     ``frames`` x ``height`` x ``width`` video at ``budget`` of GPU memory, from configs alone.
 
     ``link``: host-to-GPU bytes per second (``"25GB"``: PCIe 4.0 x16 in practice) for the transfer times.
+    ``host_budget``: host memory the packs may hold; the preview says which packs it holds (as enable would) and what
+    is read from disk per run, timed at ``disk`` bytes per second (``"2GB"``: a PCIe 3.0 NVMe SSD).
     ``vae_tiling``: decode in tiles (``pipe.vae.enable_tiling()``); ``vae_dtype``: the VAE's dtype (default: bf16,
     as ``tritoff run`` loads every component; Wan's own examples decode in fp32). Returns a :class:`Preview`
     (``.text()``, ``.as_dict()``), feasible or not, with the smallest budget that fits.
@@ -211,6 +234,7 @@ def plan(
     budget_bytes = parse_size(budget)
     host_bytes_budget = parse_size(host_budget, what="host budget") if host_budget is not None else None
     link_rate = float(parse_size(link, what="link"))
+    disk_rate = float(parse_size(disk, what="disk"))
     if str(target) in PRESETS:
         model = str(target)
         family, components = build_preset(model)
@@ -234,12 +258,13 @@ def plan(
         layouts[name] = plan_layouts(group_lists[name], quantized, get_format(formats[name]), "row")
     sizes = _sizes(components, group_lists, layouts, mode)
     chunks, fixed = shared_bytes(sizes, group_lists, layouts, components, True, False)
-    reserves, calls = {}, {}
+    reserves, calls, loops = {}, {}, {}
     for name, module in components.items():
         method, args, kwargs, per_call, looped = _call(family, name, module, frames, height, width)
         twin = module if next(module.parameters()).is_meta else meta_twin(module)
         reserves[name] = estimate(twin, args, kwargs, method) or int(0.1 * budget_bytes)
         calls[name] = per_call * (steps if looped else 1)
+        loops[name] = looped
     if "transformer_2" in components:  # Wan 2.2: the high-noise expert takes the first 87.5% of the steps
         high = round(steps * 0.875)
         calls["transformer"], calls["transformer_2"] = 2 * high, 2 * (steps - high)
@@ -262,13 +287,41 @@ def plan(
     preview.phases = [
         _phase(name, phases[name], by_name[name], calls[name], reserves[name], together) for name in components
     ]
+    if host_bytes_budget is not None and not too_small:
+        _disk_reads(preview, group_lists, layouts, phases, loops)
+        preview.disk_bytes_per_s = disk_rate
     if too_small:
         preview.reason = "; ".join(too_small)
-    elif host_bytes_budget is not None and host > host_bytes_budget:
-        preview.reason = f"the packs need {format_bytes(host)} of host memory"
     else:
         preview.feasible = True
     return preview
+
+
+def _disk_reads(preview: Preview, group_lists, layouts, phases, looped) -> None:
+    """Which packs the host budget holds (as ``enable`` places them) and what each phase then reads from disk."""
+    from types import SimpleNamespace
+
+    from tritoff.arena import PAGE
+    from tritoff.host_plan import hold_plan
+    from tritoff.pack import align
+
+    held = hold_plan(group_lists, layouts, SimpleNamespace(phases=phases), looped, preview.host_budget)
+    preview.host_held_bytes = sum(
+        align(lay.nbytes, PAGE)
+        for name, lays in layouts.items()
+        for g, lay in zip(group_lists[name], lays, strict=True)
+        if g.name in held[name]
+    )
+    for row in preview.phases:
+        (name,) = row.components
+        tiers = phases[name].tiers.get(name, {})
+        on_disk = [
+            (g, lay) for g, lay in zip(group_lists[name], layouts[name], strict=True) if g.name not in held[name]
+        ]
+        streamed = [lay.nbytes for g, lay in on_disk if row.mode == "group" and tiers.get(g.name) == "stream"]
+        row.disk_bytes_per_call = sum(streamed)
+        entry = sum(lay.nbytes for g, lay in on_disk if not is_host(g)) - row.disk_bytes_per_call
+        row.disk_entry_bytes = entry if row.entry_bytes else 0  # phases that fit together are entered once
 
 
 def _phase(name: str, p, size, calls: int, reserve: int, together: bool) -> PhasePreview:

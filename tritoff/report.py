@@ -54,6 +54,9 @@ class Report:
                 "activation_measured_bytes": comp.measured,
                 # embedding tables looked up in host memory: never on the GPU
                 "host_lookup_bytes": sum(p.numel() * p.element_size() for _, params in comp.host for p in params),
+                # packs beyond the host budget: served from disk, and what was read of them
+                "disk_pack_bytes": engine.packed[comp.name].disk_bytes,
+                "disk_bytes_read": engine.disk.bytes_read.get(comp.name, 0) if engine.disk else 0,
             }
         keys = (
             "bytes_h2d",
@@ -65,8 +68,15 @@ class Report:
             "host_arena_bytes",
             "packed_bytes",
             "host_lookup_bytes",
+            "disk_pack_bytes",
+            "disk_bytes_read",
         )
         total = {k: sum(c[k] for c in components.values()) for k in keys}
+        ring = engine.disk
+        # host memory tritoff holds for weights: the arenas and the disk ring
+        total["disk_ring_bytes"] = ring.nbytes if ring else 0
+        total["host_held_bytes"] = total["host_arena_bytes"] + total["disk_ring_bytes"]
+        total["disk_wait_s"] = ring.wait_ns / 1e9 if ring else 0.0
         device = engine.options.device
         if device.type == "cuda":
             total["compute_wait_s"] = sum(c.stalls.seconds() for c in manager.components.values()) if manager else 0.0
@@ -78,6 +88,7 @@ class Report:
             "device": str(device),
             "storage": dict(engine.options.storage),  # component -> format
             "budget_bytes": engine.plan.budget,
+            "host_budget_bytes": engine.options.host_budget,
             "planned_bytes": engine.plan.planned_bytes,
             "components": components,
             "total": total,
@@ -127,6 +138,19 @@ class Report:
             lines.append(
                 "  embedding tables looked up in host memory (never uploaded): "
                 + ", ".join(f"{name} {format_bytes(n)}" for name, n in host.items())
+            )
+        if d["host_budget_bytes"] is not None:
+            per_call = ", ".join(
+                f"{name} {format_bytes(c['disk_bytes_read'] / c['calls'])}"
+                for name, c in d["components"].items()
+                if c["disk_pack_bytes"] and c["calls"]
+            )
+            lines.append(
+                f"  host budget {format_bytes(d['host_budget_bytes'])}: holding {format_bytes(t['host_held_bytes'])} "
+                f"(packs {format_bytes(t['host_arena_bytes'])}, disk ring {format_bytes(t['disk_ring_bytes'])}), "
+                f"{format_bytes(t['disk_pack_bytes'])} of packs served from disk; read from disk "
+                f"{format_bytes(t['disk_bytes_read'])} ({per_call or 'nothing yet'} per call), waited on disk "
+                f"{t['disk_wait_s'] * 1e3:.1f} ms"
             )
         if "peak_vram_bytes" in t:
             lines.append(

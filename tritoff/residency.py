@@ -22,8 +22,9 @@ from tritoff.transfer import Transfer
 class Residency:
     """Loads and evicts phases within ``budget`` bytes (``fixed``: bytes every phase shares)."""
 
-    def __init__(self, device: torch.device, budget: int, fixed: int):
+    def __init__(self, device: torch.device, budget: int, fixed: int, disk=None):
         self.device = device
+        self.disk = disk  # the ring packs served from disk are read into
         self.budget = budget
         self.fixed = fixed
         self.clock = 0
@@ -50,7 +51,7 @@ class Residency:
     def load(self, comp) -> None:
         """Allocate ``comp``'s phase and upload what its plan keeps resident."""
         plan, device = comp.plan, self.device
-        transfer = Transfer(device, plan.chunk_bytes)
+        transfer = Transfer(device, plan.chunk_bytes, self.disk)
         ring = None
         if plan.ring_slots:
             ring = SlotRing(device, plan.ring_slots, plan.slot_bytes, transfer, stalls=comp.stalls)
@@ -63,12 +64,15 @@ class Residency:
                 g.device_pack = torch.empty(g.packed_bytes, dtype=torch.uint8, device=device)
         transfer.wait_for_compute()
         moved = 0
-        for g in comp.groups:
+        uploads = [g for g in comp.groups if g.device_pack is not None] + fills
+        for i, g in enumerate(uploads):
+            if self.disk is not None:  # read the next packs served from disk while this one uploads
+                self.disk.want([u.pack for u in uploads[i:] if u.pack.on_disk])
             if g.device_pack is not None:
-                transfer.upload(g.device_pack, g.pack.data)
+                transfer.upload(g, g.device_pack)
                 moved += g.packed_bytes
-        for g in fills:
-            moved += transfer.fill(g, g.buffer)
+            else:
+                moved += transfer.fill(g, g.buffer)
         transfer.compute_waits()
         for g in fills:
             g.bind(g.buffer)

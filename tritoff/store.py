@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import shutil
 import struct
@@ -46,9 +45,10 @@ if TYPE_CHECKING:  # torch and the packer load on use: the command line reads an
     from tritoff.pack import PackEntry
     from tritoff.packer import PackedModel
 
-STORE_VERSION = 3
-# formats this tritoff reads: 2 recorded one storage for all components (the top-level "storage")
-READABLE_VERSIONS = (2, 3)
+STORE_VERSION = 4
+# formats this tritoff reads: 2 recorded one storage for all components (the top-level "storage"); 4 added a hash per
+# pack and per header, so a pack is checked when it is read (a store larger than RAM is never read whole up front)
+READABLE_VERSIONS = (2, 3, 4)
 INDEX = "tritoff_store.json"
 HASH = "xxh3_128"
 CHUNK = 64 << 20  # bytes hashed per call: large enough to run at memory speed, small enough for a smooth progress bar
@@ -116,18 +116,16 @@ def _entry(d: dict) -> PackEntry:
 
 
 def file_hash(path: str | Path, progress=None) -> str:
-    """XXH3-128 of the file's bytes (hex), read through a read-only mapping; ``progress`` (a tqdm bar) is advanced by
-    the bytes hashed."""
+    """XXH3-128 of the file's bytes (hex), read in chunks into one buffer (never mapped: a file larger than RAM
+    costs one chunk); ``progress`` (a tqdm bar) is advanced by the bytes hashed."""
     hasher = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return hasher.hexdigest()
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapping, memoryview(mapping) as view:
-            for start in range(0, size, CHUNK):
-                hasher.update(view[start : start + CHUNK])
-                if progress is not None:
-                    progress.update(min(CHUNK, size - start))
+    buffer = bytearray(CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while got := f.readinto(buffer):
+            hasher.update(view[:got])
+            if progress is not None:
+                progress.update(got)
     return hasher.hexdigest()
 
 
@@ -146,13 +144,28 @@ def _identity(path: Path) -> tuple:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _verify_file(path: Path, info: dict, progress=None) -> None:
-    """Refuse ``path`` unless its size and hash are the ones the index records."""
+def _header_hash(path: Path, data_offset: int) -> str:
+    with open(path, "rb") as f:
+        return xxhash.xxh3_128_hexdigest(f.read(data_offset))
+
+
+def _verify_file(path: Path, info: dict, progress=None, full: bool = False) -> None:
+    """Refuse ``path`` unless its size and hash are the ones the index records. A format-4 file is checked by its
+    header's hash unless ``full``: its packs carry their own hashes, checked when each is read."""
     if not path.is_file():
         raise StoreError(f"{path} is missing; {RECREATE}")
     size = path.stat().st_size
     if size != info["size"]:
         raise StoreError(f"{path} is truncated or altered ({size} bytes, the index records {info['size']}); {RECREATE}")
+    if "header_hash" in info and not full:
+        if _header_hash(path, info["data_offset"]) != info["header_hash"]:
+            raise StoreError(
+                f"{path} is corrupt or from another conversion (its header's {HASH} differs from the index's); "
+                f"{RECREATE}"
+            )
+        if progress is not None:
+            progress.update(size)
+        return
     key = _identity(path)
     if _verified.get(key) == info["hash"]:
         if progress is not None:
@@ -166,21 +179,24 @@ def _verify_file(path: Path, info: dict, progress=None) -> None:
     _verified[key] = digest
 
 
-def verify_store(directory: str | Path, index: dict | None = None, progress: bool = False) -> dict:
-    """Check every file of the store at ``directory`` against the size and hash its index records; returns the index.
+def verify_store(directory: str | Path, index: dict | None = None, progress: bool = False, full: bool = False) -> dict:
+    """Check every file of the store at ``directory`` against the size and hashes its index records; returns the
+    index.
 
-    Runs at memory speed once the files are in the page cache (see docs/usage.md for the measured rate)."""
+    A format-4 store is checked by its headers (its packs are checked as they are read) unless ``full``, which reads
+    and hashes every byte; older formats are always read whole (at memory speed once the files are in the page cache:
+    see docs/usage.md for the measured rate)."""
     directory = Path(directory)
     index = read_index(directory) if index is None else index
     infos = list(index["components"].values())
     bar = None
-    if progress:
+    if progress and (full or any("header_hash" not in i for i in infos)):
         from tqdm.auto import tqdm
 
         bar = tqdm(total=sum(i["size"] for i in infos), unit="B", unit_scale=True, desc=f"verifying {directory}")
     try:
         for info in infos:
-            _verify_file(directory / info["file"], info, bar)
+            _verify_file(directory / info["file"], info, bar, full)
     finally:
         if bar is not None:
             bar.close()
@@ -252,9 +268,21 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _pieces(view: memoryview):
-    for start in range(0, len(view), CHUNK):
-        yield view[start : start + CHUNK]
+def _data_pieces(model: PackedModel, nbytes: int):
+    """The bytes of a component's packs laid out as in its store file (zeros between packs), wherever each pack
+    lives: its arena or its file."""
+    from tritoff.packer import pack_bytes
+
+    at = 0
+    for pack in sorted(model.packs, key=lambda p: p.offset):
+        if pack.offset > at:
+            yield bytes(pack.offset - at)
+        view = memoryview(pack_bytes(pack).numpy())
+        for start in range(0, len(view), CHUNK):
+            yield view[start : start + CHUNK]
+        at = pack.offset + len(view)
+    if nbytes > at:
+        yield bytes(nbytes - at)
 
 
 def save_store(
@@ -274,6 +302,7 @@ def save_store(
     made from (:func:`describe_source`), checked by :func:`check_source`.
     """
     from tritoff.arena import PAGE
+    from tritoff.packer import pack_bytes
 
     target = check_target(directory, overwrite)
     if target.is_symlink():  # a link to a store: replace the store it points to, keep the link
@@ -297,6 +326,8 @@ def save_store(
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial"))
     try:
         for name, model in packed.items():
+            # each pack's hash goes into the header, so a pack read alone (served from disk) is checked alone
+            hashes = [xxhash.xxh3_128_hexdigest(memoryview(pack_bytes(p).numpy())) for p in model.packs]
             meta = {
                 "packs": [
                     {
@@ -305,12 +336,13 @@ def save_store(
                         "nbytes": p.layout.nbytes,
                         "out_nbytes": p.layout.out_nbytes,
                         "out_dtype": str(p.layout.out_dtype).split(".")[-1],
+                        "hash": digest,
                         "entries": [_entry_dict(e) for e in p.layout.entries],
                     }
-                    for p in model.packs
+                    for p, digest in zip(model.packs, hashes, strict=True)
                 ]
             }
-            nbytes = model.arena.nbytes
+            nbytes = model.layout_bytes
             header = {
                 "arena": {"dtype": "U8", "shape": [nbytes], "data_offsets": [0, nbytes]},
                 "__metadata__": {"tritoff": json.dumps(meta)},
@@ -318,17 +350,18 @@ def save_store(
             raw = json.dumps(header).encode()
             # pad the header with spaces so the data starts on a page boundary (safetensors allows trailing spaces)
             raw += b" " * (-(8 + len(raw)) % PAGE)
+            head = struct.pack("<Q", len(raw)) + raw
             file = f"{name}.safetensors"
-            data = memoryview(model.arena.buffer.numpy()) if nbytes else memoryview(b"")
-            size, digest = _write_hashed(tmp / file, [struct.pack("<Q", len(raw)), raw, *_pieces(data)])
+            size, digest = _write_hashed(tmp / file, [head, *_data_pieces(model, nbytes)])
             index["components"][name] = {
                 "file": file,
                 "storage": model.storage.name,
                 "fingerprint": fingerprints[name],
                 "nbytes": nbytes,
-                "data_offset": 8 + len(raw),
+                "data_offset": len(head),
                 "size": size,
                 "hash": digest,
+                "header_hash": xxhash.xxh3_128_hexdigest(head),
             }
         index["index_hash"] = _index_hash(index)
         _write_hashed(tmp / INDEX, [json.dumps(index, indent=1).encode()])
@@ -399,7 +432,7 @@ def read_index(directory: str | Path) -> dict:
     if not isinstance(index, dict):
         raise StoreError(f"{path} is not a valid tritoff store index (not an object); {RECREATE}")
     if index.get("store_version") not in READABLE_VERSIONS:
-        readable = " and ".join(map(str, READABLE_VERSIONS))
+        readable = ", ".join(map(str, READABLE_VERSIONS[:-1])) + f" and {READABLE_VERSIONS[-1]}"
         raise StoreError(
             f"{directory} has store format {index.get('store_version')}, this tritoff reads formats {readable}; "
             "recreate it with `tritoff convert`"
@@ -439,15 +472,18 @@ def load_store(
     components: dict[str, nn.Module],
     group_lists: dict[str, list[Group]],
     fingerprints: dict[str, str],
-    register: bool | None = None,
     verify: bool = True,
 ) -> dict[str, PackedModel]:
-    """Map every component's packs from ``directory``, after checking it matches ``components`` (their
-    ``fingerprints``) and, with ``verify``, that every file has the size and hash the index records (pass
-    ``verify=False`` only when the files are verified elsewhere: a corrupt store then gives wrong outputs)."""
+    """Open every component's packs in ``directory``, after checking it matches ``components`` (their
+    ``fingerprints``) and, with ``verify``, that every file has the size and hashes the index records (pass
+    ``verify=False`` only when the files are verified elsewhere: a corrupt store then gives wrong outputs).
+
+    Only headers are read: every pack starts on disk (:attr:`Pack.on_disk`), and :func:`tritoff.packer.hold_packs`
+    reads those the host budget holds. A format-4 pack is checked against its own hash when first read."""
     import torch
 
     from tritoff.arena import HostArena
+    from tritoff.disk import PackFile
     from tritoff.formats import get_format
     from tritoff.pack import PackLayout
     from tritoff.packer import Pack, PackedModel
@@ -476,7 +512,7 @@ def load_store(
         if path.stat().st_size != info["size"]:
             raise StoreError(f"{path} is truncated or altered ({path.stat().st_size} bytes, expected {info['size']})")
         meta = _read_meta(path)
-        arena = HostArena.from_file(str(path), info["data_offset"], info["nbytes"], register=register)
+        file = PackFile.open(path, info["data_offset"], verify=verify)
         groups = group_lists[name]
         if [p["name"] for p in meta["packs"]] != [g.name for g in groups]:
             raise StoreError(f"{directory}: the groups of {name} differ from the store's; recreate it")
@@ -490,7 +526,8 @@ def load_store(
                 get_format(storages[name]),
                 index["granularity"],
             )
-            packs.append(Pack(p["name"], layout, p["offset"], arena.view(p["offset"], p["nbytes"])))
+            packs.append(Pack(p["name"], layout, p["offset"], None, file, p.get("hash")))
+        arena = HostArena(0, register=False)  # hold_packs gives it the packs the host budget holds
         result[name] = PackedModel(arena, packs, groups, get_format(storages[name]), index["granularity"])
     return result
 

@@ -10,12 +10,16 @@ may be overwritten. The host never synchronizes.
 Groups whose tensors come from their resident fp8 pack, or that are read zero-copy from the host, skip staging and
 run on the upcast stream alone.
 
+A pack served from disk is first taken from the disk ring (``tritoff/disk.py``: read ahead by its thread, or read
+now), then moves exactly like a held one; the ring gets its buffer back with an event after the last copy out of it.
+
 On the CPU the same calls run synchronously, through the staging halves when there are any (so the chunking is
 exercised exactly as on a GPU).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -27,8 +31,9 @@ from tritoff.onload import GroupRuntime
 class Transfer:
     """Staging halves of ``chunk_bytes`` each on ``device`` (none when 0), and the copy and upcast streams."""
 
-    def __init__(self, device: torch.device, chunk_bytes: int):
+    def __init__(self, device: torch.device, chunk_bytes: int, disk=None):
         self.device = device
+        self.disk = disk
         self.cuda = device.type == "cuda"
         self.chunk_bytes = chunk_bytes
         self.staging = [
@@ -47,6 +52,23 @@ class Transfer:
         """Bytes of both staging halves."""
         return self.chunk_bytes * len(self.staging)
 
+    @contextlib.contextmanager
+    def host_bytes(self, group: GroupRuntime, stream=None):
+        """``group``'s host bytes while the block runs: its arena view, or a disk ring buffer given back afterwards
+        with an event on ``stream`` (the stream whose queued work reads it)."""
+        if not group.pack.on_disk:
+            yield group.pack.data
+            return
+        index, data = self.disk.take(group.pack)
+        event = None
+        try:
+            yield data
+        finally:
+            if stream is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+            self.disk.give_back(index, event)
+
     def fill(self, group: GroupRuntime, dst: torch.Tensor, after: torch.cuda.Event | None = None) -> int:
         """Write ``group``'s tensors into ``dst`` (asynchronously on CUDA); returns the host bytes read.
 
@@ -58,39 +80,46 @@ class Transfer:
             moved = self._fill_now(group, dst)
             self.sync_fill_ns += time.perf_counter_ns() - start
             return moved
-        if group.direct:
+        if group.device_pack is not None:
             with torch.cuda.stream(self.upcast_stream):
                 if after is not None:
                     self.upcast_stream.wait_event(after)
                 return group.fill_direct(dst)
+        if group.zero_copy:
+            with self.host_bytes(group, self.upcast_stream) as host, torch.cuda.stream(self.upcast_stream):
+                if after is not None:
+                    self.upcast_stream.wait_event(after)
+                return group.fill_direct(dst, host)
         if not self.staging:
             raise RuntimeError(f"{group.component}.{group.name} needs staging but the plan has none")
-        for index, chunk in enumerate(group.chunks):
-            half = self._half
-            self._half ^= 1
-            with torch.cuda.stream(self.copy_stream):
-                if self._used[half]:
-                    self.copy_stream.wait_event(self._free[half])
-                staged = stage_chunk(chunk, group.pack.data, self.staging[half])
-                self._staged[half].record(self.copy_stream)
-            with torch.cuda.stream(self.upcast_stream):
-                self.upcast_stream.wait_event(self._staged[half])
-                if index == 0 and after is not None:
-                    self.upcast_stream.wait_event(after)
-                group.fill_chunk(index, staged, dst)
-                self._free[half].record(self.upcast_stream)
-            self._used[half] = True
+        with self.host_bytes(group, self.copy_stream) as host:
+            for index, chunk in enumerate(group.chunks):
+                half = self._half
+                self._half ^= 1
+                with torch.cuda.stream(self.copy_stream):
+                    if self._used[half]:
+                        self.copy_stream.wait_event(self._free[half])
+                    staged = stage_chunk(chunk, host, self.staging[half])
+                    self._staged[half].record(self.copy_stream)
+                with torch.cuda.stream(self.upcast_stream):
+                    self.upcast_stream.wait_event(self._staged[half])
+                    if index == 0 and after is not None:
+                        self.upcast_stream.wait_event(after)
+                    group.fill_chunk(index, staged, dst)
+                    self._free[half].record(self.upcast_stream)
+                self._used[half] = True
         return group.packed_bytes
 
     def _fill_now(self, group: GroupRuntime, dst: torch.Tensor) -> int:
         if group.device_pack is not None:
             return group.fill_direct(dst)
-        if not self.staging:
-            return group.fill_from_host(dst)
-        for index, chunk in enumerate(group.chunks):
-            staging = self.staging[self._half]
-            self._half ^= 1
-            group.fill_chunk(index, stage_chunk(chunk, group.pack.data, staging), dst)
+        with self.host_bytes(group) as host:
+            if not self.staging:
+                return group.fill_from_host(dst, host)
+            for index, chunk in enumerate(group.chunks):
+                staging = self.staging[self._half]
+                self._half ^= 1
+                group.fill_chunk(index, stage_chunk(chunk, host, staging), dst)
         return group.packed_bytes
 
     def mark_compute(self) -> torch.cuda.Event | None:
@@ -117,13 +146,14 @@ class Transfer:
             self.copy_stream.wait_event(event)
             self.upcast_stream.wait_event(event)
 
-    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy host bytes ``src`` into device ``dst`` on the copy stream; later fills may read ``dst``."""
+    def upload(self, group: GroupRuntime, dst: torch.Tensor) -> None:
+        """Copy ``group``'s pack into device ``dst`` on the copy stream; later fills may read ``dst``."""
         if not self.cuda:
-            dst.copy_(src)
+            with self.host_bytes(group) as host:
+                dst.copy_(host)
             return
-        with torch.cuda.stream(self.copy_stream):
-            dst.copy_(src, non_blocking=True)
+        with self.host_bytes(group, self.copy_stream) as host, torch.cuda.stream(self.copy_stream):
+            dst.copy_(host, non_blocking=True)
         self.upcast_stream.wait_stream(self.copy_stream)
 
     def release(self) -> None:

@@ -88,16 +88,3 @@ def test_a_failed_registration_leaves_no_cuda_error_behind():
     torch.testing.assert_close((a @ a).cpu(), a.cpu() @ a.cpu(), rtol=1e-3, atol=1e-3)
     torch.cuda.synchronize()
     arena.close()
-
-
-@pytest.mark.gpu
-def test_read_only_file_mapping_is_registered_where_supported(tmp_path):
-    from tritoff import cuda_host
-
-    path = tmp_path / "packs.bin"
-    path.write_bytes(bytes(range(256)) * 64)
-    arena = HostArena.from_file(str(path), 4096, 8192)
-    assert arena.registered == cuda_host.read_only_supported()
-    if arena.registered:
-        assert torch.equal(arena.device_view(0, 8192).clone().cpu(), arena.view(0, 8192))
-    arena.close()

@@ -163,13 +163,18 @@ def test_a_broken_adapter_is_refused_and_changes_nothing():
     assert torch.equal(run(pipe, LATENTS), run(dequantized_pipeline(wan), LATENTS))
 
 
-def test_fusing_into_a_store_is_refused(tmp_path, expected):
+def test_fusing_into_packs_read_from_a_store_works_and_into_packs_on_disk_is_refused(tmp_path, expected):
     engine = _enable(wan(), mode="group", budget="4MB")
     engine.save(tmp_path / "store")
     pipe = wan()
-    _enable(pipe, mode="group", budget="4MB", store=tmp_path / "store")
+    _enable(pipe, mode="group", budget="4MB", store=tmp_path / "store")  # every pack read into host memory
     pipe.load_lora_weights(_lora(), adapter_name="style")
-    with pytest.raises(ValueError, match="mapped read-only from a store") as info:
+    pipe.fuse_lora(components=["transformer"])
+    assert torch.equal(run(pipe, LATENTS), expected["fused"])
+    pipe = wan()
+    _enable(pipe, mode="group", budget="4MB", store=tmp_path / "store", host_budget=0)  # every pack on disk
+    pipe.load_lora_weights(_lora(), adapter_name="style")
+    with pytest.raises(ValueError, match="served from disk") as info:
         pipe.fuse_lora(components=["transformer"])
     assert "\n" not in str(info.value)
     assert merged_adapters(pipe.transformer) == []

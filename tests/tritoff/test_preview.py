@@ -67,10 +67,21 @@ def test_a_directory_plans_from_its_configs_as_enable_packs(tmp_path):
     assert [ph.components[0] for ph in preview.phases] == ["text_encoder", "transformer", "vae"]
 
 
-def test_a_host_budget_smaller_than_the_packs_does_not_fit(tmp_path):
+def test_a_host_budget_smaller_than_the_packs_holds_what_enable_holds_and_reads_the_rest(tmp_path):
+    from diffusers import WanPipeline
+
     wan().save_pretrained(tmp_path / "pipe")
-    preview = tritoff.plan(tmp_path / "pipe", "1GB", host_budget="1MB", frames=5, height=16, width=16)
-    assert not preview.feasible and "of host memory" in preview.reason
+    preview = tritoff.plan(tmp_path / "pipe", "1GB", host_budget="1MB", frames=5, height=16, width=16, steps=2)
+    assert preview.feasible and preview.host_held_bytes <= 10**6 < preview.host_bytes
+    pipe = WanPipeline.from_pretrained(tmp_path / "pipe", torch_dtype=torch.bfloat16)
+    engine = tritoff.enable(pipe, budget="1GB", host_budget="1MB", spill_dir=tmp_path, progress=False)
+    assert preview.host_held_bytes == engine.stats["total"]["host_arena_bytes"]
+    # everything is resident at 1 GB and the phases fit together: nothing is read from disk once they are uploaded
+    assert preview.as_dict()["disk_bytes_per_run"] == 0 and "read from disk" in preview.text()
+    streaming = tritoff.plan("wan2.1-t2v-14b", "12GB", host_budget="8GB")
+    transformer = next(p for p in streaming.phases if p.components == ["transformer"])
+    assert streaming.feasible and streaming.host_held_bytes <= 8 * 10**9
+    assert 0 < transformer.disk_bytes_per_call < transformer.streamed_bytes_per_call
 
 
 @pytest.mark.parametrize(

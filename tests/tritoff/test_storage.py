@@ -76,7 +76,7 @@ def test_a_store_records_each_components_storage(tmp_path):
     engine = _enable(wan(), storage=storage, mode="group", budget="4MB")
     engine.save(tmp_path / "store")
     index = read_index(tmp_path / "store")
-    assert index["store_version"] == 3 and index["storage"] == "mixed"
+    assert index["store_version"] == 4 and index["storage"] == "mixed"
     assert {n: c["storage"] for n, c in index["components"].items()} == {
         "text_encoder": "fp8_e4m3",
         "transformer": "fp8_e5m2",

@@ -10,6 +10,7 @@ import torch
 
 import tritoff
 from tritoff import store as store_module
+from tritoff.packer import hold_packs
 from tritoff.store import INDEX, StoreError, check_target, load_store, read_index, save_store, verify_store
 
 from .helpers import run, wan
@@ -45,13 +46,15 @@ def _flip(path, offset):
         f.write(bytes([byte[0] ^ 0x01]))
 
 
-def test_round_trip_is_exact_and_maps_the_files(saved):
+def test_round_trip_is_exact_and_reads_every_pack_into_the_arena(saved):
     directory, expected = saved
     pipe = wan()
     engine = _enable(pipe, store=directory)
     assert torch.equal(run(pipe), expected)
     for packed in engine.packed.values():
-        assert packed.arena.read_only  # a mapping of the file, not a copy
+        # no host budget: every pack is read into the (anonymous, registrable) arena, none is left on disk
+        assert not any(p.on_disk for p in packed.packs)
+        assert packed.arena.nbytes == packed.layout_bytes
     assert engine.options.storage == {"text_encoder": "fp8_e4m3", "transformer": "fp8_e4m3", "vae": "bf16"}
 
 
@@ -75,7 +78,7 @@ def test_truncated_missing_and_other_version_are_refused(copy, tmp_path):
     index = json.loads((copy / INDEX).read_text())
     index["store_version"] = 1
     (copy / INDEX).write_text(json.dumps(index))
-    with pytest.raises(StoreError, match="store format 1, this tritoff reads formats 2 and 3"):
+    with pytest.raises(StoreError, match="store format 1, this tritoff reads formats 2, 3 and 4"):
         _enable(wan(), store=copy)
     with pytest.raises(StoreError, match="not a tritoff store"):
         _enable(wan(), store=tmp_path)
@@ -90,8 +93,10 @@ def test_storage_other_than_the_stores_is_refused(saved):
 @pytest.mark.parametrize("where", ["data", "header"])
 def test_a_flipped_byte_is_refused_naming_the_file(copy, where):
     info = read_index(copy)["components"]["transformer"]
+    last = max(store_module._read_meta(copy / "transformer.safetensors")["packs"], key=lambda p: p["offset"])
     # the last byte of the packs (a scale or a kept tensor), or a byte of the pack tables in the header
-    _flip(copy / "transformer.safetensors", info["size"] - 1 if where == "data" else 100)
+    end = info["data_offset"] + last["offset"] + last["nbytes"] - 1
+    _flip(copy / "transformer.safetensors", end if where == "data" else 100)
     pipe = wan()
     with pytest.raises(StoreError, match=r"transformer\.safetensors is corrupt or from another conversion"):
         _enable(pipe, store=copy)
@@ -191,23 +196,27 @@ def test_store_files_follow_the_umask(tmp_path):
     assert {stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "store").iterdir()} == {0o640}
 
 
-def test_verification_hashes_each_unchanged_file_once_and_can_be_skipped(copy, monkeypatch):
+def test_loading_reads_headers_and_checks_each_pack_as_it_is_read(copy, monkeypatch):
     hashed = []
     original = store_module.file_hash
     monkeypatch.setattr(store_module, "file_hash", lambda path, progress=None: hashed.append(path) or original(path))
-    pipe = wan()
-    engine = _enable(pipe)
+    engine = _enable(wan())
     components, groups = engine.components, engine._group_lists
-    load_store(copy, components, groups, engine.fingerprints, verify=False)
-    assert hashed == []
+    stored = load_store(copy, components, groups, engine.fingerprints)
+    assert hashed == [] and all(p.on_disk for m in stored.values() for p in m.packs)  # headers only, no pack read
     verify_store(copy)
+    assert hashed == []
+    verify_store(copy, full=True)  # every byte, on request
     assert len(hashed) == 3
-    load_store(copy, components, groups, engine.fingerprints)  # verified by this process, unchanged since
-    assert len(hashed) == 3
-    _flip(copy / "vae.safetensors", 10_000)
+    vae = store_module._read_meta(copy / "vae.safetensors")["packs"][0]
+    _flip(copy / "vae.safetensors", read_index(copy)["components"]["vae"]["data_offset"] + vae["offset"])
+    stored = load_store(copy, components, groups, engine.fingerprints)
+    with pytest.raises(StoreError, match=rf"vae\.safetensors is corrupt .*pack {vae['name']} differs"):
+        hold_packs(stored["vae"], None)
     with pytest.raises(StoreError, match=r"vae\.safetensors is corrupt"):
-        load_store(copy, components, groups, engine.fingerprints)
-    assert len(hashed) == 4  # the changed file was hashed again, the others not
+        verify_store(copy, full=True)
+    unchecked = load_store(copy, components, groups, engine.fingerprints, verify=False)
+    hold_packs(unchecked["vae"], None)  # verify=False: the caller vouches for the files
 
 
 def test_overwriting_through_a_link_replaces_the_linked_store(copy, tmp_path):

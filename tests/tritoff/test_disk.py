@@ -1,0 +1,356 @@
+"""tritoff/disk.py: packs served from disk under a host budget are read exactly, read ahead, and never held whole."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import tritoff
+from tritoff import disk, groups
+from tritoff.disk import DiskRing, PackFile, spill_file
+from tritoff.packer import pack_bytes, pack_model
+from tritoff.store import StoreError
+
+from .helpers import dequantized_pipeline, run, stack, wan
+
+pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _enable(pipe, **kwargs):
+    return tritoff.enable(pipe, mode="group", budget="4MB", progress=False, kernels="reference", **kwargs)
+
+
+def _spilled(tmp_path):
+    """A Stack's packs all in a spill file, and the same packs held in memory."""
+    held = pack_model(stack(), progress=False)
+    spill = spill_file(tmp_path, held.packed_bytes)
+    spilled = pack_model(stack(), progress=False, held=set(), spill=spill)
+    return held, spilled
+
+
+# files ---------------------------------------------------------------------------------------------------------------
+
+
+def test_spilled_packs_read_back_exactly_from_a_file_nobody_else_sees(tmp_path):
+    held, spilled = _spilled(tmp_path)
+    assert spilled.arena.nbytes == 0 and all(p.on_disk for p in spilled.packs)
+    for a, b in zip(held.packs, spilled.packs, strict=True):
+        assert torch.equal(pack_bytes(a), pack_bytes(b))
+    assert list(tmp_path.iterdir()) == []  # unlinked at creation: gone however the process ends
+
+
+def test_a_spill_directory_without_room_is_refused_naming_what_is_needed(tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10, 10, 5))
+    with pytest.raises(ValueError, match=r"need 1\.00 MiB of disk in .*5 B free: pass spill_dir="):
+        spill_file(tmp_path, 2**20)
+
+
+def test_a_corrupt_pack_is_refused_when_read(tmp_path):
+    held, _ = _spilled(tmp_path)
+    path = tmp_path / "packs.bin"
+    path.write_bytes(held.arena.buffer.numpy().tobytes())
+    pack = held.packs[1]
+    file = PackFile.open(path, 0)
+    pack = type(pack)(pack.name, pack.layout, pack.offset, None, file, "0" * 32)
+    with pytest.raises(StoreError, match=rf"packs\.bin is corrupt .*pack {pack.name} differs from its hash"):
+        pack_bytes(pack)
+
+
+# the ring ------------------------------------------------------------------------------------------------------------
+
+
+class CountingFile:
+    """A PackFile stand-in that counts reads, optionally failing or blocking them."""
+
+    def __init__(self, real, fail=(), gate=None):
+        self.real, self.fail, self.gate, self.reads = real, set(fail), gate, []
+
+    def read(self, pack, out):
+        if self.gate is not None:
+            self.gate.wait()
+        self.reads.append(pack.name)
+        if pack.name in self.fail:
+            raise OSError(f"cannot read {pack.name}")
+        self.real.read(pack, out)
+
+
+def _ring_packs(tmp_path, **file_kwargs):
+    held, spilled = _spilled(tmp_path)
+    counting = CountingFile(spilled.packs[0].file, **file_kwargs)
+    for p in spilled.packs:
+        p.file = counting
+    return held, spilled.packs, counting
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_the_ring_serves_exact_bytes_and_reuses_what_it_read(tmp_path, threaded):
+    held, packs, file = _ring_packs(tmp_path)
+    ring = DiskRing(2, max(p.layout.nbytes for p in packs), register=False, threaded=threaded, owners={})
+    try:
+        for _ in range(2):  # two passes over five packs with two buffers: every pack read once per pass
+            for i, pack in enumerate(packs):
+                index, data = ring.take(pack)
+                assert torch.equal(data, pack_bytes(held.packs[i]))
+                ring.give_back(index)
+        assert sorted(file.reads) == sorted([p.name for p in packs] * 2)
+        index, _ = ring.take(packs[-1])  # still in a buffer: not read again
+        ring.give_back(index)
+        assert len(file.reads) == 2 * len(packs)
+    finally:
+        ring.close()
+
+
+def test_the_reader_thread_reads_ahead_what_is_wanted(tmp_path):
+    gate = threading.Event()
+    _, packs, file = _ring_packs(tmp_path, gate=gate)
+    ring = DiskRing(2, max(p.layout.nbytes for p in packs), register=False, threaded=True, owners={})
+    try:
+        ring.want(packs[1:3])
+        assert not ring.ready(packs[1])  # the reader is held at the gate
+        gate.set()
+        for pack in packs[1:3]:
+            index, _ = ring.take(pack)
+            ring.give_back(index)
+        assert file.reads[:2] == [packs[1].name, packs[2].name]
+        assert ring.reads == 2 and ring.wait_ns >= 0
+    finally:
+        ring.close()
+    assert ring._thread is None
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_failed_read_reaches_the_taker_and_the_ring_stays_usable(tmp_path, threaded):
+    held, packs, file = _ring_packs(tmp_path, fail={"blocks.2"})
+    ring = DiskRing(2, max(p.layout.nbytes for p in packs), register=False, threaded=threaded, owners={})
+    try:
+        with pytest.raises(OSError, match=r"cannot read blocks\.2"):
+            ring.take(packs[2])
+        file.fail.clear()
+        index, data = ring.take(packs[2])  # read again, this time for real
+        assert torch.equal(data, pack_bytes(held.packs[2]))
+        ring.give_back(index)
+    finally:
+        ring.close()
+
+
+# the engine ----------------------------------------------------------------------------------------------------------
+
+BIG = dict(num_layers=8)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("store")
+    _enable(wan(**BIG)).save(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def expected():
+    return run(dequantized_pipeline(wan, **BIG))
+
+
+def test_packs_several_times_the_host_budget_run_from_a_store_bit_exact(store, expected):
+    pipe = wan(**BIG)
+    engine = _enable(pipe, store=store, host_budget="1MB")
+    assert torch.equal(run(pipe), expected)
+    total = engine.stats["total"]
+    assert total["packed_bytes"] > 3 * 10**6 > total["host_arena_bytes"] and total["host_arena_bytes"] <= 10**6
+    assert total["disk_pack_bytes"] == total["packed_bytes"] - sum(
+        p.layout.nbytes for m in engine.packed.values() for p in m.packs if not p.on_disk
+    )
+    # three steps with classifier-free guidance: six transformer calls, each reading every transformer block on disk
+    blocks = sum(p.layout.nbytes for p in engine.packed["transformer"].packs if p.on_disk and p.name != "<rest>")
+    transformer = engine.stats["components"]["transformer"]
+    assert transformer["disk_bytes_read"] >= 6 * blocks - 2 * max(
+        p.layout.nbytes for p in engine.packed["transformer"].packs
+    )
+    assert "of packs served from disk" in engine.report()
+
+
+def test_without_a_store_the_packs_beyond_the_budget_go_to_a_private_spill_file(tmp_path, expected):
+    pipe = wan(**BIG)
+    engine = _enable(pipe, host_budget="1MB", spill_dir=str(tmp_path))
+    assert torch.equal(run(pipe), expected)
+    assert engine.stats["total"]["disk_pack_bytes"] > 2 * 10**6
+    assert list(tmp_path.iterdir()) == []
+    tritoff.disable(pipe, device="cpu")  # the weights come back from disk too
+    assert torch.equal(run(pipe), expected)
+
+
+def test_a_disk_filling_up_while_packing_gives_every_weight_back(tmp_path, monkeypatch):
+    import errno
+
+    writes = []
+
+    def write(self, pack, data):
+        writes.append(pack.name)
+        if len(writes) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, pack, data)
+
+    real = PackFile.write
+    monkeypatch.setattr(PackFile, "write", write)
+    pipe = wan(**BIG)
+    with pytest.raises(OSError, match="No space left"):
+        _enable(pipe, host_budget="1MB", spill_dir=str(tmp_path))
+    assert not hasattr(pipe, "_tritoff_engine")
+    # every weight is back: those released before the failure as their packs hold them, the others untouched
+    original, packed = wan(**BIG), dequantized_pipeline(wan, **BIG)
+    for name in ("text_encoder", "transformer", "vae"):
+        was = dict(getattr(original, name).named_parameters())
+        rounded = dict(getattr(packed, name).named_parameters())
+        for pname, param in getattr(pipe, name).named_parameters():
+            assert param.shape == was[pname].shape and param.requires_grad == was[pname].requires_grad
+            assert torch.equal(param, was[pname]) or torch.equal(param, rounded[pname]), f"{name}.{pname}"
+    assert torch.isfinite(run(pipe)).all()
+
+
+def test_read_ahead_on_a_thread_gives_the_same_frames(store, expected, monkeypatch):
+    monkeypatch.setattr(disk, "READ_AHEAD_ON_CPU", True)
+    pipe = wan(**BIG)
+    engine = _enable(pipe, store=store, host_budget="1MB")
+    assert engine.disk.threaded
+    assert torch.equal(run(pipe), expected)
+    assert torch.equal(run(pipe), expected)
+    tritoff.disable(pipe)
+    assert engine.disk is None  # the reader was stopped and the ring released
+
+
+def test_host_budget_zero_serves_everything_from_disk_lookup_tables_mapped(store, expected, monkeypatch):
+    monkeypatch.setattr(groups, "HOST_EMBEDDING_BYTES", 8 * 1024)  # the tiny UMT5's table becomes a host group
+    pipe = wan(**BIG)
+    engine = _enable(pipe, host_budget=0, spill_dir=str(store.parent))
+    assert torch.equal(run(pipe), expected)
+    assert engine.stats["total"]["host_arena_bytes"] == 0
+    table = pipe.text_encoder.shared.weight
+    assert table.device.type == "cpu" and table.numel() > 0  # a view of the spill file's mapping
+
+
+def test_a_store_saved_under_a_host_budget_is_the_same_store(store, tmp_path):
+    engine = _enable(wan(**BIG), host_budget="1MB", spill_dir=str(tmp_path))
+    engine.save(tmp_path / "again")
+    first, again = (json.loads((d / "tritoff_store.json").read_text()) for d in (store, tmp_path / "again"))
+    assert {n: c["hash"] for n, c in first["components"].items()} == {
+        n: c["hash"] for n, c in again["components"].items()
+    }
+
+
+def test_fusing_a_lora_into_a_pack_on_disk_is_refused_in_one_line(store):
+    from .helpers import lora_state_dict
+
+    pipe = wan(**BIG)
+    _enable(pipe, store=store, host_budget=0)
+    pipe.load_lora_weights(lora_state_dict(wan(**BIG).transformer), adapter_name="a")
+    with pytest.raises(ValueError, match="served from disk .*raise host_budget"):
+        pipe.fuse_lora(components=["transformer"])
+
+
+@pytest.mark.parametrize(
+    "value,message",
+    [("abc", "invalid host_budget 'abc'"), ("150%", "at most 100%"), (-1, "must be positive"), (True, "invalid")],
+)
+def test_bad_host_budgets_are_refused_in_one_line(value, message):
+    pipe = wan()
+    with pytest.raises(ValueError, match=message):
+        _enable(pipe, host_budget=value)
+    assert not hasattr(pipe, "_tritoff_engine")
+
+
+def test_host_budget_cannot_change_on_a_re_enable(tmp_path):
+    pipe = wan()
+    _enable(pipe, host_budget="1MB", spill_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="host_budget cannot change while tritoff is enabled"):
+        _enable(pipe, host_budget="2MB")
+
+
+# memory --------------------------------------------------------------------------------------------------------------
+
+PROBE = textwrap.dedent(
+    """
+    import json, os, sys, warnings
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    warnings.filterwarnings("ignore")
+    import torch
+    import tritoff
+    from tritoff.tiny import WAN_TINY, tiny_wan_pipeline
+    from tests.tritoff.helpers import run
+
+    store, host_budget, config = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    budget = config.pop("budget")
+    # warm imports and the allocator up on a one-block twin, then swap in the transformer to fill from the store,
+    # built without weights (as `tritoff run --store` builds it)
+    pipe = tiny_wan_pipeline(**{**config, "num_layers": 1})
+    run(pipe, num_inference_steps=1)
+    from diffusers import WanTransformer3DModel
+    from tritoff.tiny import cast_like_from_pretrained
+    from accelerate import init_empty_weights
+    with init_empty_weights():  # parameters on meta, buffers real
+        transformer = WanTransformer3DModel(**{**WAN_TINY, **config})
+    pipe.transformer = cast_like_from_pretrained(transformer, torch.bfloat16).eval()
+    import gc
+    gc.collect()
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+
+    base = status("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from here
+    engine = tritoff.enable(
+        pipe, mode="group", budget=budget, device="cpu", progress=False, kernels="reference",
+        store=store, host_budget=None if host_budget == "none" else host_budget,
+    )
+    run(pipe)
+    total = engine.stats["total"]
+    print(json.dumps({"peak": status("VmHWM:") - base, "ring": total["disk_ring_bytes"],
+                      "arena": total["host_arena_bytes"], "packed": total["packed_bytes"],
+                      "read": total["disk_bytes_read"]}))
+    """
+)
+
+
+def _peak(store, host_budget, config):
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, str(store), host_budget, json.dumps(config)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resettable peak RSS")
+def test_peak_host_memory_stays_within_the_host_budget_plus_the_ring(tmp_path):
+    # 8 blocks of 4.2 MB of fp8 each: 34 MB of packs, several times a 6 MB host budget
+    config = dict(num_layers=8, num_attention_heads=8, attention_head_dim=64, ffn_dim=2048, budget=40 * 2**20)
+    model = {k: v for k, v in config.items() if k != "budget"}
+    from tritoff.tiny import tiny_wan_pipeline
+
+    _enable_kwargs = dict(mode="group", budget=config["budget"], progress=False, kernels="reference")
+    tritoff.enable(tiny_wan_pipeline(**model), **_enable_kwargs).save(tmp_path / "store")
+    budget = 6 * 10**6
+    limited = _peak(tmp_path / "store", str(budget), model | {"budget": config["budget"]})
+    full = _peak(tmp_path / "store", "none", model | {"budget": config["budget"]})
+    assert limited["packed"] > 5 * budget and limited["arena"] <= budget and limited["read"] > limited["packed"]
+    # the run without a host budget holds every pack; what else it holds (on the CPU the device budget's slots and
+    # resident tiers, activations, the pipeline's tensors) is the same with one: the peak is what the host budget
+    # holds, the ring, and that
+    other = full["peak"] - full["arena"]
+    assert full["arena"] >= limited["packed"] and other > 0
+    assert limited["peak"] <= limited["arena"] + limited["ring"] + other + 4 * 2**20, (limited, full)
+    assert limited["arena"] + limited["ring"] < full["arena"] - limited["packed"] // 2  # several times smaller

@@ -1,0 +1,77 @@
+"""tritoff/host_plan.py: the host budget holds the packs read most often, spread through a denoiser's blocks."""
+
+import pytest
+
+import tritoff
+from tritoff.arena import PAGE
+from tritoff.host_plan import _spread
+from tritoff.pack import align
+from tritoff.tiny import tiny_wan_pipeline
+
+from .helpers import BIG_WAN, wan
+
+pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
+
+
+def _enable(pipe, **kwargs):
+    return tritoff.enable(pipe, mode="group", budget="4MB", progress=False, kernels="reference", **kwargs)
+
+
+def _held(engine):
+    return {name: [p.name for p in m.packs if not p.on_disk] for name, m in engine.packed.items()}
+
+
+def _size(engine, name, pack_name):
+    return align(next(p for p in engine.packed[name].packs if p.name == pack_name).layout.nbytes, PAGE)
+
+
+def test_spread_picks_evenly_spaced_indices():
+    assert _spread(0, 4) == [] and _spread(4, 4) == [0, 1, 2, 3]
+    assert _spread(2, 8) == [3, 7] and _spread(3, 9) == [2, 5, 8]
+
+
+def test_streamed_denoiser_blocks_are_held_before_anything_else(tmp_path):
+    pipe = wan(num_layers=8)
+    full = _enable(wan(num_layers=8))
+    streamed = [g for g, t in full.plan.phases["transformer"].tiers["transformer"].items() if t == "stream"]
+    assert len(streamed) >= 4
+    block = _size(full, "transformer", streamed[0])
+    engine = _enable(pipe, host_budget=2 * block + block // 2, spill_dir=str(tmp_path))
+    held = _held(engine)
+    # two streamed blocks fit, spread through the stack; only the half block left over holds anything else
+    assert len(held["transformer"]) == 2 and set(held["transformer"]) <= set(streamed)
+    positions = sorted(streamed.index(name) for name in held["transformer"])
+    assert positions[1] - positions[0] >= len(streamed) // 2 - 1
+    others = sum(_size(engine, n, g) for n in ("text_encoder", "vae") for g in held[n])
+    assert others <= block // 2
+    assert engine.stats["total"]["host_arena_bytes"] <= engine.options.host_budget
+
+
+def test_a_budget_for_every_streamed_block_then_holds_what_is_read_per_call(tmp_path):
+    full = _enable(wan())
+    streamed = [
+        (n, p)
+        for n, m in full.packed.items()
+        for p in m.packs
+        if full.plan.phases[n].tiers.get(n, {}).get(p.name) == "stream"
+    ]
+    assert {n for n, _ in streamed} == {"transformer"}
+    stream_bytes = sum(align(p.layout.nbytes, PAGE) for _, p in streamed)
+    text = sum(align(p.layout.nbytes, PAGE) for p in full.packed["text_encoder"].packs)
+    engine = _enable(wan(), host_budget=stream_bytes + text, spill_dir=str(tmp_path))
+    held = _held(engine)
+    assert {p.name for _, p in streamed} <= set(held["transformer"])
+    assert engine.stats["total"]["host_arena_bytes"] <= stream_bytes + text
+
+
+def test_wan22_holds_the_first_expert_before_the_second(tmp_path):
+    def pipe():
+        return tiny_wan_pipeline(two_experts=True, **BIG_WAN)
+
+    full = _enable(pipe())
+    first = sum(align(p.layout.nbytes, PAGE) for p in full.packed["transformer"].packs)
+    engine = _enable(pipe(), host_budget=first, spill_dir=str(tmp_path))
+    held = _held(engine)
+    streamed_first = [g for g, t in engine.plan.phases["transformer"].tiers["transformer"].items() if t == "stream"]
+    assert set(streamed_first) <= set(held["transformer"])
+    assert len(held["transformer_2"]) < len(held["transformer"])

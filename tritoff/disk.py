@@ -1,0 +1,351 @@
+"""Packs served from disk: a file of packs read on demand into a small page-locked bounce ring.
+
+When the host budget (``enable(..., host_budget=)``) holds only some packs, the others stay in their store file (or
+in a private spill file written at enable) and are read when needed. The ring has a few buffers, each the size of the
+largest pack served from disk, in one page-locked arena (``tritoff/arena.py``). On CUDA a background thread reads
+ahead: the hook manager names the disk packs its next groups will need (:meth:`DiskRing.want`), the thread reads them
+into free buffers with ``pread`` while the GPU copies and computes, and a buffer is overwritten only once the CUDA
+event recorded after the last copy out of it has completed. On the CPU the same calls read synchronously.
+
+Files are read with ``pread``, never mapped whole or registered, so a file larger than RAM costs only the ring; the
+kernel's page cache (reclaimable, not this process's memory) may keep what fits. Lookup tables (``host_lookup.py``)
+served from disk are the exception: they are mapped read-only, so only the rows a prompt touches are read.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+import warnings
+import weakref
+from pathlib import Path
+
+import torch
+import xxhash
+
+from tritoff.arena import PAGE, HostArena
+from tritoff.pack import align
+
+# the CPU reads synchronously (tests set this to run the read-ahead thread without a GPU)
+READ_AHEAD_ON_CPU = False
+
+
+class PackFile:
+    """A file holding packs at ``data_offset`` + each pack's offset; ``fd`` an open descriptor of it.
+
+    ``path`` names it in errors (a spill file has been unlinked already). Packs carrying a hash are checked against
+    it when first read (``verify``), so a corrupt store is refused, naming the file, before a wrong byte is used."""
+
+    def __init__(self, fd: int, data_offset: int, path: str, *, verify: bool = True, owner=None):
+        self.fd = fd
+        self.data_offset = data_offset
+        self.path = path
+        self.verify = verify
+        self._owner = owner  # a spill file's TemporaryFile: the file lives as long as this object
+        self._verified: set[int] = set()
+        self._maps: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, path: str | Path, data_offset: int, verify: bool = True) -> PackFile:
+        """Open the store file at ``path`` for reading."""
+        return cls(os.open(path, os.O_RDONLY), data_offset, str(path), verify=verify)
+
+    def read(self, pack, out: torch.Tensor) -> None:
+        """Read ``pack``'s bytes into the uint8 CPU tensor ``out`` (at least the pack's size), checking its hash on
+        the first read."""
+        nbytes = pack.layout.nbytes
+        view = memoryview(out[:nbytes].numpy())
+        position, done = self.data_offset + pack.offset, 0
+        while done < nbytes:
+            got = os.preadv(self.fd, [view[done:]], position + done)
+            if got == 0:
+                raise OSError(f"{self.path} ended early while reading pack {pack.name}; the file was truncated")
+            done += got
+        if self.verify and pack.hash is not None and pack.offset not in self._verified:
+            if xxhash.xxh3_128_hexdigest(view) != pack.hash:
+                from tritoff.store import RECREATE, StoreError
+
+                raise StoreError(
+                    f"{self.path} is corrupt or from another conversion (pack {pack.name} differs from its hash); "
+                    f"{RECREATE}"
+                )
+            with self._lock:
+                self._verified.add(pack.offset)
+
+    def write(self, pack, data: torch.Tensor) -> None:
+        """Write ``data`` (the pack's bytes) at the pack's place (a spill file)."""
+        view = memoryview(data.numpy())
+        position, done = self.data_offset + pack.offset, 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], position + done)
+
+    def drop_cache(self, pack) -> None:
+        """Tell the kernel the pack's pages will not be read again soon (a pack now held in RAM)."""
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, self.data_offset + pack.offset, pack.layout.nbytes, os.POSIX_FADV_DONTNEED)
+
+    def map(self, pack) -> torch.Tensor:
+        """A read-only uint8 view of the pack mapped from the file: pages are read only when touched."""
+        start = self.data_offset + pack.offset
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(self.fd, start - base + pack.layout.nbytes, access=mmap.ACCESS_READ, offset=base)
+        self._maps.append(mapping)
+        with warnings.catch_warnings():  # never written through: a lookup table only reads rows
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(mapping, dtype=torch.uint8, offset=start - base, count=pack.layout.nbytes)
+
+    def close(self) -> None:
+        """Close the descriptor (mapped views stay valid until they go away)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self._owner is not None:
+            self._owner.close()
+            self._owner = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def spill_file(directory: str | Path | None, nbytes: int) -> PackFile:
+    """A private, already unlinked file of ``nbytes`` in ``directory`` (default: ``~/.cache/tritoff``) for packs that
+    do not fit the host budget; it disappears when the process ends, however it ends."""
+    import shutil
+    import tempfile
+
+    directory = Path(directory) if directory is not None else default_spill_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(directory).free
+    if free < nbytes:
+        from tritoff.budget import format_bytes
+
+        raise ValueError(
+            f"the packs beyond host_budget need {format_bytes(nbytes)} of disk in {directory}, which has "
+            f"{format_bytes(free)} free: pass spill_dir= (--spill-dir) on a larger disk, or convert to a store"
+        )
+    if _is_tmpfs(directory):
+        warnings.warn(
+            f"{directory} is a tmpfs (held in RAM): spilling packs there saves no memory; pass spill_dir= on a disk",
+            stacklevel=3,
+        )
+    owner = tempfile.TemporaryFile(dir=directory, prefix="tritoff-spill-")
+    return PackFile(owner.fileno(), 0, f"{directory}/<spill file>", verify=False, owner=owner)
+
+
+def default_spill_dir() -> Path:
+    """Where packs beyond the host budget are written when no store holds them."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "tritoff"
+
+
+def _is_tmpfs(directory: Path) -> bool:
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    resolved, best, kind = str(directory.resolve()), "", ""
+    for line in mounts:
+        parts = line.split()
+        if len(parts) >= 3 and (resolved == parts[1] or resolved.startswith(parts[1].rstrip("/") + "/")):
+            if len(parts[1]) > len(best):
+                best, kind = parts[1], parts[2]
+    return kind == "tmpfs"
+
+
+class _Buffer:
+    def __init__(self, view: torch.Tensor):
+        self.view = view
+        self.pack = None
+        self.state = "empty"  # empty | reading | ready | failed
+        self.users = 0
+        self.event = None  # CUDA event after the last copy out of it
+        self.error: BaseException | None = None
+        self.last_used = 0
+
+
+class DiskRing:
+    """``n_buffers`` page-locked buffers of ``buffer_bytes`` that disk packs are read into.
+
+    ``threaded``: read ahead on a background thread (CUDA); otherwise :meth:`take` reads synchronously. ``owners``
+    maps ``id(pack)`` to the component it belongs to, for the per-component counters."""
+
+    def __init__(self, n_buffers: int, buffer_bytes: int, *, register: bool | None, threaded: bool, owners: dict):
+        buffer_bytes = align(buffer_bytes, PAGE)
+        self.arena = HostArena(n_buffers * buffer_bytes, register=register)
+        self.buffers = [_Buffer(self.arena.view(i * buffer_bytes, buffer_bytes)) for i in range(n_buffers)]
+        self.buffer_bytes = buffer_bytes
+        self.threaded = threaded
+        self.owners = owners
+        self.cond = threading.Condition()
+        self.wanted: list = []
+        self.bytes_read: dict[str, int] = {}
+        self.reads = 0
+        self.wait_ns = 0  # time takers waited for a read (the copy stream's wait on disk)
+        self.clock = 0
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the ring."""
+        return self.arena.nbytes
+
+    # read-ahead -----------------------------------------------------------------------------------------------------
+    def want(self, packs: list) -> None:
+        """The disk packs needed next, soonest first: the reader keeps the first ones read ahead."""
+        with self.cond:
+            self.wanted = packs[: len(self.buffers)]
+            if self.threaded:
+                self._start()
+                self.cond.notify_all()
+
+    def ready(self, pack) -> bool:
+        """Whether ``pack`` sits read in a buffer (a :meth:`take` would not wait)."""
+        with self.cond:
+            buf = self._find(pack)
+            return buf is not None and buf.state == "ready"
+
+    def _start(self) -> None:
+        if self._thread is None:
+            # the thread holds the ring weakly between reads, so a ring nobody holds (a pipeline deleted without
+            # disable) is freed and its thread ends
+            self._thread = threading.Thread(
+                target=_reader, args=(weakref.ref(self),), name="tritoff-disk-reader", daemon=True
+            )
+            self._thread.start()
+
+    def _find(self, pack):
+        return next((b for b in self.buffers if b.pack is pack and b.state != "empty"), None)
+
+    def _claim(self):
+        """(buffer, pack) of the next read the wanted list calls for, the buffer marked as reading; or None."""
+        for pack in self.wanted:
+            if self._find(pack) is not None:
+                continue
+            wanted = {id(p) for p in self.wanted}
+            free = [
+                b
+                for b in self.buffers
+                if b.users == 0 and b.state != "reading" and (b.pack is None or id(b.pack) not in wanted)
+            ]
+            if not free:
+                return None
+            buf = min(free, key=lambda b: (b.state != "empty", b.last_used))
+            buf.pack, buf.state, buf.error = pack, "reading", None
+            return buf, pack
+        return None
+
+    def _read(self, buf: _Buffer, pack) -> None:
+        """Fill ``buf`` with ``pack`` (called without the lock held)."""
+        try:
+            if buf.event is not None:
+                buf.event.synchronize()  # the last copy out of this buffer has finished
+            pack.file.read(pack, buf.view)
+        except BaseException as err:  # handed to the taker
+            with self.cond:
+                buf.state, buf.error = "failed", err
+                self.cond.notify_all()
+            return
+        with self.cond:
+            buf.state, buf.event = "ready", None
+            owner = self.owners.get(id(pack), "?")
+            self.bytes_read[owner] = self.bytes_read.get(owner, 0) + pack.layout.nbytes
+            self.reads += 1
+            self.cond.notify_all()
+
+    def _next_job(self, timeout: float):
+        """The next read to do, None when there is none after ``timeout`` seconds, or ``_STOP``."""
+        with self.cond:
+            job = self._claim() if not self._stop else None
+            if job is None and not self._stop:
+                self.cond.wait(timeout)
+                job = self._claim() if not self._stop else None
+            return _STOP if self._stop else job
+
+    # use ------------------------------------------------------------------------------------------------------------
+    def take(self, pack) -> tuple[int, torch.Tensor]:
+        """Wait until ``pack`` is read into a buffer (reading it now on the CPU); returns (buffer index, its bytes).
+        The buffer is not reused until :meth:`give_back`."""
+        start = time.perf_counter_ns()
+        waited = False
+        with self.cond:
+            if not self.wanted or self.wanted[0] is not pack:
+                self.wanted = [pack, *[p for p in self.wanted if p is not pack]][: len(self.buffers)]
+            while True:
+                buf = self._find(pack)
+                if buf is not None and buf.state == "ready":
+                    break
+                if buf is not None and buf.state == "failed":
+                    buf.state, buf.pack = "empty", None
+                    raise buf.error
+                waited = True
+                if self.threaded:
+                    self._start()
+                    self.cond.notify_all()
+                    self.cond.wait()
+                    continue
+                job = self._claim()
+                if job is None:
+                    raise RuntimeError("every disk ring buffer is in use; this is a tritoff bug")
+                self.cond.release()
+                try:
+                    self._read(*job)
+                finally:
+                    self.cond.acquire()
+            buf.users += 1
+            self.wanted = [p for p in self.wanted if p is not pack]  # consumed: the read-ahead moves on
+            if self.threaded:
+                self.cond.notify_all()
+            self.clock += 1
+            buf.last_used = self.clock
+            if waited:
+                self.wait_ns += time.perf_counter_ns() - start
+            return self.buffers.index(buf), buf.view[: pack.layout.nbytes]
+
+    def give_back(self, index: int, event=None) -> None:
+        """Done with buffer ``index``; on CUDA, ``event`` marks the end of the last copy out of it."""
+        with self.cond:
+            buf = self.buffers[index]
+            buf.users -= 1
+            if event is not None:
+                buf.event = event
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        """Stop the reader and release the buffers."""
+        with self.cond:
+            self._stop = True
+            self.cond.notify_all()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        self.arena.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+_STOP = object()
+
+
+def _reader(ref) -> None:
+    """The reader thread: read what the ring wants until it is closed or freed."""
+    while True:
+        ring = ref()
+        if ring is None:
+            return
+        job = ring._next_job(timeout=0.5)
+        if job is _STOP:
+            return
+        if job is not None:
+            ring._read(*job)
+        del ring, job

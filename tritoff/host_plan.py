@@ -1,0 +1,70 @@
+"""Which packs the host budget holds in RAM; the others are read from disk when needed (``tritoff/disk.py``).
+
+Packs are held in the order of how often they are read: first the blocks a denoiser streams (read every step), then
+blocks other components stream (read every call: a text encoder once per prompt), then what the GPU plan keeps
+resident in a denoiser's phase (read when its phase is entered), then everything else, and last the lookup tables
+kept on the host (served from disk, a lookup reads only the rows it gathers). Within a rank, components come in
+pipeline order, so Wan 2.2's first expert (``transformer``, the high-noise steps) is held before the second. Where
+only some of a component's streamed blocks fit, the held ones are spread evenly through its blocks, so each block
+read from disk has the compute of held blocks around it to hide behind.
+"""
+
+from __future__ import annotations
+
+from tritoff.arena import PAGE
+from tritoff.groups import is_block, is_host
+from tritoff.pack import align
+from tritoff.planner import PhasedPlan
+
+RANKS = ("streamed every step", "streamed every call", "resident in a denoiser", "other", "host lookup table")
+
+
+def _rank(name: str, group, the_plan: PhasedPlan, looped: bool) -> int:
+    if is_host(group):
+        return 4
+    phase = the_plan.phases[name]
+    streamed = (
+        is_block(group) and phase.modes[name] == "group" and phase.tiers.get(name, {}).get(group.name) == "stream"
+    )
+    if streamed:
+        return 0 if looped else 1
+    return 2 if looped else 3
+
+
+def _spread(count: int, total: int) -> list[int]:
+    """``count`` indices of ``range(total)`` spread evenly."""
+    return [i for i in range(total) if (i + 1) * count // total > i * count // total]
+
+
+def hold_plan(
+    group_lists: dict, layouts: dict, the_plan: PhasedPlan, looped: dict[str, bool], budget: int | None
+) -> dict[str, set[str]] | None:
+    """Each component's groups whose packs the host ``budget`` (bytes) holds; None when there is no budget (all)."""
+    if budget is None:
+        return None
+    classes: dict[tuple[int, int], list[tuple[str, int]]] = {}
+    for order, (name, groups) in enumerate(group_lists.items()):
+        for group, layout in zip(groups, layouts[name], strict=True):
+            rank = _rank(name, group, the_plan, looped[name])
+            classes.setdefault((rank, order), []).append((group.name, align(layout.nbytes, PAGE)))
+    held = {name: set() for name in group_lists}
+    left = budget
+    names = list(group_lists)
+    for (rank, order), members in sorted(classes.items()):
+        name = names[order]
+        fit, used = 0, 0
+        for _, nbytes in members:  # how many fit in module order
+            if used + nbytes > left:
+                break
+            fit, used = fit + 1, used + nbytes
+        chosen = [members[i] for i in _spread(fit, len(members))] if rank <= 1 else members[:fit]
+        if sum(n for _, n in chosen) > left:  # blocks of unequal sizes: keep the ones that fitted in order
+            chosen = members[:fit]
+        for group_name, nbytes in chosen:
+            held[name].add(group_name)
+            left -= nbytes
+        for group_name, nbytes in members:  # smaller packs after the first that did not fit
+            if group_name not in held[name] and nbytes <= left and rank > 1:
+                held[name].add(group_name)
+                left -= nbytes
+    return held
