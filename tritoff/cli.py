@@ -345,7 +345,9 @@ def _cmd_run(args) -> int:
 
     start = time.perf_counter()
     if index is not None:
-        verify_store(args.store, index, progress=True)  # load_store does not hash these unchanged files again
+        # every pack is read at enable without a host budget: hash the files whole now, before the slow pipeline load
+        # (load_store does not hash these unchanged files again); with one, packs are checked as they are read
+        verify_store(args.store, index, progress=True, full=args.host_budget is None)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     pipe = _load_pipeline(args.model, dtype, args.store)
     if not local.is_dir():  # a hub id: its configs and files are known once it is loaded

@@ -36,7 +36,8 @@ class PackFile:
     """A file holding packs at ``data_offset`` + each pack's offset; ``fd`` an open descriptor of it.
 
     ``path`` names it in errors (a spill file has been unlinked already). Packs carrying a hash are checked against
-    it when first read (``verify``), so a corrupt store is refused, naming the file, before a wrong byte is used."""
+    it when first read (``verify``), so a corrupt store is refused, naming the file, before a wrong byte is used (the
+    hash covers the pack and its padding to the next page)."""
 
     def __init__(self, fd: int, data_offset: int, path: str, *, verify: bool = True, owner=None):
         self.fd = fd
@@ -65,7 +66,12 @@ class PackFile:
                 raise OSError(f"{self.path} ended early while reading pack {pack.name}; the file was truncated")
             done += got
         if self.verify and pack.hash is not None and pack.offset not in self._verified:
-            if xxhash.xxh3_128_hexdigest(view) != pack.hash:
+            # the hash covers the pack's page-aligned span: with the header's, every byte of the file is checked
+            hasher = xxhash.xxh3_128(view)
+            padding = align(nbytes, PAGE) - nbytes
+            if padding:
+                hasher.update(os.pread(self.fd, padding, position + nbytes))
+            if hasher.hexdigest() != pack.hash:
                 from tritoff.store import RECREATE, StoreError
 
                 raise StoreError(

@@ -243,7 +243,7 @@ def test_run_with_options_and_from_the_store(work):
         assert "transport zero_copy, prefetch 1" in out and out.count(" 976.56 KiB ") >= 3, out
         assert [line.split()[1] for line in out.splitlines() if line.startswith("  transformer ")][-1] == "leaf"
     assert "from store" in out and "verifying" in err
-    assert (root / "a.gif").read_bytes() == (root / "b.gif").read_bytes()  # same frames, packs mapped from the store
+    assert (root / "a.gif").read_bytes() == (root / "b.gif").read_bytes()  # same frames, packs read from the store
     assert stat.S_IMODE((root / "b.gif").stat().st_mode) == 0o666 & ~UMASK
 
 

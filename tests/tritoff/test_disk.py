@@ -287,6 +287,7 @@ PROBE = textwrap.dedent(
 
     store, host_budget, config = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     budget = config.pop("budget")
+    torch.set_num_threads(1)
     # warm imports and the allocator up on a one-block twin, then swap in the transformer to fill from the store,
     # built without weights (as `tritoff run --store` builds it)
     pipe = tiny_wan_pipeline(**{**config, "num_layers": 1})
@@ -327,7 +328,15 @@ def _peak(store, host_budget, config):
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        # one malloc arena, large blocks always mapped (freed at once) and one compute thread: per-thread arenas,
+        # glibc's moving mmap threshold and per-thread buffers would add megabytes of noise to the peak
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "MALLOC_ARENA_MAX": "1",
+            "MALLOC_MMAP_THRESHOLD_": str(1 << 20),
+            "OMP_NUM_THREADS": "1",
+        },
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
