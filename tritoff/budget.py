@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,22 @@ def parse_size(value: int | float | str, *, what: str = "budget", total: int | N
             raise ValueError(f"{what} {value!r} is a percentage, but there is no device memory to take it of")
         return int(total * number / 100)
     return int(number * _UNITS[unit])
+
+
+def parse_host_budget(value, what: str = "host_budget") -> int | None:
+    """A host budget in bytes: a size as :func:`parse_size` takes it (a percentage is of the machine's RAM), or zero
+    in any spelling (every pack served from disk); None stays None (every pack held)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+        return 0
+    match = _PATTERN.match(value) if isinstance(value, str) else None
+    if match and float(match.group(1)) == 0 and (match.group(2).upper() in _UNITS or match.group(2) == "%"):
+        return 0
+    ram = None
+    if hasattr(os, "sysconf"):
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return parse_size(value, what=what, total=ram)
 
 
 def percentage(value) -> float | None:

@@ -119,6 +119,23 @@ def _check_budget(budget: str | None, what: str = "budget") -> None:
         parse_size(budget, what=what, total=1)  # syntax only: a percentage is resolved on the device later
 
 
+def _check_spill_dir(args) -> None:
+    """``--spill-dir`` only where it is used (with ``--host-budget``, without ``--store``), and a directory that is or
+    can be made writable."""
+    if args.spill_dir is None:
+        return
+    if args.host_budget is None or args.store is not None:
+        raise CliError(
+            "--spill-dir is used only with --host-budget and without --store (a store's packs are read from the store)"
+        )
+    path = Path(args.spill_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise CliError(f"--spill-dir {args.spill_dir} is not a directory")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise CliError(f"--spill-dir {args.spill_dir}: {existing} is not a writable directory")
+
+
 def _check_percentage(budget: str | None, device: str | None) -> None:
     """A budget given as a percentage needs a GPU to take it of (imports torch)."""
     if budget is not None and budget.strip().endswith("%"):
@@ -321,10 +338,11 @@ def _cmd_run(args) -> int:
 
     _check_budget(args.budget)
     _check_budget(args.reserve, what="reserve")
-    if args.host_budget is not None and args.host_budget.strip() != "0":
-        _check_budget(args.host_budget, what="host budget")
-    if args.spill_dir is not None and Path(args.spill_dir).exists() and not Path(args.spill_dir).is_dir():
-        raise CliError(f"--spill-dir {args.spill_dir} is not a directory")
+    if args.host_budget is not None:
+        from tritoff.budget import parse_host_budget
+
+        parse_host_budget(args.host_budget, what="--host-budget")
+    _check_spill_dir(args)
     check_writable(args.out)
     local = _check_model(args.model)
     _check_storage(args.storage, local)
@@ -449,7 +467,11 @@ def _cmd_plan(args) -> int:
         value = getattr(args, what)
         if value is not None and value.strip().endswith("%"):
             raise CliError(f"--{what.replace('_', '-')}: give bytes (e.g. 12GB), not a percentage")
-        _check_budget(value, what.replace("_", " "))
+        if what != "host_budget":
+            _check_budget(value, what.replace("_", " "))
+    from tritoff.budget import parse_host_budget
+
+    parse_host_budget(args.host_budget, what="--host-budget")
     import tritoff
 
     with warnings.catch_warnings():

@@ -14,6 +14,7 @@ served from disk are the exception: they are mapped read-only, so only the rows 
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import threading
@@ -72,21 +73,45 @@ class PackFile:
             if padding:
                 hasher.update(os.pread(self.fd, padding, position + nbytes))
             if hasher.hexdigest() != pack.hash:
-                from tritoff.store import RECREATE, StoreError
-
-                raise StoreError(
-                    f"{self.path} is corrupt or from another conversion (pack {pack.name} differs from its hash); "
-                    f"{RECREATE}"
-                )
+                self._corrupt(pack)
             with self._lock:
                 self._verified.add(pack.offset)
+
+    def check(self, pack, chunk: int = 64 << 20) -> None:
+        """Read ``pack`` through once in chunks and check its hash, unless that was done (or is not asked for)."""
+        if not self.verify or pack.hash is None or pack.offset in self._verified:
+            return
+        hasher = xxhash.xxh3_128()
+        start, span = self.data_offset + pack.offset, align(pack.layout.nbytes, PAGE)
+        for at in range(0, span, chunk):
+            hasher.update(os.pread(self.fd, min(chunk, span - at), start + at))
+        if hasher.hexdigest() != pack.hash:
+            self._corrupt(pack)
+        self.drop_cache(pack)
+        with self._lock:
+            self._verified.add(pack.offset)
+
+    def _corrupt(self, pack):
+        from tritoff.store import RECREATE, StoreError
+
+        raise StoreError(
+            f"{self.path} is corrupt or from another conversion (pack {pack.name} differs from its hash); {RECREATE}"
+        )
 
     def write(self, pack, data: torch.Tensor) -> None:
         """Write ``data`` (the pack's bytes) at the pack's place (a spill file)."""
         view = memoryview(data.numpy())
         position, done = self.data_offset + pack.offset, 0
-        while done < len(view):
-            done += os.pwrite(self.fd, view[done:], position + done)
+        try:
+            while done < len(view):
+                done += os.pwrite(self.fd, view[done:], position + done)
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            raise OSError(
+                errno.ENOSPC, f"no space left on the disk of {self.path} for the packs beyond host_budget: pass "
+                "spill_dir= (--spill-dir) on a larger disk, or convert to a store"
+            ) from None
 
     def drop_cache(self, pack) -> None:
         """Tell the kernel the pack's pages will not be read again soon (a pack now held in RAM)."""
@@ -94,7 +119,9 @@ class PackFile:
             os.posix_fadvise(self.fd, self.data_offset + pack.offset, pack.layout.nbytes, os.POSIX_FADV_DONTNEED)
 
     def map(self, pack) -> torch.Tensor:
-        """A read-only uint8 view of the pack mapped from the file: pages are read only when touched."""
+        """A read-only uint8 view of the pack mapped from the file: pages are read only when touched. A pack with a
+        hash is first read through once in chunks and checked (its pages are not kept)."""
+        self.check(pack)
         start = self.data_offset + pack.offset
         base = start - start % mmap.ALLOCATIONGRANULARITY
         mapping = mmap.mmap(self.fd, start - base + pack.layout.nbytes, access=mmap.ACCESS_READ, offset=base)
@@ -119,29 +146,46 @@ class PackFile:
             pass
 
 
-def spill_file(directory: str | Path | None, nbytes: int) -> PackFile:
-    """A private, already unlinked file of ``nbytes`` in ``directory`` (default: ``~/.cache/tritoff``) for packs that
-    do not fit the host budget; it disappears when the process ends, however it ends."""
+def spill_files(directory, sizes: dict[str, int], stacklevel: int = 2) -> dict[str, PackFile]:
+    """A private, already unlinked file per component of ``sizes`` (its bytes of packs beyond the host budget) in
+    ``directory`` (default: ``~/.cache/tritoff``): they disappear when the process ends, however it ends. The
+    directory and its free space (for all of them together) are checked first, with one-line errors."""
     import shutil
     import tempfile
 
-    directory = Path(directory) if directory is not None else default_spill_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(directory).free
-    if free < nbytes:
-        from tritoff.budget import format_bytes
+    from tritoff.budget import format_bytes
 
+    sizes = {name: n for name, n in sizes.items() if n}
+    if not sizes:
+        return {}
+    if directory is not None and not isinstance(directory, (str, os.PathLike)):
+        raise ValueError(f"spill_dir must be a path, got {type(directory).__name__}")
+    directory = Path(directory).expanduser() if directory is not None else default_spill_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError("not writable")
+    except OSError as err:
         raise ValueError(
-            f"the packs beyond host_budget need {format_bytes(nbytes)} of disk in {directory}, which has "
+            f"spill_dir {directory} cannot hold the packs beyond host_budget ({err.strerror or err}): pass a "
+            "writable directory on a disk"
+        ) from None
+    free, total = shutil.disk_usage(directory).free, sum(sizes.values())
+    if free < total:
+        raise ValueError(
+            f"the packs beyond host_budget need {format_bytes(total)} of disk in {directory}, which has "
             f"{format_bytes(free)} free: pass spill_dir= (--spill-dir) on a larger disk, or convert to a store"
         )
     if _is_tmpfs(directory):
         warnings.warn(
             f"{directory} is a tmpfs (held in RAM): spilling packs there saves no memory; pass spill_dir= on a disk",
-            stacklevel=3,
+            stacklevel=stacklevel + 1,
         )
-    owner = tempfile.TemporaryFile(dir=directory, prefix="tritoff-spill-")
-    return PackFile(owner.fileno(), 0, f"{directory}/<spill file>", verify=False, owner=owner)
+    files = {}
+    for name in sizes:
+        owner = tempfile.TemporaryFile(dir=directory, prefix="tritoff-spill-")
+        files[name] = PackFile(owner.fileno(), 0, f"{directory}/<spill file of {name}>", verify=False, owner=owner)
+    return files
 
 
 def default_spill_dir() -> Path:
@@ -291,6 +335,8 @@ class DiskRing:
                     buf.state, buf.pack = "empty", None
                     raise buf.error
                 waited = True
+                if buf is None and not any(p is pack for p in self.wanted):  # a want() replaced the list: ask again
+                    self.wanted = [pack, *self.wanted][: len(self.buffers)]
                 if self.threaded:
                     self._start()
                     self.cond.notify_all()

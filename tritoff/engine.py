@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -14,9 +13,9 @@ from accelerate.hooks import add_hook_to_module, remove_hook_from_module
 from tritoff import disk
 from tritoff.adapters import adapter_bytes, merged_adapters, move_adapters, named_parameters, outer_modules
 from tritoff.arena import HostArena
-from tritoff.budget import device_memory, format_bytes, parse_size, percentage
+from tritoff.budget import device_memory, format_bytes, parse_host_budget, parse_size, percentage
 from tritoff.chunks import smallest_chunk
-from tritoff.disk import DiskRing, spill_file
+from tritoff.disk import DiskRing, spill_files
 from tritoff.formats import check_granularity, get_format
 from tritoff.groups import REST, Group, block_groups, is_block, is_host, leaf_groups
 from tritoff.host_lookup import HostLookupHook, host_views
@@ -173,21 +172,11 @@ def _check_device(device) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _host_budget(host_budget) -> int | None:
-    """``host_budget`` in bytes (a percentage is of the machine's RAM; 0 serves every pack from disk)."""
-    if host_budget is None:
-        return None
-    if isinstance(host_budget, (int, str)) and not isinstance(host_budget, bool) and str(host_budget).strip() == "0":
-        return 0
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
-    return parse_size(host_budget, what="host_budget", total=ram)
-
-
 def _resolve(
     components, storage, granularity, skip, mode, budget, reserve, device, prefetch, transport, kernels, host_budget
 ):
     storage = resolve_storage(storage, components)
-    host_budget = _host_budget(host_budget)
+    host_budget = parse_host_budget(host_budget)
     check_granularity(granularity)
     if mode is not None and mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
@@ -605,8 +594,9 @@ def enable(
     )
     if options.device.type == "cpu":
         warnings.warn("no CUDA device: tritoff packs and upcasts weights but offloads nothing", stacklevel=2)
-    if spill_dir is not None and options.host_budget is None:
-        warnings.warn("spill_dir is used only with host_budget (every pack is held in memory): ignored", stacklevel=2)
+    if spill_dir is not None and (options.host_budget is None or store is not None):
+        why = "every pack is held in memory" if options.host_budget is None else "the store's packs are read from it"
+        warnings.warn(f"spill_dir is used only with host_budget and without store ({why}): ignored", stacklevel=2)
     if previous is not None:
         before = (previous.options.storage, previous.options.granularity, previous.options.skip)
         if before != (options.storage, options.granularity, options.skip):
@@ -649,7 +639,18 @@ def enable(
         # the packs the host budget holds are read (and checked) now, before anything changes; the rest stay on disk
         for name, packed_model in stored.items():
             hold_packs(packed_model, in_ram and in_ram[name], progress=progress, desc=f"reading {name}")
+            for pack, group in zip(packed_model.packs, group_lists[name], strict=True):
+                if pack.on_disk and is_host(group):  # a lookup table, mapped later: checked now, read once
+                    pack.file.check(pack)
         _check_zero_copy(options, stored)
+    kept, spills = {}, {}
+    if not reuse and store is None:
+        # the packs beyond the host budget go to spill files, made (and their disk checked) before anything changes
+        for name in components:
+            pairs = zip(group_lists[name], layouts[name], strict=True)
+            kept[name] = [lay for g, lay in pairs if in_ram is None or g.name in in_ram[name]]
+        spilled = {n: sum(lay.nbytes for lay in layouts[n]) - sum(lay.nbytes for lay in kept[n]) for n in components}
+        spills = spill_files(spill_dir, spilled, stacklevel=2)
     # everything that can fail is checked before a parameter changes: from here on the pipeline is modified
     if previous is not None and not reuse:
         # other groups (leaf <-> block), or a store: pack again from the weights, restored on the host
@@ -667,15 +668,6 @@ def enable(
         for module in components.values():
             _replace_meta_params(module, options.device)
     else:
-        kept = {
-            n: [lay for g, lay in zip(group_lists[n], layouts[n], strict=True) if in_ram is None or g.name in in_ram[n]]
-            for n in components
-        }
-        spills = {
-            n: spill_file(spill_dir, sum(lay.nbytes for lay in layouts[n]) - sum(lay.nbytes for lay in kept[n]))
-            for n in components
-            if len(kept[n]) < len(layouts[n])
-        }
         arenas = {name: HostArena(pack_offsets(kept[name])[1]) for name in components}
         _check_zero_copy(options, arenas)
         requires_grad = _freeze(components)

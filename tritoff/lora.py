@@ -9,10 +9,11 @@ is written back into its pack (an fp8 weight is quantized again exactly as when 
 result is recorded for the report), and the GPU copies (resident packs, resident and pooled tensors) are refreshed.
 ``disable`` then returns the fused weights, and a re-plan keeps them.
 
-Fusing is refused in one line where the packs are mapped read-only from a store. ``fuse_lora`` (the pipeline's and
-the components') first checks that every adapter it would fuse has a finite delta, so a broken adapter is refused
-before any weight changes; a layer that still fails (its fused weight overflows) is left, with peft's record of its
-merged adapters, as it was.
+Fusing is refused in one line where a pack is served from disk (beyond ``host_budget``: its file is not tritoff's
+to rewrite). ``fuse_lora`` (the pipeline's and the components') first checks every layer it would fuse: an adapter
+whose delta holds NaN or Inf, or a layer whose pack is on disk, is refused before any weight changes; a layer that
+still fails (its fused weight overflows) is left, with peft's record of its merged adapters, as it was. Unfusing a
+layer with nothing merged changes nothing, as in peft.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def _checked_fuse(owner, engine):
                             f"fuse_lora: adapter {adapter!r} has NaN or Inf in its delta for {component}.{layer_name}; "
                             "nothing was fused: fix or unload that adapter"
                         )
+                    _refuse_disk(engine, layer, "fuse")
         return original(*args, **kwargs)
 
     fuse_lora._tritoff = True
@@ -183,17 +185,24 @@ def _owner(params):
     return None, []
 
 
+def _refuse_disk(engine, layer, what: str) -> None:
+    """Refuse to ``what`` a LoRA into ``layer`` when a weight of its base layer is in a pack served from disk."""
+    where = _where(engine)
+    for param in layer.get_base_layer().parameters():
+        g, i = where.get(id(param), (None, None))
+        if g is not None and g.pack.on_disk:
+            raise ValueError(
+                f"cannot {what} a LoRA into {g.component}.{g.layout.entries[i].name}: its pack is served from disk "
+                "(beyond host_budget); nothing was fused: raise host_budget so it is held in memory, or keep the "
+                "LoRA unfused"
+            )
+
+
 def _edit(layer, change, what: str):
     engine, located = _owner(list(layer.get_base_layer().parameters()))
-    if engine is None:
-        return change()
-    for _, g, i in located:
-        if g.pack.on_disk:
-            name = f"{g.component}.{g.layout.entries[i].name}"
-            raise ValueError(
-                f"cannot {what} a LoRA into {name}: its pack is served from disk (beyond host_budget); raise "
-                "host_budget so it is held in memory, or keep the LoRA unfused"
-            )
+    if engine is None or (what == "unfuse" and not getattr(layer, "merged_adapters", None)):
+        return change()  # unfusing a layer with nothing merged changes no weight
+    _refuse_disk(engine, layer, what)
     engine.manager.drop_prefetch()
     device = engine.options.device
     merged = list(getattr(layer, "merged_adapters", []))

@@ -373,9 +373,10 @@ class HookManager:
         if group.tier in ("fp8", "stream") and group.slot is not None:
             comp.ring.done(group)
             group.release()
-            if self.disk is not None and not self.inflight:
-                # the block's kernels are queued: wait for the next pack's disk read now, while the GPU computes
-                self._top_up(block=True)
+        if comp.reads_disk and not self.inflight and self.cursor is not None and self.cursor[0] == comp.name:
+            # the block's kernels are queued (whatever its tier): wait for the next pack's disk read now, while the
+            # GPU computes, rather than in the next block's hook with nothing queued
+            self._top_up(block=True)
         if comp.traced:
             comp.stats.hook_ns += time.perf_counter_ns() - self.transfer_ns - start
 
@@ -385,10 +386,11 @@ class HookManager:
         comp.stats.onloads += 1
 
     def _restart_prefetch(self, comp: ComponentRuntime) -> None:
-        """Drop whatever is in flight and start prefetching ``comp``'s first groups."""
+        """Drop whatever is in flight and start prefetching ``comp``'s first groups (waiting for the first one's disk
+        read, if it has one: nothing is queued for this component yet)."""
         self._invalidate()
         self.cursor = (comp.name, -1)
-        self._top_up()
+        self._top_up(block=True)
 
     def _invalidate(self) -> None:
         while self.inflight:

@@ -21,7 +21,7 @@ from tritoff.pack import PackLayout, TensorSpec, align, write_pack
 from tritoff.skip import SkipRules
 
 
-@dataclass
+@dataclass(eq=False)  # identity: packs are compared as objects (their bytes may be a tensor)
 class Pack:
     """One group's pack: its layout and where its bytes are: in the host arena, or in a file (``tritoff/disk.py``)
     when the host budget does not hold it."""
@@ -151,7 +151,7 @@ def pack_model(
     group). ``layouts``: the groups' layouts when the caller already planned them (:func:`plan_layouts`).
     ``arena``: an arena sized by :func:`pack_offsets` (of the held packs) the caller allocated beforehand.
     ``held``: names of the groups whose packs stay in the arena (default: all); the others are written to ``spill``
-    (:func:`tritoff.disk.spill_file`) one at a time, so host memory holds the held packs and one group.
+    (:func:`tritoff.disk.spill_files`) one at a time, so host memory holds the held packs and one group.
     """
     fmt = get_format(storage)
     check_granularity(granularity)

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from tritoff.activations import estimate, meta_twin
-from tritoff.budget import format_bytes, parse_size
+from tritoff.budget import format_bytes, parse_host_budget, parse_size
 from tritoff.groups import is_host
 from tritoff.planner import BudgetError, fit_together
 from tritoff.planner import plan as phase_plan
@@ -112,15 +112,17 @@ class Preview:
                 f"{p.calls_per_run:>7}{seconds:>13.1f}s"
             )
         host = f"host memory for the packs: {format_bytes(self.host_bytes)}"
-        if self.host_budget is not None:
+        if self.host_budget is not None and self.host_held_bytes is not None:
             disk = {", ".join(p.components): p.disk_bytes_per_run for p in self.phases if p.disk_bytes_per_run}
             read = ", ".join(f"{name} {format_bytes(n)}" for name, n in disk.items()) or "nothing"
             seconds = sum(disk.values()) / self.disk_bytes_per_s
             host += (
                 f"; host budget {format_bytes(self.host_budget)} holds {format_bytes(self.host_held_bytes)}, the rest "
-                f"is read from disk: per run {read} ({seconds:.0f} s at {self.disk_bytes_per_s / 1e9:.1f} GB/s, "
+                f"is read from disk: per run {read} ({seconds:.0f} s at {format_bytes(self.disk_bytes_per_s)}/s, "
                 "overlapping compute)"
             )
+        elif self.host_budget is not None:
+            host += f"; host budget {format_bytes(self.host_budget)}"
         lines.append("  " + host)
         verdict = "fits" if self.feasible else f"does not fit: {self.reason}"
         lines.append(f"  {verdict}; the smallest GPU budget that fits is {format_bytes(self.minimum_budget)}")
@@ -232,7 +234,7 @@ def plan(
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
     budget_bytes = parse_size(budget)
-    host_bytes_budget = parse_size(host_budget, what="host budget") if host_budget is not None else None
+    host_bytes_budget = parse_host_budget(host_budget, what="host budget")
     link_rate = float(parse_size(link, what="link"))
     disk_rate = float(parse_size(disk, what="disk"))
     if str(target) in PRESETS:
@@ -287,9 +289,10 @@ def plan(
     preview.phases = [
         _phase(name, phases[name], by_name[name], calls[name], reserves[name], together) for name in components
     ]
-    if host_bytes_budget is not None and not too_small:
-        _disk_reads(preview, group_lists, layouts, phases, loops)
+    if host_bytes_budget is not None:
         preview.disk_bytes_per_s = disk_rate
+        if not too_small:
+            _disk_reads(preview, group_lists, layouts, phases, loops)
     if too_small:
         preview.reason = "; ".join(too_small)
     else:

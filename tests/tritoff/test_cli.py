@@ -117,6 +117,18 @@ BAD = [
     (["run", "{pipe}", "--prompt", "x", "--device", "tpu"], "unknown device 'tpu'"),
     (["run", "{pipe}", "--prompt", "x", "--device", "cuda"], "CUDA is not available"),
     (["run", "{pipe}", "--prompt", "x", "--budget", "80%", "--device", "cpu"], "is a share of GPU memory"),
+    (["run", "{pipe}", "--prompt", "x", "--host-budget", "abc"], "invalid --host-budget 'abc'"),
+    (["run", "{pipe}", "--prompt", "x", "--host-budget=-2GB"], "invalid --host-budget"),
+    (["run", "{pipe}", "--prompt", "x", "--spill-dir", "{tmp}"], "--spill-dir is used only with --host-budget"),
+    (
+        ["run", "{pipe}", "--prompt", "x", "--host-budget", "1GB", "--spill-dir", "{tmp}/list/tritoff_store.json"],
+        "is not a directory",
+    ),
+    (
+        ["run", "{pipe}", "--prompt", "x", "--host-budget", "1GB", "--spill-dir", "{tmp}/list/tritoff_store.json/x"],
+        "is not a writable directory",
+    ),
+    (["plan", "wan2.1-t2v-14b", "--host-budget", "abc"], "invalid --host-budget 'abc'"),
     (["run", "{pipe}", "--prompt", "x", "--out", "/no/such/dir/v.mp4"], "does not exist"),
     (["run", "{pipe}", "--prompt", "x", "--out", "{tmp}/v.avi"], "name the video .mp4 or .gif"),
     (["run", "{pipe}", "--prompt", "x", "--store", "{tmp}"], "not a tritoff store"),

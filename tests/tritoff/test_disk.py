@@ -13,7 +13,7 @@ import torch
 
 import tritoff
 from tritoff import disk, groups
-from tritoff.disk import DiskRing, PackFile, spill_file
+from tritoff.disk import DiskRing, PackFile, spill_files
 from tritoff.packer import pack_bytes, pack_model
 from tritoff.store import StoreError
 
@@ -30,7 +30,7 @@ def _enable(pipe, **kwargs):
 def _spilled(tmp_path):
     """A Stack's packs all in a spill file, and the same packs held in memory."""
     held = pack_model(stack(), progress=False)
-    spill = spill_file(tmp_path, held.packed_bytes)
+    spill = spill_files(tmp_path, {"model": held.packed_bytes})["model"]
     spilled = pack_model(stack(), progress=False, held=set(), spill=spill)
     return held, spilled
 
@@ -51,7 +51,7 @@ def test_a_spill_directory_without_room_is_refused_naming_what_is_needed(tmp_pat
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10, 10, 5))
     with pytest.raises(ValueError, match=r"need 1\.00 MiB of disk in .*5 B free: pass spill_dir="):
-        spill_file(tmp_path, 2**20)
+        spill_files(tmp_path, {"text_encoder": 2**19, "transformer": 2**19})  # the total is checked
 
 
 def test_a_corrupt_pack_is_refused_when_read(tmp_path):
@@ -245,19 +245,111 @@ def test_a_store_saved_under_a_host_budget_is_the_same_store(store, tmp_path):
     }
 
 
-def test_fusing_a_lora_into_a_pack_on_disk_is_refused_in_one_line(store):
+@pytest.mark.filterwarnings("ignore:Already unmerged")  # peft's word on unfusing what is not fused
+def test_fusing_a_lora_into_a_pack_on_disk_is_refused_before_any_layer_is_fused(store, expected):
+    from tritoff.adapters import merged_adapters
+
     from .helpers import lora_state_dict
 
     pipe = wan(**BIG)
-    _enable(pipe, store=store, host_budget=0)
+    engine = _enable(pipe, store=store, host_budget="1MB")  # some blocks held, the others on disk
+    held = {p.name for p in engine.packed["transformer"].packs if not p.on_disk}
+    assert held and len(held) < len(engine.packed["transformer"].packs)
     pipe.load_lora_weights(lora_state_dict(wan(**BIG).transformer), adapter_name="a")
-    with pytest.raises(ValueError, match="served from disk .*raise host_budget"):
+    pipe.unfuse_lora(components=["transformer"])  # nothing fused: nothing to do, as in diffusers
+    with pytest.raises(ValueError, match=r"served from disk .*nothing was fused: raise host_budget") as info:
         pipe.fuse_lora(components=["transformer"])
+    assert "\n" not in str(info.value)
+    assert merged_adapters(pipe.transformer) == []  # not even the layers whose packs are held
+    pipe.unload_lora_weights()
+    assert torch.equal(run(pipe), expected)
+
+
+def test_a_corrupt_lookup_table_served_from_disk_is_refused_at_enable(store, tmp_path, monkeypatch):
+    import shutil
+
+    from tritoff.store import _read_meta, read_index
+
+    monkeypatch.setattr(groups, "HOST_EMBEDDING_BYTES", 8 * 1024)  # the tiny UMT5's table becomes a host group
+    directory = tmp_path / "store"
+    _enable(wan(**BIG)).save(directory)
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    table = next(p for p in _read_meta(copy / "text_encoder.safetensors")["packs"] if p["name"].startswith("host:"))
+    position = read_index(copy)["components"]["text_encoder"]["data_offset"] + table["offset"] + 5
+    with open(copy / "text_encoder.safetensors", "r+b") as f:
+        f.seek(position)
+        byte = f.read(1)
+        f.seek(position)
+        f.write(bytes([byte[0] ^ 0x40]))
+    pipe = wan(**BIG)
+    with pytest.raises(StoreError, match=rf"text_encoder\.safetensors is corrupt .*pack {table['name']} differs"):
+        _enable(pipe, store=copy, host_budget=0)
+    assert not hasattr(pipe, "_tritoff_engine")
+    pipe = wan(**BIG)
+    _enable(pipe, store=directory, host_budget=0)  # the intact store: the table is checked, then mapped
+    assert torch.isfinite(run(pipe)).all()
+
+
+def test_a_failed_re_enable_leaves_the_pipeline_enabled(tmp_path, expected):
+    pipe = wan(**BIG)
+    _enable(pipe, host_budget="1MB", spill_dir=str(tmp_path))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"spill_dir .*file cannot hold the packs beyond host_budget"):
+        tritoff.enable(
+            pipe, mode="leaf", budget="4MB", progress=False, kernels="reference", host_budget="1MB",
+            spill_dir=str(tmp_path / "file"),
+        )  # fmt: skip
+    assert hasattr(pipe, "_tritoff_engine")
+    assert torch.equal(run(pipe), expected)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, "0", " 0 ", "0GB", "0%", "0.0 GiB"])
+def test_zero_in_any_spelling_serves_every_pack_from_disk(value, tmp_path):
+    engine = _enable(wan(), host_budget=value, spill_dir=str(tmp_path))
+    assert engine.options.host_budget == 0 and engine.stats["total"]["host_arena_bytes"] == 0
+
+
+@pytest.mark.parametrize("value", [123, ["a"]])
+def test_a_spill_dir_that_is_not_a_path_is_refused_in_one_line(value):
+    pipe = wan()
+    with pytest.raises(ValueError, match="spill_dir must be a path"):
+        _enable(pipe, host_budget=0, spill_dir=value)
+    assert not hasattr(pipe, "_tritoff_engine")
+
+
+def test_a_take_waiting_while_the_wanted_list_changes_still_gets_its_pack(tmp_path):
+    gate = threading.Event()
+    held, packs, _ = _ring_packs(tmp_path, gate=gate)
+    ring = DiskRing(2, max(p.layout.nbytes for p in packs), register=False, threaded=True, owners={})
+    try:
+        ring.want([packs[0]])  # the reader takes it up and waits at the gate
+        got = {}
+        taker = threading.Thread(target=lambda: got.update(taken=ring.take(packs[1])))
+        taker.start()
+        while not any(b.state == "reading" for b in ring.buffers):
+            threading.Event().wait(0.01)
+        ring.want([packs[2]])  # replaces the list the taker's pack was in
+        gate.set()
+        taker.join(timeout=30)
+        assert not taker.is_alive()
+        index, data = got["taken"]
+        assert torch.equal(data, pack_bytes(held.packs[1]))
+        ring.give_back(index)
+    finally:
+        gate.set()
+        ring.close()
 
 
 @pytest.mark.parametrize(
     "value,message",
-    [("abc", "invalid host_budget 'abc'"), ("150%", "at most 100%"), (-1, "must be positive"), (True, "invalid")],
+    [
+        ("abc", "invalid host_budget 'abc'"),
+        ("150%", "at most 100%"),
+        (-1, "must be positive"),
+        (True, "invalid"),
+        (float("nan"), "finite"),
+    ],
 )
 def test_bad_host_budgets_are_refused_in_one_line(value, message):
     pipe = wan()

@@ -82,6 +82,10 @@ def test_a_host_budget_smaller_than_the_packs_holds_what_enable_holds_and_reads_
     transformer = next(p for p in streaming.phases if p.components == ["transformer"])
     assert streaming.feasible and streaming.host_held_bytes <= 8 * 10**9
     assert 0 < transformer.disk_bytes_per_call < transformer.streamed_bytes_per_call
+    # a GPU budget too small for a phase: still a plan that says so, with the host budget named
+    too_small = tritoff.plan("wan2.1-t2v-14b", "2GB", host_budget="8GB")
+    assert not too_small.feasible and "host budget" in too_small.text() and "does not fit" in too_small.text()
+    assert tritoff.plan("wan2.1-t2v-14b", "12GB", host_budget=0).host_held_bytes == 0
 
 
 @pytest.mark.parametrize(
