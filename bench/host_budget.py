@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=4, help="latent frames (the tokens are frames x h/2 x w/2)")
     parser.add_argument("--size", type=int, default=32, help="latent height and width")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--budget", default=None, help="device budget (default: a quarter of the packs)")
+    parser.add_argument("--budget", default=None, help="device budget in bytes (default: 1.1x the smallest)")
     parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results)")
     parser.add_argument("--smoke", action="store_true", help="tiny, CI")
     args = parser.parse_args()
@@ -134,12 +134,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=ROOT / "bench") as tmp:
         store = Path(tmp) / "store"
         start = time.perf_counter()
-        engine = tritoff.enable(tiny_wan_transformer(**config), device="cpu", progress=False, kernels="reference")
+        model = tiny_wan_transformer(**config)
+        try:  # the smallest device budget that works names itself: every block then streams
+            tritoff.enable(model, mode="group", budget=1, device="cpu", progress=False, kernels="reference")
+        except tritoff.BudgetError as err:
+            smallest = err.minimum
+        engine = tritoff.enable(model, device="cpu", progress=False, kernels="reference")
         packed = engine.stats["total"]["packed_bytes"]
         engine.save(store)
         del engine
         print(f"store of {packed / 2**20:.1f} MiB written in {time.perf_counter() - start:.1f} s", flush=True)
-        budget = int(args.budget) if args.budget else max(packed // 4, 8 << 20)
+        budget = int(args.budget) if args.budget else int(smallest * 1.1)
         readers = ("sync", "thread") if args.device == "cpu" else ("thread",)
         for fraction in FRACTIONS:
             for cache in ("warm", "cold"):
