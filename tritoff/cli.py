@@ -448,7 +448,7 @@ def _cmd_convert(args) -> int:
         "leaf" if args.mode == "leaf" else "block",
         overwrite=args.overwrite,
     )
-    total = sum(p.arena.nbytes for p in packed.values())
+    total = sum(p.layout_bytes for p in packed.values())
     storage = describe_storage({name: p.storage.name for name, p in packed.items()})
     print(f"wrote {args.out_dir}: {len(packed)} components, {total / 2**20:.1f} MiB of packs ({storage})")
     return 0

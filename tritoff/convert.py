@@ -1,10 +1,10 @@
 """``tritoff convert``: quantize a saved pipeline once into a store, reading the checkpoint one group at a time.
 
 Diffusers components (the transformer: most of the bytes) are built from their configs without weights; each group's
-tensors are read from the checkpoint's safetensors files (memory-mapped), cast as ``from_pretrained`` would, quantized
-into the arena, and dropped. Host memory stays at the packs plus one group. Other components (transformers text
-encoders, which tie weights at load time) and checkpoints without safetensors files are loaded normally and released
-group by group as they are packed.
+tensors are read from the checkpoint's safetensors files (memory-mapped), cast as ``from_pretrained`` would, quantized,
+written to a private spill file beside the store, and dropped: host memory holds one group, so a store larger than RAM
+can be made. Other components (transformers text encoders, which tie weights at load time) and checkpoints without
+safetensors files are loaded normally and released group by group as they are packed.
 
 The store is written atomically (a temporary directory beside the target, renamed into place) and records the weight
 files it was made from, so ``tritoff run MODEL --store DIR`` can refuse a store made from other weights.
@@ -18,8 +18,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from tritoff.disk import spill_files
+from tritoff.formats import get_format
 from tritoff.groups import Group
-from tritoff.packer import PackedModel, pack_model
+from tritoff.packer import PackedModel, pack_model, plan_layouts
+from tritoff.skip import SkipRules
 from tritoff.storage import resolve_storage
 from tritoff.store import check_target, describe_source, fingerprint, save_store
 
@@ -154,6 +157,7 @@ def convert_pipeline(
     # recorded before the weights are read: what the packs are made from
     source = describe_source(source_dir, components) if source_dir is not None else None
     fingerprints = {n: fingerprint(m) for n, m in components.items()}
+    scratch = Path(out_dir).expanduser().resolve().parent  # the store's file system: the packs are written there
     packed = {}
     for name, module in components.items():
         groups = _groups_for(module, grouping if grouping == "leaf" else "group")
@@ -164,6 +168,11 @@ def convert_pipeline(
             def read_group(group: Group, reader=reader) -> dict[str, torch.Tensor]:
                 return reader.read([(n, p.dtype) for n, p in group.params])
 
+        quantized = SkipRules.for_model(module, skip).quantized_names(module)
+        layouts = plan_layouts(groups, quantized, get_format(storages[name]), granularity)
+        # each pack goes to a private spill file beside the store as soon as it is made: host memory holds one group,
+        # whatever the model's size (the store is then written from those files)
+        spill = spill_files(scratch, {name: sum(lay.nbytes for lay in layouts)}, stacklevel=2).get(name)
         packed[name] = pack_model(
             module,
             storages[name],
@@ -174,7 +183,10 @@ def convert_pipeline(
             register=False,
             progress=progress,
             read_group=read_group,
+            layouts=layouts,
             desc=f"packing {name}",
+            held=set(),
+            spill=spill,
         )
     save_store(out_dir, fingerprints, packed, skip, grouping, source=source, overwrite=overwrite)
     return packed
