@@ -109,8 +109,9 @@ class PackFile:
             if err.errno != errno.ENOSPC:
                 raise
             raise OSError(
-                errno.ENOSPC, f"no space left on the disk of {self.path} for the packs beyond host_budget: pass "
-                "spill_dir= (--spill-dir) on a larger disk, or convert to a store"
+                errno.ENOSPC,
+                f"no space left on the disk of {self.path} for the packs beyond host_budget: pass "
+                "spill_dir= (--spill-dir) on a larger disk, or convert to a store",
             ) from None
 
     def drop_cache(self, pack) -> None:
