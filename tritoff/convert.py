@@ -172,7 +172,8 @@ def convert_pipeline(
         layouts = plan_layouts(groups, quantized, get_format(storages[name]), granularity)
         # each pack goes to a private spill file beside the store as soon as it is made: host memory holds one group,
         # whatever the model's size (the store is then written from those files)
-        spill = spill_files(scratch, {name: sum(lay.nbytes for lay in layouts)}, stacklevel=2).get(name)
+        # (no tmpfs warning: a store written there is in RAM anyway)
+        spill = spill_files(scratch, {name: sum(lay.nbytes for lay in layouts)}, warn_tmpfs=False).get(name)
         packed[name] = pack_model(
             module,
             storages[name],

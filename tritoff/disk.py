@@ -147,7 +147,7 @@ class PackFile:
             pass
 
 
-def spill_files(directory, sizes: dict[str, int], stacklevel: int = 2) -> dict[str, PackFile]:
+def spill_files(directory, sizes: dict[str, int], stacklevel: int = 2, warn_tmpfs: bool = True) -> dict[str, PackFile]:
     """A private, already unlinked file per component of ``sizes`` (its bytes of packs beyond the host budget) in
     ``directory`` (default: ``~/.cache/tritoff``): they disappear when the process ends, however it ends. The
     directory and its free space (for all of them together) are checked first, with one-line errors."""
@@ -177,7 +177,7 @@ def spill_files(directory, sizes: dict[str, int], stacklevel: int = 2) -> dict[s
             f"the packs beyond host_budget need {format_bytes(total)} of disk in {directory}, which has "
             f"{format_bytes(free)} free: pass spill_dir= (--spill-dir) on a larger disk, or convert to a store"
         )
-    if _is_tmpfs(directory):
+    if warn_tmpfs and _is_tmpfs(directory):
         warnings.warn(
             f"{directory} is a tmpfs (held in RAM): spilling packs there saves no memory; pass spill_dir= on a disk",
             stacklevel=stacklevel + 1,
