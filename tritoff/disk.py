@@ -66,37 +66,39 @@ class PackFile:
             if got == 0:
                 raise OSError(f"{self.path} ended early while reading pack {pack.name}; the file was truncated")
             done += got
-        if self.verify and pack.hash is not None and pack.offset not in self._verified:
+        if self._unchecked(pack):
             # the hash covers the pack's page-aligned span: with the header's, every byte of the file is checked
             hasher = xxhash.xxh3_128(view)
             padding = align(nbytes, PAGE) - nbytes
             if padding:
                 hasher.update(os.pread(self.fd, padding, position + nbytes))
-            if hasher.hexdigest() != pack.hash:
-                self._corrupt(pack)
-            with self._lock:
-                self._verified.add(pack.offset)
+            self._accept(pack, hasher.hexdigest())
 
     def check(self, pack, chunk: int = 64 << 20) -> None:
         """Read ``pack`` through once in chunks and check its hash, unless that was done (or is not asked for)."""
-        if not self.verify or pack.hash is None or pack.offset in self._verified:
+        if not self._unchecked(pack):
             return
         hasher = xxhash.xxh3_128()
         start, span = self.data_offset + pack.offset, align(pack.layout.nbytes, PAGE)
         for at in range(0, span, chunk):
             hasher.update(os.pread(self.fd, min(chunk, span - at), start + at))
-        if hasher.hexdigest() != pack.hash:
-            self._corrupt(pack)
         self.drop_cache(pack)
+        self._accept(pack, hasher.hexdigest())
+
+    def _unchecked(self, pack) -> bool:
+        return self.verify and pack.hash is not None and pack.offset not in self._verified
+
+    def _accept(self, pack, digest: str) -> None:
+        """Remember ``pack`` as checked if ``digest`` is its hash; refuse the file, naming it, otherwise."""
+        if digest != pack.hash:
+            from tritoff.store import RECREATE, StoreError
+
+            raise StoreError(
+                f"{self.path} is corrupt or from another conversion (pack {pack.name} differs from its hash); "
+                f"{RECREATE}"
+            )
         with self._lock:
             self._verified.add(pack.offset)
-
-    def _corrupt(self, pack):
-        from tritoff.store import RECREATE, StoreError
-
-        raise StoreError(
-            f"{self.path} is corrupt or from another conversion (pack {pack.name} differs from its hash); {RECREATE}"
-        )
 
     def write(self, pack, data: torch.Tensor) -> None:
         """Write ``data`` (the pack's bytes) at the pack's place (a spill file)."""
@@ -230,7 +232,6 @@ class DiskRing:
         buffer_bytes = align(buffer_bytes, PAGE)
         self.arena = HostArena(n_buffers * buffer_bytes, register=register)
         self.buffers = [_Buffer(self.arena.view(i * buffer_bytes, buffer_bytes)) for i in range(n_buffers)]
-        self.buffer_bytes = buffer_bytes
         self.threaded = threaded
         self.owners = owners
         self.cond = threading.Condition()
@@ -276,10 +277,10 @@ class DiskRing:
 
     def _claim(self):
         """(buffer, pack) of the next read the wanted list calls for, the buffer marked as reading; or None."""
+        wanted = {id(p) for p in self.wanted}
         for pack in self.wanted:
             if self._find(pack) is not None:
                 continue
-            wanted = {id(p) for p in self.wanted}
             free = [
                 b
                 for b in self.buffers

@@ -93,12 +93,19 @@ def release_params(group: Group) -> None:
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
+def dequantized(pack: Pack, device: torch.device) -> dict[str, torch.Tensor]:
+    """The pack's tensors dequantized exactly (with the reference) into one fresh buffer on ``device``, by name."""
+    from tritoff.kernels.upcast import upcast_pack_reference
+
+    out = torch.empty(pack.layout.out_nbytes, dtype=torch.uint8)
+    upcast_pack_reference(pack_bytes(pack), out, pack.layout.table(), pack.layout.out_dtype, pack.layout.storage)
+    return pack.layout.views(out.to(device))
+
+
 def restore_params(group: Group, pack: Pack) -> None:
     """Give the parameters of ``group`` (released) their weights back, dequantized from ``pack`` (what tritoff
-    computes with: fp8 weights come back rounded to fp8)."""
-    from tritoff.pack import unpack_reference
-
-    tensors = unpack_reference(pack.layout, pack_bytes(pack))
+    computes with: fp8 weights come back rounded to fp8), each on the device it was released on."""
+    tensors = dequantized(pack, torch.device("cpu"))
     for name, param in group.params:
         param.data = tensors[name].to(param.device)
 
