@@ -628,29 +628,43 @@ def _one_line(err: BaseException) -> str:
     return " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
 
 
+# set when SIGTERM or Ctrl-C arrived: the KeyboardInterrupt it raises can be swallowed by C code that was running
+# (torch turns it into an error of its own while building a tensor), and the run is still an interrupted one
+_interrupted = False
+
+
 def _terminate(signum, frame):
+    global _interrupted
+    _interrupted = True
     raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: temporary files and directories are removed
+
+
+def _interrupted_exit() -> int:
+    print("tritoff: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tritoff`` console script."""
+    global _interrupted
+    _interrupted = False
     args = build_parser().parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        print("tritoff: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except (CliError, ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as err:
+        return _interrupted_exit()
+    except (CliError, ValueError, OSError) as err:
+        if _interrupted:
+            return _interrupted_exit()
         print(f"tritoff: error: {_one_line(err)}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as err:
-        print(f"tritoff: error: {_one_line(err)}", file=sys.stderr)
-        # raised by a library about the input (diffusers: a model directory without its weights) carries no errno;
-        # the machine's errors (a full disk, an I/O error) do
-        return EXIT_USAGE if err.errno is None else 1
+        # an OSError a library raised about the input (diffusers: a model directory without its weights) carries no
+        # errno; the machine's errors (a full disk, an I/O error) do
+        usage = (CliError, ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+        return EXIT_USAGE if isinstance(err, usage) or err.errno is None else 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":
