@@ -405,7 +405,7 @@ def e2e_lines(name: str, data: dict) -> list[str]:
         target = ""
         if r["kind"] == "tritoff-disk" and secs is not None:
             # packs beyond the host budget read from disk: memory held against the budget, the cost against RAM
-            checks = [f"{r.get('disk_bytes_per_forward', 0) / 2**30:.2f} GiB/fwd from disk"]
+            checks = [f"{r.get('disk_bytes_per_forward', 0) / 2**20:.1f} MiB/fwd from disk"]
             if r.get("slowdown_vs_all_packs_in_ram"):
                 checks.append(f"x{r['slowdown_vs_all_packs_in_ram']:.3f} vs all packs in RAM")
             if rss is not None and r.get("host_held_bytes") is not None:
