@@ -2,6 +2,8 @@
 
 The arena is one anonymous memory mapping (page-aligned, faulted in as packs are written, so host memory tracks the
 packed bytes) page-locked through the driver API (``tritoff/cuda_host.py``: a failure leaves no sticky CUDA error).
+Page-locking faults in and pins every page at once, so arenas are locked once their packs are written (``register``
+after packing or reading): locked up front, the whole arena would be resident beside the weights still being packed.
 PyTorch's ``pin_memory`` is avoided on purpose: its caching host allocator rounds every allocation up to a power of
 two (a 12 GiB model would pin 16 GiB).
 """
@@ -17,7 +19,8 @@ PAGE = 4096
 
 
 class HostArena:
-    """One host buffer of ``nbytes``; ``register`` page-locks it (default: when CUDA is available)."""
+    """One host buffer of ``nbytes``; ``register`` page-locks it now (default: when CUDA is available), else
+    :meth:`register` does later."""
 
     def __init__(self, nbytes: int, *, register: bool | None = None):
         self.nbytes = int(nbytes)
@@ -31,10 +34,13 @@ class HostArena:
         self.register_error: str | None = None
         if register is None:
             register = torch.cuda.is_available()
-        if register and self.nbytes:
-            self._register()
+        if register:
+            self.register()
 
-    def _register(self) -> None:
+    def register(self) -> None:
+        """Page-lock the arena (a failure warns: transfers fall back to pageable memory); nothing if it already is."""
+        if self.registered or not self.nbytes:
+            return
         from tritoff import cuda_host
 
         self.register_error = cuda_host.register(self.buffer.data_ptr(), self.nbytes)

@@ -83,6 +83,18 @@ def device_memory(device: torch.device) -> tuple[int | None, int | None]:
     return None, None
 
 
+# Kept free by the default budget: memory a device uses beyond what the plan counts (the allocator's rounding and
+# fragmentation between activations of different sizes, cuBLAS and cuDNN workspaces, CUDA kernel modules loaded on
+# first use), 5% of the free memory and at least 512 MiB
+HEADROOM_FRACTION = 0.05
+HEADROOM_MIN = 512 * 2**20
+
+
+def default_budget(free: int) -> int:
+    """The budget used when none is given: ``free`` device bytes less the headroom."""
+    return max(0, free - max(HEADROOM_MIN, int(free * HEADROOM_FRACTION)))
+
+
 def format_bytes(n: int | float) -> str:
     """``n`` bytes as a short human string (GiB/MiB/KiB)."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

@@ -543,7 +543,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("model", help="a local diffusers pipeline directory or a hub id")
     run.add_argument("--prompt", required=True, help="what to generate")
     run.add_argument("--negative-prompt", default=None, help="what to steer away from (default: none)")
-    run.add_argument("--budget", default=None, help="e.g. 12GB, 12GiB, 80%% (default: the GPU's free memory)")
+    run.add_argument(
+        "--budget",
+        default=None,
+        help="e.g. 12GB, 12GiB, 80%% (default: the GPU's free memory less 5%%, at least 512 MiB)",
+    )
     run.add_argument("--storage", default=None, help=f"{STORAGE_HELP} (default: fp8_e4m3, or the store's)")
     run.add_argument("--mode", default="auto", choices=MODES, help="how components are split (see docs/usage.md)")
     run.add_argument("--prefetch", type=_at_least(1), default=2, help="blocks in flight ahead of the running one")

@@ -61,5 +61,9 @@ def register(ptr: int, nbytes: int) -> str | None:
 
 
 def unregister(ptr: int) -> None:
-    """Undo :func:`register` (errors are ignored: the memory is being released anyway)."""
-    _driver().cuMemHostUnregister(ctypes.c_void_p(ptr))
+    """Undo :func:`register` (a second failure is ignored: the memory is being released anyway)."""
+    if _driver().cuMemHostUnregister(ctypes.c_void_p(ptr)) != 0:
+        # no context current on this thread (an arena freed on a thread that made no CUDA call): make the runtime's
+        # current and try again, or the pages would stay locked after the arena is unmapped
+        _ensure_context()
+        _driver().cuMemHostUnregister(ctypes.c_void_p(ptr))

@@ -226,10 +226,21 @@ class DiskRing:
     """``n_buffers`` page-locked buffers of ``buffer_bytes`` that disk packs are read into.
 
     ``threaded``: read ahead on a background thread (CUDA); otherwise :meth:`take` reads synchronously. ``owners``
-    maps ``id(pack)`` to the component it belongs to, for the per-component counters."""
+    maps ``id(pack)`` to the component it belongs to, for the per-component counters. ``device``: the GPU the
+    packs go to."""
 
-    def __init__(self, n_buffers: int, buffer_bytes: int, *, register: bool | None, threaded: bool, owners: dict):
+    def __init__(
+        self,
+        n_buffers: int,
+        buffer_bytes: int,
+        *,
+        register: bool | None,
+        threaded: bool,
+        owners: dict,
+        device: torch.device | None = None,
+    ):
         buffer_bytes = align(buffer_bytes, PAGE)
+        self.device = device  # the GPU whose copies the reader waits for
         self.arena = HostArena(n_buffers * buffer_bytes, register=register)
         self.buffers = [_Buffer(self.arena.view(i * buffer_bytes, buffer_bytes)) for i in range(n_buffers)]
         self.threaded = threaded
@@ -393,6 +404,12 @@ _STOP = object()
 
 def _reader(ref) -> None:
     """The reader thread: read what the ring wants until it is closed or freed."""
+    ring = ref()
+    if ring is not None and ring.device is not None and ring.device.type == "cuda":
+        # this thread's CUDA calls (event waits, unregistering the ring if it is freed here) use the ring's GPU, not
+        # a context made on device 0
+        torch.cuda.set_device(ring.device)
+    del ring
     while True:
         ring = ref()
         if ring is None:

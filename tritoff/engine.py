@@ -13,7 +13,7 @@ from accelerate.hooks import add_hook_to_module, remove_hook_from_module
 from tritoff import disk
 from tritoff.adapters import adapter_bytes, merged_adapters, move_adapters, named_parameters, outer_modules
 from tritoff.arena import HostArena
-from tritoff.budget import device_memory, format_bytes, parse_host_budget, parse_size, percentage
+from tritoff.budget import default_budget, device_memory, format_bytes, parse_host_budget, parse_size, percentage
 from tritoff.chunks import smallest_chunk
 from tritoff.disk import DiskRing, spill_files
 from tritoff.formats import check_granularity, get_format
@@ -22,7 +22,15 @@ from tritoff.host_lookup import HostLookupHook, host_views
 from tritoff.host_plan import hold_plan
 from tritoff.manager import ComponentHook, ComponentRuntime, GroupHook, HookManager, guard_forward
 from tritoff.onload import GroupRuntime, placeholder, table_bytes
-from tritoff.packer import PackedModel, hold_packs, pack_model, pack_offsets, plan_layouts, restore_params
+from tritoff.packer import (
+    PackedModel,
+    hold_packs,
+    pack_model,
+    pack_offsets,
+    plan_layouts,
+    quantize_device,
+    restore_params,
+)
 from tritoff.packer import dequantized as _dequantized  # a module name of its own: tests watch what disable reads
 from tritoff.planner import MODES, ComponentSize, GroupSize, PhasedPlan, Plan, chunk_capacity, plan, plan_phases
 from tritoff.report import Report
@@ -181,9 +189,10 @@ def _resolve(
     device = _check_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     free, total = device_memory(device)
     if budget is None:
-        # no budget: all the device's free memory (on the CPU: everything fits)
+        # no budget: the device's free memory less headroom for what the plan cannot count (on the CPU: everything
+        # fits)
         total_bytes = sum(p.numel() * p.element_size() for m in components.values() for p in m.parameters())
-        budget_bytes = free if free is not None else 2 * total_bytes + 2**30
+        budget_bytes = default_budget(free) if free is not None else 2 * total_bytes + 2**30
     else:
         budget_bytes = parse_size(budget, total=total)
     if reserve is None:
@@ -358,6 +367,7 @@ class Engine:
             register=cuda,
             threaded=cuda or disk.READ_AHEAD_ON_CPU,
             owners={id(pack): name for name, pack in on_disk},
+            device=self.options.device,
         )
         if cuda and self.options.transport == "zero_copy" and not ring.arena.registered:
             ring.close()
@@ -530,10 +540,11 @@ def enable(
 
     ``target`` is a diffusers pipeline or an ``nn.Module``. ``mode``: ``"auto"`` (default: everything resident when it
     fits, else the planner splits large components), ``"model"``, ``"group"`` or ``"leaf"``. ``budget``: bytes,
-    ``"12GB"``, ``"12GiB"`` or ``"80%"`` (default: the device's free memory). ``prefetch``: groups in flight ahead of
-    the running one. ``transport``: ``"staged"`` (copy engine then HBM upcast; what ``"auto"`` picks) or
-    ``"zero_copy"``. ``reserve``: memory kept for activations (default 10% of the budget). ``skip``: extra regexes of
-    module names to keep unquantized. ``kernels``: ``"auto"``, ``"triton"`` or ``"reference"`` (PyTorch).
+    ``"12GB"``, ``"12GiB"`` or ``"80%"`` (default: the device's free memory less 5%, at least 512 MiB).
+    ``prefetch``: groups in flight ahead of the running one. ``transport``: ``"staged"`` (copy engine then HBM upcast;
+    what ``"auto"`` picks) or ``"zero_copy"``. ``reserve``: memory kept for activations (default 10% of the budget).
+    ``skip``: extra regexes of module names to keep unquantized. ``kernels``: ``"auto"``, ``"triton"`` or
+    ``"reference"`` (PyTorch).
     ``storage``: a format for the text encoders, image encoders and denoisers (default ``"fp8_e4m3"``; VAEs keep
     their own dtype), or ``{component: format}`` (the others get those defaults). ``store``: a directory written by
     ``Engine.save`` / ``tritoff convert`` whose packs are mapped instead of quantizing (its storage, granularity and
@@ -660,7 +671,10 @@ def enable(
         for module in components.values():
             _replace_meta_params(module, options.device)
     else:
-        arenas = {name: HostArena(pack_offsets(kept[name])[1]) for name in components}
+        # zero-copy cannot run without page-locked packs: lock now, refusing before anything changes if that fails;
+        # otherwise pack_model locks each arena once its packs are written (locking faults in every page at once)
+        zero_copy = options.transport == "zero_copy" and options.device.type == "cuda"
+        arenas = {name: HostArena(pack_offsets(kept[name])[1], register=zero_copy) for name in components}
         _check_zero_copy(options, arenas)
         requires_grad = _freeze(components)
         packed, snr = {}, {}
@@ -681,6 +695,7 @@ def enable(
                     arena=arenas[name],
                     held=in_ram and in_ram[name],
                     spill=spills.get(name),
+                    quantize_on=quantize_device(options.device),
                 )
                 snr.update({f"{name}.{k}": v for k, v in stats.items()})
         except BaseException:

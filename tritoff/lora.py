@@ -239,11 +239,11 @@ def _edit(layer, change, what: str):
 
 def _store(engine, g: GroupRuntime, i: int, value: torch.Tensor, what: str) -> None:
     """Write ``value`` into entry ``i`` of ``g``'s pack and refresh every GPU copy of it."""
-    from tritoff.packer import _default_quantize_device, _quantizer
+    from tritoff.packer import _quantizer, quantize_device
 
     layout, e = g.layout, g.layout.entries[i]
     snr: dict[str, float] = {}
-    write_entry(layout, g.pack.data, e, value, _quantizer(_default_quantize_device()), snr)
+    write_entry(layout, g.pack.data, e, value, _quantizer(quantize_device(engine.options.device)), snr)
     if g.device_pack is not None:  # fp8 tier: the resident pack
         for start, nbytes in ((e.offset, e.nbytes), (e.scale_offset, 4 * e.num_scales)):
             if start >= 0 and nbytes:

@@ -153,6 +153,7 @@ def pack_model(
 
     ``skip`` adds regexes of module names to keep unquantized. ``release`` drops each group's weights once packed.
     ``quantize_on`` picks where quantization runs (default: CUDA with Triton when available, else the CPU reference).
+    ``register`` page-locks the arena once its packs are written (default: when CUDA is available).
     ``snr``, when given, receives each quantized weight's SNR in dB. ``read_group(group) -> {name: tensor}`` supplies
     each group's tensors instead of its parameters (a model built without weights, read from a checkpoint group by
     group). ``layouts``: the groups' layouts when the caller already planned them (:func:`plan_layouts`).
@@ -172,12 +173,12 @@ def pack_model(
     kept_offsets, total = pack_offsets([lay for lay, k in zip(layouts, keep, strict=True) if k])
     kept_offsets = iter(kept_offsets)
     if arena is None:
-        arena = HostArena(total, register=register)
+        arena = HostArena(total, register=False)
     elif arena.nbytes != total:
         raise ValueError(f"the arena holds {arena.nbytes} bytes but these packs need {total}")
     spilled = [lay.nbytes for lay, k in zip(layouts, keep, strict=True) if not k]
     scratch = torch.empty(max(spilled, default=0), dtype=torch.uint8)  # one spilled pack at a time
-    device = torch.device(quantize_on) if quantize_on is not None else _default_quantize_device()
+    device = torch.device(quantize_on) if quantize_on is not None else quantize_device()
     quantizer = _quantizer(device)
     packs = []
     bar = tqdm(
@@ -204,10 +205,20 @@ def pack_model(
             for pack, group in zip(packs, groups, strict=False):
                 restore_params(group, pack)
         raise
+    if _registering(register):  # locked once written: locking faults in every page at once
+        arena.register()
     return PackedModel(arena, packs, groups, fmt, granularity)
 
 
-def _default_quantize_device() -> torch.device:
+def _registering(register: bool | None) -> bool:
+    return torch.cuda.is_available() if register is None else register
+
+
+def quantize_device(device: torch.device | None = None) -> torch.device:
+    """Where weights are quantized: ``device`` when it is a GPU (an engine on ``cuda:1`` quantizes there, not on the
+    current device), else CUDA when available (Triton), else the CPU (the reference)."""
+    if device is not None and device.type == "cuda":
+        return device
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -219,7 +230,7 @@ def hold_packs(
     kernel's cache afterwards (the arena is now its copy)."""
     chosen = [p for p in packed.packs if p.on_disk and (held is None or p.name in held)]
     offsets, total = pack_offsets([p.layout for p in chosen])
-    arena = HostArena(total, register=register)
+    arena = HostArena(total, register=False)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc or "reading packs", disable=not progress or not total)
     for pack, offset in zip(chosen, offsets, strict=True):
         data = arena.view(offset, pack.layout.nbytes)
@@ -228,5 +239,7 @@ def hold_packs(
         pack.data = data
         bar.update(align(pack.layout.nbytes, PAGE))
     bar.close()
+    if _registering(register):  # locked once read (faulted in already, locking is quicker)
+        arena.register()
     packed.arena.close()
     packed.arena = arena

@@ -49,31 +49,42 @@ class Residency:
         self.load(comp)
 
     def load(self, comp) -> None:
-        """Allocate ``comp``'s phase and upload what its plan keeps resident."""
+        """Allocate ``comp``'s phase and upload what its plan keeps resident. A failure part way (out of memory,
+        Ctrl-C, a pack on disk failing its check) frees what was allocated, after the uploads already queued."""
         plan, device = comp.plan, self.device
         transfer = Transfer(device, plan.chunk_bytes, self.disk)
         ring = None
-        if plan.ring_slots:
-            ring = SlotRing(device, plan.ring_slots, plan.slot_bytes, transfer, stalls=comp.stalls)
-        fills = []
-        for g in comp.groups:
-            if g.tier in ("bf16", "pool"):
-                g.buffer = torch.empty(g.unpacked_bytes, dtype=torch.uint8, device=device)
-                fills.append(g)
-            elif g.tier == "fp8":
-                g.device_pack = torch.empty(g.packed_bytes, dtype=torch.uint8, device=device)
-        transfer.wait_for_compute()
-        moved = 0
-        uploads = [g for g in comp.groups if g.device_pack is not None] + fills
-        for i, g in enumerate(uploads):
-            if self.disk is not None:  # read the next packs served from disk while this one uploads
-                self.disk.want([u.pack for u in uploads[i:] if u.pack.on_disk])
-            if g.device_pack is not None:
-                transfer.upload(g, g.device_pack)
-                moved += g.packed_bytes
-            else:
-                moved += transfer.fill(g, g.buffer)
-        transfer.compute_waits()
+        try:
+            if plan.ring_slots:
+                ring = SlotRing(device, plan.ring_slots, plan.slot_bytes, transfer, stalls=comp.stalls)
+            fills = []
+            for g in comp.groups:
+                if g.tier in ("bf16", "pool"):
+                    g.buffer = torch.empty(g.unpacked_bytes, dtype=torch.uint8, device=device)
+                    fills.append(g)
+                elif g.tier == "fp8":
+                    g.device_pack = torch.empty(g.packed_bytes, dtype=torch.uint8, device=device)
+            transfer.wait_for_compute()
+            moved = 0
+            uploads = [g for g in comp.groups if g.device_pack is not None] + fills
+            for i, g in enumerate(uploads):
+                if self.disk is not None:  # read the next packs served from disk while this one uploads
+                    self.disk.want([u.pack for u in uploads[i:] if u.pack.on_disk])
+                if g.device_pack is not None:
+                    transfer.upload(g, g.device_pack)
+                    moved += g.packed_bytes
+                else:
+                    moved += transfer.fill(g, g.buffer)
+            transfer.compute_waits()
+        except BaseException:
+            # the compute stream waits for what was queued before the memory it writes can be handed out again
+            transfer.compute_waits()
+            for g in comp.groups:
+                g.drop_device_state(keep_tables=True)
+            if ring is not None:
+                ring.release()
+            transfer.release()
+            raise
         for g in fills:
             g.bind(g.buffer)
         comp.transfer, comp.ring, comp.loaded = transfer, ring, True

@@ -1,11 +1,11 @@
 """Moving packs into GPU buffers: the copy engine fills staging halves, an upcast stream turns them into tensors.
 
-Two side streams, created once. On the *copy stream*, a chunk of a pack is copied (DMA, from page-locked memory)
-into one of two staging halves; on the *upcast stream*, the kernel turns that chunk into its tensors in the
-destination. With two halves, the DMA of the next chunk (of this pack or the next one) runs while the current one is
-upcast, so the copy engine never waits for the SMs. Events only: the copy stream waits for the upcast that last read a
-half before overwriting it, the upcast stream waits for the chunk's DMA and for the event after which the destination
-may be overwritten. The host never synchronizes.
+Two side streams per device, created once per process (``side_streams``). On the *copy stream*, a chunk of a pack is
+copied (DMA, from page-locked memory) into one of two staging halves; on the *upcast stream*, the kernel turns that
+chunk into its tensors in the destination. With two halves, the DMA of the next chunk (of this pack or the next one)
+runs while the current one is upcast, so the copy engine never waits for the SMs. Events only: the copy stream waits
+for the upcast that last read a half before overwriting it, the upcast stream waits for the chunk's DMA and for the
+event after which the destination may be overwritten. The host never synchronizes.
 
 Groups whose tensors come from their resident fp8 pack, or that are read zero-copy from the host, skip staging and
 run on the upcast stream alone.
@@ -20,12 +20,21 @@ exercised exactly as on a GPU).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import torch
 
 from tritoff.chunks import stage_chunk
 from tritoff.onload import GroupRuntime
+
+
+@functools.cache
+def side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """The copy and upcast streams of ``device``, created once per process: PyTorch hands out streams from a small
+    pool round-robin, so making new ones at every phase entry would, after a few calls, land on a stream already in
+    use (another engine's, or the user's), silently serializing transfers with it."""
+    return torch.cuda.Stream(device), torch.cuda.Stream(device)
 
 
 class Transfer:
@@ -39,8 +48,7 @@ class Transfer:
         self.staging = [
             torch.empty(chunk_bytes, dtype=torch.uint8, device=device) for _ in range(2 if chunk_bytes else 0)
         ]
-        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.upcast_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.copy_stream, self.upcast_stream = side_streams(device) if self.cuda else (None, None)
         self._staged = [torch.cuda.Event() for _ in self.staging] if self.cuda else []
         self._free = [torch.cuda.Event() for _ in self.staging] if self.cuda else []
         self._used = [False] * len(self.staging)
@@ -65,7 +73,9 @@ class Transfer:
             yield data
         finally:
             if stream is not None:
-                event = torch.cuda.Event()
+                # the reader thread waits on it before reading into the buffer again: a blocking event sleeps there,
+                # where a default one would spin a core for as long as the copy waits behind compute
+                event = torch.cuda.Event(blocking=True)
                 event.record(stream)
             self.disk.give_back(index, event)
 

@@ -345,3 +345,39 @@ def test_calls_from_two_threads_take_turns():
         thread.join()
     assert not errors and len(outputs) == 12
     assert all(torch.equal(out, expected) for out in outputs)
+
+
+@pytest.mark.parametrize("error", [Boom("no room for the third upload"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
+def test_a_phase_entry_that_fails_part_way_frees_what_it_allocated(monkeypatch, error):
+    from tritoff.transfer import Transfer
+
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    reference = dequantize_in_place(_stack())
+    model = _stack()
+    engine = _enable(model, int(1.5 * _minimum(_stack())))
+    comp = engine.manager.components["model"]
+    tiers = engine.plan.tier_counts("model")
+    assert tiers["stream"] and tiers["stream"] < 5  # some blocks resident: entering the phase uploads several groups
+    fill, upload, calls = Transfer.fill, Transfer.upload, []
+
+    def failing(original):
+        def step(self, *args, **kwargs):
+            calls.append(original.__name__)
+            if len(calls) == 3:
+                raise error
+            return original(self, *args, **kwargs)
+
+        return step
+
+    monkeypatch.setattr(Transfer, "fill", failing(fill))
+    monkeypatch.setattr(Transfer, "upload", failing(upload))
+    with torch.no_grad(), pytest.raises(type(error)):
+        model(x)
+    assert len(calls) == 3 and not comp.loaded and comp.transfer is None
+    # nothing half-loaded stays referenced: the next entry allocates afresh
+    assert all(g.buffer is None and g.device_pack is None and g.slot is None for g in comp.groups)
+    monkeypatch.setattr(Transfer, "fill", fill)
+    monkeypatch.setattr(Transfer, "upload", upload)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+        assert torch.equal(model(x), reference(x))

@@ -1,5 +1,7 @@
 """tritoff/packer.py: a model quantized group by group into one arena, and unpacked exactly through the kernel."""
 
+import ctypes
+
 import pytest
 import torch
 
@@ -100,3 +102,18 @@ def test_unknown_storage_and_granularity_are_refused():
         pack_model(model, "fp4", progress=False)
     with pytest.raises(ValueError, match="unknown scale granularity 'block'"):
         pack_model(model, granularity="block", progress=False)
+
+
+def test_the_arena_is_page_locked_once_its_packs_are_written(monkeypatch):
+    from tritoff import cuda_host
+
+    seen = []
+
+    def register(ptr, nbytes):  # page-locking faults in every page: done before packing, it would double the peak
+        seen.append(torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8).clone())
+
+    monkeypatch.setattr(cuda_host, "register", register)
+    monkeypatch.setattr(cuda_host, "unregister", lambda ptr: None)
+    packed = pack_model(tiny_wan_transformer(), register=True, progress=False)
+    assert packed.arena.registered and len(seen) == 1
+    assert torch.equal(seen[0], packed.arena.buffer) and seen[0].any()
