@@ -150,6 +150,46 @@ def test_slots_are_not_overwritten_while_the_compute_stream_lags(transport):
         assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("transport", ["staged", "zero_copy"])
+@pytest.mark.parametrize("placement", ["fp8-resident", "disk"])
+def test_fp8_resident_and_disk_packs_stay_exact_while_the_compute_stream_lags(tmp_path, placement, transport):
+    x = torch.randn(64, 512, dtype=torch.bfloat16, device="cuda")
+    reference = dequantize_in_place(_sleepy()).cuda()
+    with torch.no_grad():
+        expected = reference(x)
+    reserve = 64 * 512 * 2 * 8
+    minimum = _minimum(_sleepy(), reserve=reserve, transport=transport)
+    if placement == "fp8-resident":  # some blocks upcast from HBM between streamed ones
+        where = dict(budget=int(1.3 * minimum))
+    else:  # every pack read from a spill file by the reader thread, through the two-buffer ring
+        where = dict(budget=minimum, host_budget=0, spill_dir=str(tmp_path))
+    model = _sleepy()
+    engine = tritoff.enable(model, mode="group", reserve=reserve, transport=transport, progress=False, **where)
+    tiers = engine.plan.tier_counts("model")
+    if placement == "fp8-resident":
+        assert tiers["fp8"] > 0 and tiers["stream"] > 0, tiers
+    else:
+        assert tiers["stream"] == 6 and engine.disk.threaded
+    with torch.no_grad():
+        outputs = [model(x) for _ in range(3)]  # no host synchronization between calls
+    torch.cuda.synchronize()
+    for out in outputs:
+        assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("storage", ["fp8_e4m3", "fp8_e5m2"])
+def test_two_experts_switch_on_the_gpu_in_either_fp8_format(storage):
+    expected = run(dequantized_pipeline(wan, storage=storage, two_experts=True).to("cuda"))
+    pipe = wan(two_experts=True)
+    engine = tritoff.enable(pipe, storage=storage, mode="group", budget="4MB", progress=False)
+    assert engine.plan.tier_counts("transformer_2")["stream"] > 0
+    assert torch.equal(run(pipe), expected)
+    with torch.inference_mode():  # the phases leave and enter again; inference tensors never reach the packs
+        assert torch.equal(run(pipe), expected)
+    assert torch.equal(run(pipe), expected)
+    assert engine.stats["total"]["sync_onloads"] == 0
+
+
 class Unit(nn.Module):
     """A component that moves whole: it holds the compute stream, then reads its weights."""
 
