@@ -27,6 +27,7 @@ EXIT_INTERRUPTED = 130
 # once (a test keeps them equal)
 TRANSPORTS = ("auto", "staged", "zero_copy")
 STORAGES = ("fp8_e4m3", "fp8_e5m2", "bf16", "fp16")
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype: torch's names
 STORAGE_HELP = (
     "a format (fp8_e4m3, fp8_e5m2, bf16 or fp16) for the text encoders and denoisers, VAEs keeping their own dtype; "
     "or component=format pairs, e.g. vae=fp8_e4m3"
@@ -236,30 +237,10 @@ def _json(path: Path) -> dict:
     return data
 
 
-def spatial_multiple(vae: dict, denoiser: dict) -> int | None:
-    """What height and width must be multiples of: the VAE's spatial downscale times the denoiser's spatial patch
-    size, from their configs (None when the VAE's config says neither)."""
-    if isinstance(vae.get("temperal_downsample"), list):  # Wan: one 2x spatial downscale per stage
-        scale = 2 ** len(vae["temperal_downsample"])
-    elif isinstance(vae.get("block_out_channels"), (list, tuple)):  # diffusers VAEs: one per block after the first
-        scale = 2 ** (len(vae["block_out_channels"]) - 1)
-    else:
-        return None
-    patch = denoiser.get("patch_size") or 1
-    patch = patch[-1] if isinstance(patch, (list, tuple)) else patch
-    return scale * int(patch)
-
-
 def _check_dimensions(args, vae: dict, denoiser: dict) -> None:
-    multiple = spatial_multiple(vae, denoiser)
-    for key in ("height", "width"):
-        value = getattr(args, key)
-        if multiple and value is not None and value % multiple:
-            lower = max(multiple, value - value % multiple)
-            raise CliError(
-                f"--{key} {value} is not a multiple of {multiple} (the VAE's downscale times the patch size); "
-                f"use {lower} or {lower + multiple}"
-            )
+    from tritoff.shapes import check_dimensions
+
+    check_dimensions(vae, denoiser, "--", height=args.height, width=args.width)
 
 
 def _local_configs(local: Path) -> tuple[dict, dict]:
@@ -311,7 +292,7 @@ def _check_store(args, local: Path) -> dict:
     """The store's index (structure, own hash), its fit with --storage and --mode, and, for a local model, that it
     was made from MODEL's weight files; all cheap, before torch is imported."""
     from tritoff.storage import resolve_storage
-    from tritoff.store import check_source, component_storages, read_index
+    from tritoff.store import check_source, component_storages, read_index, stored_compute_dtype
 
     index = read_index(args.store)
     if args.storage is not None:
@@ -328,6 +309,13 @@ def _check_store(args, local: Path) -> dict:
     if (args.mode == "leaf") != (index["grouping"] == "leaf"):
         wanted = "--mode leaf" if index["grouping"] == "leaf" else "a --mode other than leaf"
         raise CliError(f"the store {args.store} was made with {index['grouping']} groups; pass {wanted}")
+    converted = stored_compute_dtype(args.store)
+    if converted is not None and converted != DTYPE_NAMES[args.dtype]:
+        flag = next(k for k, v in DTYPE_NAMES.items() if v == converted)
+        raise CliError(
+            f"the store {args.store} was converted in {flag} and the pipeline would load in {args.dtype}: pass "
+            f"--dtype {flag}, or convert again with --dtype {args.dtype}"
+        )
     if local.is_dir():
         check_source(args.store, local, index)
     return index
@@ -366,8 +354,7 @@ def _cmd_run(args) -> int:
         # every pack is read at enable without a host budget: hash the files whole now, before the slow pipeline load
         # (load_store does not hash these unchanged files again); with one, packs are checked as they are read
         verify_store(args.store, index, progress=True, full=args.host_budget is None)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    pipe = _load_pipeline(args.model, dtype, args.store)
+    pipe = _load_pipeline(args.model, getattr(torch, DTYPE_NAMES[args.dtype]), args.store)
     if not local.is_dir():  # a hub id: its configs and files are known once it is loaded
         denoiser = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
         vae = getattr(pipe, "vae", None)
@@ -436,6 +423,8 @@ def _cmd_convert(args) -> int:
         print(f"tritoff: note: {stale} is left from an interrupted conversion; delete it", file=sys.stderr)
     _prepare_backend(None)
 
+    import torch
+
     from tritoff.convert import convert_pipeline
     from tritoff.storage import describe_storage
 
@@ -446,6 +435,7 @@ def _cmd_convert(args) -> int:
         args.granularity,
         tuple(args.skip),
         "leaf" if args.mode == "leaf" else "block",
+        dtype=getattr(torch, DTYPE_NAMES[args.dtype]),
         overwrite=args.overwrite,
     )
     total = sum(p.layout_bytes for p in packed.values())
@@ -564,7 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=_seed, default=0, help="random seed of the initial noise")
     run.add_argument("--guidance", type=_finite, default=5.0, help="classifier-free guidance scale")
     run.add_argument("--fps", type=_at_least(1), default=16, help="frames per second of the video")
-    run.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="the pipeline's compute dtype")
+    run.add_argument("--dtype", choices=tuple(DTYPE_NAMES), default="bf16", help="the pipeline's compute dtype")
     run.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     run.add_argument("--out", default="video.mp4", help="video path, .mp4 or .gif")
     run.add_argument("--store", default=None, help="a store written by `tritoff convert` (read, not re-quantized)")
@@ -592,6 +582,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("--skip", nargs="*", default=[], help="extra regexes of module names to keep unquantized")
     convert.add_argument("--mode", default="group", choices=("group", "leaf"), help="grouping of the packs")
+    convert.add_argument(
+        "--dtype",
+        choices=tuple(DTYPE_NAMES),
+        default="bf16",
+        help="the dtype the pipeline runs in (tritoff run --dtype)",
+    )
     convert.add_argument("--overwrite", action="store_true", help="replace the store already in OUT_DIR")
     convert.set_defaults(func=_cmd_convert)
 

@@ -158,9 +158,20 @@ def convert_pipeline(
     source = describe_source(source_dir, components) if source_dir is not None else None
     fingerprints = {n: fingerprint(m) for n, m in components.items()}
     scratch = Path(out_dir).expanduser().resolve().parent  # the store's file system: the packs are written there
-    packed = {}
+    plans = {}
     for name, module in components.items():
         groups = _groups_for(module, grouping if grouping == "leaf" else "group")
+        quantized = SkipRules.for_model(module, skip).quantized_names(module)
+        plans[name] = groups, plan_layouts(groups, quantized, get_format(storages[name]), granularity)
+    sizes = {name: sum(lay.nbytes for lay in layouts) for name, (_, layouts) in plans.items()}
+    _check_disk(scratch, sum(sizes.values()))
+    # each pack goes to a private spill file beside the store as soon as it is made: host memory holds one group,
+    # whatever the model's size (the store is then written from those files)
+    # (no tmpfs warning: a store written there is in RAM anyway)
+    spills = spill_files(scratch, sizes, warn_tmpfs=False)
+    packed = {}
+    for name, module in components.items():
+        groups, layouts = plans[name]
         reader = readers.get(name)
         read_group = None
         if reader is not None:
@@ -168,12 +179,6 @@ def convert_pipeline(
             def read_group(group: Group, reader=reader) -> dict[str, torch.Tensor]:
                 return reader.read([(n, p.dtype) for n, p in group.params])
 
-        quantized = SkipRules.for_model(module, skip).quantized_names(module)
-        layouts = plan_layouts(groups, quantized, get_format(storages[name]), granularity)
-        # each pack goes to a private spill file beside the store as soon as it is made: host memory holds one group,
-        # whatever the model's size (the store is then written from those files)
-        # (no tmpfs warning: a store written there is in RAM anyway)
-        spill = spill_files(scratch, {name: sum(lay.nbytes for lay in layouts)}, warn_tmpfs=False).get(name)
         packed[name] = pack_model(
             module,
             storages[name],
@@ -187,10 +192,26 @@ def convert_pipeline(
             layouts=layouts,
             desc=f"packing {name}",
             held=set(),
-            spill=spill,
+            spill=spills.get(name),
         )
     save_store(out_dir, fingerprints, packed, skip, grouping, source=source, overwrite=overwrite)
     return packed
+
+
+def _check_disk(directory: Path, packs: int) -> None:
+    """Refuse, before packing, a store whose disk cannot hold its packs twice (written once while packing, once into
+    the store)."""
+    import shutil
+
+    from tritoff.budget import format_bytes
+
+    free = shutil.disk_usage(directory).free
+    if free < 2 * packs:
+        raise ValueError(
+            f"converting needs {format_bytes(2 * packs)} of free disk in {directory} (the {format_bytes(packs)} of "
+            f"packs, written while packing and again into the store), which has {format_bytes(free)}: write the "
+            "store on a larger disk"
+        )
 
 
 def model_directory(model: str | Path) -> Path | None:

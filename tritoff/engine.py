@@ -34,7 +34,7 @@ from tritoff.packer import (
 from tritoff.packer import dequantized as _dequantized  # a module name of its own: tests watch what disable reads
 from tritoff.planner import MODES, ComponentSize, GroupSize, PhasedPlan, Plan, chunk_capacity, plan, plan_phases
 from tritoff.report import Report
-from tritoff.skip import SkipRules
+from tritoff.skip import SkipRules, skip_patterns
 from tritoff.storage import describe_storage, resolve_storage
 
 ENGINE_ATTR = "_tritoff_engine"
@@ -210,7 +210,7 @@ def _resolve(
     return Options(
         storage,
         granularity,
-        tuple(skip),
+        skip_patterns(skip),
         mode,
         budget_bytes,
         reserve_bytes,
@@ -525,7 +525,7 @@ def enable(
     *,
     device: str | torch.device | None = None,
     granularity: str = "row",
-    skip: tuple[str, ...] | list[str] = (),
+    skip: str | tuple[str, ...] | list[str] = (),
     prefetch: int = 2,
     transport: str = "auto",
     reserve: int | str | None = None,
@@ -547,9 +547,10 @@ def enable(
     ``"reference"`` (PyTorch).
     ``storage``: a format for the text encoders, image encoders and denoisers (default ``"fp8_e4m3"``; VAEs keep
     their own dtype), or ``{component: format}`` (the others get those defaults). ``store``: a directory written by
-    ``Engine.save`` / ``tritoff convert`` whose packs are mapped instead of quantizing (its storage, granularity and
+    ``Engine.save`` / ``tritoff convert`` whose packs are read instead of quantizing (its storage, granularity and
     skip patterns apply); every store file is checked against the hashes its index records unless ``verify=False``
-    (for stores verified elsewhere). ``host_budget``: host memory the packs may hold (bytes, ``"16GB"``, ``"50%"`` of
+    (for stores verified elsewhere), and a store of other weights than the pipeline holds is refused.
+    ``host_budget``: host memory the packs may hold (bytes, ``"16GB"``, ``"50%"`` of
     RAM, or 0; default: all of them): the planner holds the packs read most often (a denoiser's streamed blocks) and
     the rest are read from disk when needed, through a small page-locked ring read ahead on a thread; from the store
     when there is one, else from a private spill file written into ``spill_dir`` (default ``~/.cache/tritoff``).
@@ -620,7 +621,7 @@ def enable(
         group_lists = previous._group_lists
         layouts = {n: [p.layout for p in previous.packed[n].packs] for n in components}
     elif store is not None:
-        from tritoff.store import load_store
+        from tritoff.store import check_weights, load_store
 
         group_lists = {n: _groups_for(m, options.mode) for n, m in components.items()}
         stored = load_store(store, components, group_lists, fingerprints, verify=verify)
@@ -645,6 +646,7 @@ def enable(
             for pack, group in zip(packed_model.packs, group_lists[name], strict=True):
                 if pack.on_disk and is_host(group):  # a lookup table, mapped later: checked now, read once
                     pack.file.check(pack)
+        check_weights(store, components, stored)
         _check_zero_copy(options, stored)
     kept, spills = {}, {}
     if not reuse and store is None:
@@ -678,6 +680,7 @@ def enable(
         _check_zero_copy(options, arenas)
         requires_grad = _freeze(components)
         packed, snr = {}, {}
+        name = None
         try:
             for name, module in components.items():
                 stats: dict[str, float] = {}
@@ -704,9 +707,17 @@ def enable(
             for model in packed.values():
                 for pack, group in zip(model.packs, model.groups, strict=True):
                     restore_params(group, pack)
-            params = {name: dict(named_parameters(module)) for name, module in components.items()}
-            for (name, pname), flag in requires_grad.items():
-                params[name][pname].requires_grad_(flag)
+            params = {n: dict(named_parameters(module)) for n, module in components.items()}
+            for (n, pname), flag in requires_grad.items():
+                params[n][pname].requires_grad_(flag)
+            rounded = [n for n in [*packed, name] if n is not None and fmts[n].is_fp8]
+            if rounded:
+                warnings.warn(
+                    f"enable stopped while packing: the weights of {', '.join(dict.fromkeys(rounded))} packed so far "
+                    "are back as their fp8 packs hold them (the originals were released as they were packed); "
+                    "reload the pipeline for the original weights",
+                    stacklevel=2,
+                )
             raise
     engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr, chunks, reserve is None)
     engine.fingerprints = fingerprints

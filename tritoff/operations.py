@@ -11,6 +11,8 @@ methods; :func:`remove` gives the originals back):
   ``enable_layerwise_casting`` and ``remove_all_hooks``: refused, since they would strip or fight tritoff's hooks;
 - ``fuse_qkv_projections``: refused, since it would concatenate placeholders; fusing before ``enable`` works;
 - ``save_pretrained``: refused, since it would write placeholders as weights; ``Engine.save`` writes the packs;
+- copying and pickling (``copy.deepcopy``, ``pickle``, ``torch.save`` of a module, all through ``__reduce_ex__``):
+  refused, since the copy would hold placeholders and share the original's hooks;
 - ``block.compile(...)`` on a streamed or fp8-resident block (what diffusers' ``compile_repeated_blocks`` calls):
   compiles the block's own forward, inside tritoff's hooks rather than around them, so ``fullgraph=True`` works and
   binding the block's weights to a slot is never traced. ``component.compile(fullgraph=True)`` on a component
@@ -39,12 +41,18 @@ REFUSED = {
     # state_dict() gives the parameters as they are between forwards (placeholders): never written as weights
     "save_pretrained": f"the weights live in tritoff's packs, not in the modules; {DISABLE_FIRST} (it restores them), "
     "or engine.save(directory) to write the packs as a store",
+    # what copy.copy, copy.deepcopy, pickle and torch.save(module) call: the copy would hold placeholders and share
+    # the original's hooks
+    "__reduce_ex__": f"the weights live in tritoff's packs, not in the modules; {DISABLE_FIRST} (it restores them), "
+    "then copy or save",
 }
+# how a refusal names what was called
+CALLED = {"__reduce_ex__": "copying or pickling (copy.deepcopy, pickle, torch.save of a module)"}
 
 
 def _refusal(name: str, message: str):
     def refuse(*args, **kwargs):
-        raise RuntimeError(f"{name}(): {message}")
+        raise RuntimeError(f"{CALLED.get(name, name + '()')}: {message}")
 
     refuse._tritoff = True
     return refuse

@@ -94,12 +94,13 @@ def release_params(group: Group) -> None:
 
 
 def dequantized(pack: Pack, device: torch.device) -> dict[str, torch.Tensor]:
-    """The pack's tensors dequantized exactly (with the reference) into one fresh buffer on ``device``, by name."""
+    """The pack's tensors dequantized exactly (with the reference), each in a storage of its own on ``device``, by
+    name: views of one shared buffer of mixed dtypes would not survive ``torch.save`` or pickling."""
     from tritoff.kernels.upcast import upcast_pack_reference
 
     out = torch.empty(pack.layout.out_nbytes, dtype=torch.uint8)
     upcast_pack_reference(pack_bytes(pack), out, pack.layout.table(), pack.layout.out_dtype, pack.layout.storage)
-    return pack.layout.views(out.to(device))
+    return {name: tensor.to(device, copy=True) for name, tensor in pack.layout.views(out).items()}
 
 
 def restore_params(group: Group, pack: Pack) -> None:

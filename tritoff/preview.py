@@ -19,6 +19,7 @@ from tritoff.budget import format_bytes, parse_host_budget, parse_size
 from tritoff.groups import is_host
 from tritoff.planner import BudgetError, fit_together
 from tritoff.planner import plan as phase_plan
+from tritoff.shapes import check_dimensions
 
 # the call a pipeline makes per component, by family: prompt tokens, CFG as separate calls (Wan) or one batch of two
 # (CogVideoX), the latent layout, and the VAE's temporal and spatial compression
@@ -247,6 +248,9 @@ def plan(
         family, components, model = _load_directory(path)
         model = f"{path.name} ({model})"
     vae = components.get("vae")
+    denoiser = components.get("transformer")
+    if vae is not None and denoiser is not None:
+        check_dimensions(dict(vae.config), dict(denoiser.config), height=height, width=width)
     if vae is not None:
         if vae_dtype is not None:
             as_loaded(vae, vae_dtype)

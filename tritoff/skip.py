@@ -49,7 +49,7 @@ class SkipRules:
     @classmethod
     def for_model(cls, model: nn.Module, extra: Iterable[str] = ()) -> SkipRules:
         """The default rules plus ``model``'s own skip lists and the user's ``extra`` patterns."""
-        extra = tuple(extra)
+        extra = skip_patterns(extra)
         for pattern in extra:
             try:
                 re.compile(pattern)
@@ -75,3 +75,14 @@ class SkipRules:
                 if getattr(module, "weight", None) is not None:
                     names.add(f"{module_name}.weight" if module_name else "weight")
         return names
+
+
+def skip_patterns(skip: str | Iterable[str] | None) -> tuple[str, ...]:
+    """The user's ``skip`` as a tuple of patterns: one string is one pattern (not one pattern per character)."""
+    if skip is None:
+        return ()
+    patterns = (skip,) if isinstance(skip, str) else tuple(skip) if isinstance(skip, Iterable) else (skip,)
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise ValueError(f"skip takes regular expressions of module names (a string or a list), got {pattern!r}")
+    return patterns

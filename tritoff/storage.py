@@ -85,5 +85,7 @@ def parse_storage(text: str | None):
         name, sep, fmt = item.partition("=")
         if not sep or not name.strip() or not fmt.strip():
             raise ValueError(f"--storage {text!r}: use a format, or component=format pairs separated by commas")
+        if name.strip() in pairs:
+            raise ValueError(f"--storage {text!r} names {name.strip()} twice: give each component one format")
         pairs[name.strip()] = storage_name(fmt.strip())
     return pairs

@@ -221,6 +221,17 @@ def check_target(directory: str | Path, overwrite: bool = False, model: str | Pa
             raise StoreError(f"{target} is not empty and holds no tritoff store: choose a new or empty directory")
         if not overwrite:
             raise StoreError(f"{target} already holds a store: pass --overwrite (overwrite=True) to replace it")
+    # the store is written beside its target and moved in: the nearest existing parent must take new files
+    parent = target.expanduser().absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    try:  # a real file, not os.access: root passes access checks on read-only mounts and /proc
+        with tempfile.TemporaryFile(dir=parent, prefix=f".{target.name}."):
+            pass
+    except OSError as err:
+        raise StoreError(
+            f"cannot write a store in {parent} ({err.strerror or err}): choose a directory on a writable disk"
+        ) from None
     return target
 
 
@@ -466,6 +477,17 @@ def _read_meta(path: Path) -> dict:
         raise StoreError(f"{path} has an unreadable header ({err}); {RECREATE}") from None
 
 
+def stored_compute_dtype(directory: str | Path) -> str | None:
+    """The 16-bit dtype the store's pipeline was converted in (``"bfloat16"``, ``"float16"``), ``"float32"`` when it
+    holds no 16-bit parameter, or None when components disagree; read from the file headers, without torch."""
+    index = read_index(directory)
+    found = set()
+    for info in index["components"].values():
+        meta = _read_meta(Path(directory) / info["file"])
+        found |= {e["dtype"] for p in meta["packs"] for e in p["entries"]} & {"bfloat16", "float16"}
+    return "float32" if not found else found.pop() if len(found) == 1 else None
+
+
 def stored_dtypes(directory: str | Path, component: str) -> dict[str, torch.dtype]:
     """Each stored parameter's dtype (as the model computes with it), for building a model without weights."""
     import torch
@@ -473,6 +495,40 @@ def stored_dtypes(directory: str | Path, component: str) -> dict[str, torch.dtyp
     info = read_index(directory)["components"][component]
     meta = _read_meta(Path(directory) / info["file"])
     return {e["name"]: getattr(torch, e["dtype"]) for p in meta["packs"] for e in p["entries"]}
+
+
+def check_weights(directory: str | Path, components: dict[str, nn.Module], packed: dict[str, PackedModel]) -> None:
+    """Refuse a store made from other weights than ``components`` hold (same architecture, another checkpoint): per
+    component, the smallest group holding a quantized weight (else any weight) is packed again from the model's own
+    weights and compared byte for byte with the stored pack. Components without weights (built on the meta device,
+    or left on placeholders by an engine) are not checked."""
+    import torch
+
+    from tritoff.kernels.upcast import KIND_FP8
+    from tritoff.onload import is_placeholder
+    from tritoff.pack import write_pack
+    from tritoff.packer import _quantizer, pack_bytes
+
+    for name in components:
+        model = packed[name]
+        candidates = [
+            (not any(e.kind == KIND_FP8 for e in pack.layout.entries), pack.layout.nbytes, i)
+            for i, (pack, group) in enumerate(zip(model.packs, model.groups, strict=True))
+            if group.params and not any(p.is_meta or is_placeholder(p) for _, p in group.params)
+        ]
+        if not candidates:
+            continue
+        pack, group = model.packs[min(candidates)[2]], model.groups[min(candidates)[2]]
+        data = torch.zeros(pack.layout.nbytes, dtype=torch.uint8)
+        with torch.no_grad():
+            write_pack(
+                pack.layout, data, {n: p.detach().cpu() for n, p in group.params}, _quantizer(torch.device("cpu"))
+            )
+        if not torch.equal(data, pack_bytes(pack)):
+            raise StoreError(
+                f"{directory} was made from other weights than this pipeline's {name} ({name}.{group.name} differs): "
+                "load the weights the store was converted from, or convert this pipeline into a new store"
+            )
 
 
 def load_store(
@@ -500,7 +556,10 @@ def load_store(
     index = read_index(directory)
     stored = set(index["components"])
     if stored != set(components):
-        raise StoreError(f"{directory} holds components {sorted(stored)} but the model has {sorted(components)}")
+        raise StoreError(
+            f"{directory} holds components {sorted(stored)} but the model has {sorted(components)}: enable the "
+            "pipeline (or component) the store was converted from, or convert this one into a new store"
+        )
     storages = component_storages(index)
     for name in components:
         if index["components"][name]["fingerprint"] != fingerprints[name]:

@@ -148,6 +148,9 @@ BAD = [
     (["convert", "{pipe}", "{tmp}"], "is not empty and holds no tritoff store"),
     (["convert", "no-such-dir", "{tmp}/s"], "not found"),
     (["convert", "{pipe}", "{tmp}/s", "--skip", "("], "--skip '(' is not a valid regular expression"),
+    (["convert", "{pipe}", "/proc/s"], "cannot write a store in /proc ("),
+    (["convert", "{pipe}", "{tmp}/s", "--storage", "vae=bf16,vae=fp8_e4m3"], "names vae twice"),
+    (["plan", "wan2.1-t2v-14b", "--height", "481"], "height 481 is not a multiple of 16 (the VAE's"),
     ([], "the following arguments are required: command"),
 ]
 
@@ -267,6 +270,7 @@ def test_a_store_is_refused_for_other_weights_corruption_and_mismatched_options(
         ("other", ["--store", store], "was made from other weights"),  # other random weights, same architecture
         ("pipe", ["--store", store, "--mode", "group"], "made with leaf groups; pass --mode leaf"),
         ("pipe", ["--store", store, "--storage", "fp8_e5m2"], "holds fp8_e4m3 for text_encoder; drop --storage"),
+        ("pipe", ["--store", store, "--dtype", "fp16"], "converted in bf16 and the pipeline would load in fp16: pass"),
     ]:
         code, out, err = tritoff("run", root / model, *RUN, "--mode", "leaf", *args, "--out", tmp_path / "v.gif")
         assert_one_line_error(code, out, err, message)

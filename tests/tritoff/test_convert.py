@@ -127,6 +127,19 @@ def test_convert_refuses_a_non_empty_target_and_the_model_directory(two_pipeline
         convert_pipeline(two_pipelines / "a", two_pipelines / "store", progress=False)
 
 
+def test_a_disk_that_cannot_hold_the_packs_twice_is_refused_before_packing(two_pipelines, tmp_path, monkeypatch):
+    import shutil
+
+    from tritoff import packer
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=100_000))  # the packs take ~190 kB
+    monkeypatch.setattr(packer, "write_pack", lambda *args: pytest.fail("packing started"))
+    with pytest.raises(ValueError, match=r"converting needs .* of free disk in .* which has 97.66 KiB: write the"):
+        convert_pipeline(two_pipelines / "a", tmp_path / "store", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_truncated_checkpoint_is_a_one_line_error(two_pipelines, tmp_path):
     import shutil
 

@@ -1,5 +1,6 @@
 """tritoff/engine.py + manager: outputs equal the dequantized pipeline bit for bit in every mode and budget."""
 
+import io
 import warnings
 
 import pytest
@@ -147,6 +148,10 @@ def test_disable_round_trip(wan_reference):
     assert not any(is_placeholder(p) for p in pipe.transformer.parameters())
     assert torch.equal(run(pipe), wan_reference)  # ordinary modules holding the dequantized weights
     tritoff.disable(pipe)  # a second disable does nothing
+    # each weight in a storage of its own, as after loading: torch.save and pickling accept them
+    for component in (pipe.transformer, pipe.text_encoder):
+        assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in component.parameters())
+        torch.save(component.state_dict(), io.BytesIO())
 
 
 def test_enable_twice_replans(wan_reference):

@@ -1,5 +1,7 @@
 """Pipeline operations after tritoff.enable: they work, or are refused in one line before anything changes."""
 
+import copy
+
 import pytest
 import torch
 
@@ -59,16 +61,35 @@ def test_operations_that_would_break_the_engine_are_refused_in_one_line(enabled,
     assert torch.equal(run(pipe, LATENTS), before)  # the pipeline is as it was
 
 
+def test_copying_or_pickling_an_enabled_component_is_refused(enabled):
+    import io
+    import pickle
+
+    pipe, before = enabled
+    for attempt in (
+        lambda: copy.deepcopy(pipe.transformer),
+        lambda: copy.copy(pipe.vae),
+        lambda: pickle.dumps(pipe.text_encoder),
+        lambda: torch.save(pipe.transformer, io.BytesIO()),
+        lambda: copy.deepcopy(pipe),  # through its components
+    ):
+        with pytest.raises(RuntimeError, match=r"^copying or pickling .*: the weights live in tritoff's packs"):
+            attempt()
+    assert torch.equal(run(pipe, LATENTS), before)
+
+
 def test_disable_gives_the_operations_back():
     pipe = wan()
     tritoff.enable(pipe, mode="group", budget="4MB", progress=False, kernels="reference")
     tritoff.disable(pipe)
     shadowed = ("to", "_apply", "enable_model_cpu_offload", "remove_all_hooks", "fuse_qkv_projections", "compile")
+    shadowed += ("__reduce_ex__",)
     for obj in (pipe, *[m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]):
         assert not any(name in vars(obj) for name in shadowed), obj
     assert not any("compile" in vars(b) for b in pipe.transformer.blocks)
     pipe.to(torch.float32)
     assert pipe.transformer.dtype == torch.float32
+    copy.deepcopy(pipe.transformer)  # ordinary modules again
 
 
 def test_qkv_fused_before_enable_is_packed_and_unfused_after():

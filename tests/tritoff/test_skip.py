@@ -75,3 +75,16 @@ def test_bad_user_pattern_is_refused():
 
     with pytest.raises(ValueError, match="regular expression"):
         SkipRules.for_model(tiny_wan_transformer(), extra=["(unclosed"])
+
+
+def test_one_string_is_one_pattern_and_non_strings_are_refused():
+    import pytest
+
+    model = tiny_wan_transformer()
+    # "ffn\." as a string once meant one pattern per character, which skipped every weight
+    assert SkipRules.for_model(model, extra=r"ffn\.").quantized_names(model) == SkipRules.for_model(
+        model, extra=[r"ffn\."]
+    ).quantized_names(model)
+    for bad in (5, [r"ffn\.", 5]):
+        with pytest.raises(ValueError, match="a string or a list"):
+            SkipRules.for_model(model, extra=bad)

@@ -67,6 +67,21 @@ def test_other_config_is_refused(saved):
     assert all(torch.equal(p, before[n]) for n, p in pipe.transformer.named_parameters())  # nothing changed
 
 
+def test_a_store_of_other_weights_is_refused_before_anything_changes(saved):
+    directory, _ = saved
+    pipe = wan()
+    pipe.transformer = wan(seed=1).transformer  # the same architecture, another checkpoint
+    before = {(c, n): p.detach().clone() for c in ("text_encoder", "transformer") for n, p in _params(pipe, c)}
+    with pytest.raises(StoreError, match="made from other weights than this pipeline's transformer"):
+        _enable(pipe, store=directory)
+    assert all(torch.equal(p, before[c, n]) for c in ("text_encoder", "transformer") for n, p in _params(pipe, c))
+    assert not hasattr(pipe, "_tritoff_engine")
+
+
+def _params(pipe, component):
+    return getattr(pipe, component).named_parameters()
+
+
 def test_truncated_missing_and_other_version_are_refused(copy, tmp_path):
     with open(copy / "transformer.safetensors", "r+b") as f:
         f.truncate(f.seek(0, 2) - 100)

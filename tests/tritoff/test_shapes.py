@@ -1,0 +1,22 @@
+"""tritoff/shapes.py: the multiple a pipeline's height and width must be, from its configs."""
+
+import pytest
+
+from tritoff.shapes import check_dimensions, spatial_multiple
+
+WAN_VAE = {"temperal_downsample": [False, True, True]}  # three 2x spatial stages
+WAN_DIT = {"patch_size": [1, 2, 2]}
+
+
+def test_the_multiple_is_the_vae_downscale_times_the_patch_size():
+    assert spatial_multiple(WAN_VAE, WAN_DIT) == 16
+    assert spatial_multiple({"block_out_channels": [128, 256, 512, 512]}, {"patch_size": 2}) == 16  # CogVideoX
+    assert spatial_multiple({}, WAN_DIT) is None  # an unknown VAE: nothing is refused
+
+
+def test_a_shape_off_the_multiple_names_the_two_nearest_that_work():
+    check_dimensions(WAN_VAE, WAN_DIT, height=480, width=832)
+    with pytest.raises(ValueError, match=r"^--width 830 is not a multiple of 16 .*; use 816 or 832$"):
+        check_dimensions(WAN_VAE, WAN_DIT, "--", height=480, width=830)
+    with pytest.raises(ValueError, match="height 8 is not a multiple of 16 .*; use 16 or 32"):
+        check_dimensions(WAN_VAE, WAN_DIT, height=8)
