@@ -273,6 +273,7 @@ class Engine:
         self.requantized: dict[str, tuple[str, float]] = {}
         self._group_lists = group_lists
         self._hooked: list[nn.Module] = []
+        self._unhooked: list[nn.Module] = []  # what teardown unhooked: disable gives their forwards back
         self._runtimes: list[ComponentRuntime] = []
         self.manager: HookManager | None = None
         self.disk: DiskRing | None = None
@@ -436,7 +437,7 @@ class Engine:
         operations.remove(self.target, self.components, blocks)
         for module in self._hooked:
             remove_hook_from_module(module)
-        self._hooked = []
+        self._unhooked, self._hooked = self._hooked, []
         if self.options.device.type == "cuda":
             torch.cuda.synchronize(self.options.device)
         if self.manager is not None:
@@ -830,6 +831,10 @@ def _restore(engine: Engine, device: torch.device) -> None:
         move_adapters(module, device)
     for packed in engine.packed.values():
         packed.arena.close()
+    from tritoff import operations
+
+    for module in engine._unhooked:  # ordinary modules again: no forward of tritoff's left on the instances
+        operations.restore_forward(module)
 
 
 def _release(engine: Engine) -> None:

@@ -117,10 +117,30 @@ def _compile_inside_hooks(block: torch.nn.Module):
     def compile(*args, **kwargs):
         """``torch.compile`` the block's own forward; tritoff's hooks run around it, uncompiled."""
         # accelerate keeps the block's original forward here and calls it between the hooks
-        block._old_forward = torch.compile(block._old_forward, *args, **kwargs)
+        original = block._old_forward
+        block._old_forward = torch.compile(original, *args, **kwargs)
+        block._old_forward._tritoff_compile = (original, args, kwargs)
 
     compile._tritoff = True
     return compile
+
+
+def restore_forward(module: torch.nn.Module) -> None:
+    """After accelerate's hook removal, which leaves ``module.forward`` as an instance attribute: drop it when it is
+    the class's own forward, and turn a forward compiled inside tritoff's hooks into an ordinary ``module.compile``
+    with the same options. A compiled closure over the module would otherwise follow it into copies (which would then
+    compute with this module's weights) and make it unpicklable."""
+    forward = module.__dict__.get("forward")
+    compiled = getattr(forward, "_tritoff_compile", None)
+    original = compiled[0] if compiled is not None else forward
+    own = getattr(original, "__self__", None) is module and getattr(original, "__func__", None) is getattr(
+        type(module), "forward", None
+    )
+    if not own:  # someone else's forward (a patch from before enable): left as it is
+        return
+    del module.forward
+    if compiled is not None:
+        torch.nn.Module.compile(module, *compiled[1], **compiled[2])
 
 
 def _compile_around_hooks(module: torch.nn.Module, component: str):

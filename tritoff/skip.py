@@ -85,4 +85,6 @@ def skip_patterns(skip: str | Iterable[str] | None) -> tuple[str, ...]:
     for pattern in patterns:
         if not isinstance(pattern, str):
             raise ValueError(f"skip takes regular expressions of module names (a string or a list), got {pattern!r}")
+        if not pattern.strip():  # it would match every module: nothing would be quantized
+            raise ValueError("skip has an empty pattern, which matches every module: leave it out (skip=() skips none)")
     return patterns

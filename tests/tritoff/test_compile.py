@@ -4,6 +4,9 @@ first call, and never trace tritoff's own code (its hooks stay outside the compi
 CPU, ``aot_eager`` backend (the graphs run as eager ATen ops, so the outputs stay bit-exact); every block streams.
 """
 
+import copy
+import pickle
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -112,6 +115,19 @@ def test_compile_then_replan_then_disable():
     tritoff.disable(pipe)  # ordinary modules holding the dequantized weights, blocks still compiled
     assert torch.equal(_run(pipe, call, "latent")[1], expected)
     assert recorder.traced_tritoff() == []
+    # compiled as torch compiles a module, not through a closure over the block: copies compute with their own
+    # weights, and the transformer pickles
+    blocks = pipe.transformer.blocks
+    assert all("forward" not in vars(b) and b._compiled_call_impl is not None for b in blocks)
+    pickle.dumps(pipe.transformer)
+    original = pipe.transformer
+    pipe.transformer = copy.deepcopy(original)
+    with torch.no_grad():
+        for block in pipe.transformer.blocks:
+            block.ffn.net[2].weight.mul_(2)
+    assert not torch.equal(_run(pipe, call, "latent")[1], expected)
+    pipe.transformer = original
+    assert torch.equal(_run(pipe, call, "latent")[1], expected)
 
 
 def test_fullgraph_over_hooked_blocks_is_refused_in_one_line():

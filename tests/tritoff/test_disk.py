@@ -454,5 +454,8 @@ def test_peak_host_memory_stays_within_the_host_budget_plus_the_ring(tmp_path):
     # holds, the ring, and that
     other = full["peak"] - full["arena"]
     assert full["arena"] >= limited["packed"] and other > 0
-    assert limited["peak"] <= limited["arena"] + limited["ring"] + other + 4 * 2**20, (limited, full)
+    # 12 MiB of slack: the limited peak measured 57.7-60.2 MiB on an idle machine and once 65.7 MiB on a loaded one (3
+    # MiB over a 4 MiB slack); holding every pack would add 33.6 MiB, reading the store whole 37.8 MiB
+    assert limited["peak"] <= limited["arena"] + limited["ring"] + other + 12 * 2**20, (limited, full)
+    assert limited["peak"] < full["peak"] - limited["packed"] // 4, (limited, full)
     assert limited["arena"] + limited["ring"] < full["arena"] - limited["packed"] // 2  # several times smaller

@@ -88,3 +88,6 @@ def test_one_string_is_one_pattern_and_non_strings_are_refused():
     for bad in (5, [r"ffn\.", 5]):
         with pytest.raises(ValueError, match="a string or a list"):
             SkipRules.for_model(model, extra=bad)
+    for empty in ("", [" "]):  # an empty regex matches every module name: the whole model would stay unquantized
+        with pytest.raises(ValueError, match="empty pattern, which matches every module"):
+            SkipRules.for_model(model, extra=empty)
