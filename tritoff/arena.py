@@ -18,6 +18,11 @@ import torch
 PAGE = 4096
 
 
+def locks(register: bool | None) -> bool:
+    """Whether an arena is page-locked given ``register``: None means when CUDA is available."""
+    return torch.cuda.is_available() if register is None else register
+
+
 class HostArena:
     """One host buffer of ``nbytes``; ``register`` page-locks it now (default: when CUDA is available), else
     :meth:`register` does later."""
@@ -32,9 +37,7 @@ class HostArena:
         )
         self.registered = False
         self.register_error: str | None = None
-        if register is None:
-            register = torch.cuda.is_available()
-        if register:
+        if locks(register):
             self.register()
 
     def register(self) -> None:

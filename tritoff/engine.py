@@ -65,6 +65,11 @@ class Options:
     reserve_fraction: float | None = None  # the reserve is this fraction of the budget (the default, or "20%")
     host_budget: int | None = None  # host bytes the packs may hold (None: all of them)
 
+    @property
+    def reads_host_directly(self) -> bool:
+        """Whether kernels read the packs zero-copy from page-locked host memory (which must then be locked)."""
+        return self.transport == "zero_copy" and self.device.type == "cuda"
+
 
 def _unwrap(module: nn.Module) -> nn.Module:
     """The module a ``torch.compile`` wrapper compiles (tritoff manages, and hooks, the module itself)."""
@@ -370,7 +375,7 @@ class Engine:
             owners={id(pack): name for name, pack in on_disk},
             device=self.options.device,
         )
-        if cuda and self.options.transport == "zero_copy" and not ring.arena.registered:
+        if self.options.reads_host_directly and not ring.arena.registered:
             ring.close()
             raise ValueError(
                 f"transport='zero_copy' needs page-locked host memory, and the disk ring could not be locked "
@@ -676,8 +681,9 @@ def enable(
     else:
         # zero-copy cannot run without page-locked packs: lock now, refusing before anything changes if that fails;
         # otherwise pack_model locks each arena once its packs are written (locking faults in every page at once)
-        zero_copy = options.transport == "zero_copy" and options.device.type == "cuda"
-        arenas = {name: HostArena(pack_offsets(kept[name])[1], register=zero_copy) for name in components}
+        arenas = {
+            name: HostArena(pack_offsets(kept[name])[1], register=options.reads_host_directly) for name in components
+        }
         _check_zero_copy(options, arenas)
         requires_grad = _freeze(components)
         packed, snr = {}, {}
@@ -767,7 +773,7 @@ def _check_callable(components: dict[str, nn.Module], sizes: list[ComponentSize]
 
 def _check_zero_copy(options: Options, arenas: dict) -> None:
     """transport='zero_copy' needs every arena page-locked; refuse before anything changes if one is not."""
-    if options.transport != "zero_copy" or options.device.type != "cuda":
+    if not options.reads_host_directly:
         return
     for name, arena in arenas.items():
         arena = getattr(arena, "arena", arena)

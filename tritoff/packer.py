@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from tritoff.arena import PAGE, HostArena
+from tritoff.arena import PAGE, HostArena, locks
 from tritoff.disk import PackFile
 from tritoff.formats import StorageFormat, check_granularity, get_format
 from tritoff.groups import Group, block_groups
@@ -206,13 +206,9 @@ def pack_model(
             for pack, group in zip(packs, groups, strict=False):
                 restore_params(group, pack)
         raise
-    if _registering(register):  # locked once written: locking faults in every page at once
+    if locks(register):  # locked once written: locking faults in every page at once
         arena.register()
     return PackedModel(arena, packs, groups, fmt, granularity)
-
-
-def _registering(register: bool | None) -> bool:
-    return torch.cuda.is_available() if register is None else register
 
 
 def quantize_device(device: torch.device | None = None) -> torch.device:
@@ -240,7 +236,7 @@ def hold_packs(
         pack.data = data
         bar.update(align(pack.layout.nbytes, PAGE))
     bar.close()
-    if _registering(register):  # locked once read (faulted in already, locking is quicker)
+    if locks(register):  # locked once read (faulted in already, locking is quicker)
         arena.register()
     packed.arena.close()
     packed.arena = arena

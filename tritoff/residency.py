@@ -77,13 +77,7 @@ class Residency:
                     moved += transfer.fill(g, g.buffer)
             transfer.compute_waits()
         except BaseException:
-            # the compute stream waits for what was queued before the memory it writes can be handed out again
-            transfer.compute_waits()
-            for g in comp.groups:
-                g.drop_device_state(keep_tables=True)
-            if ring is not None:
-                ring.release()
-            transfer.release()
+            _free(comp, transfer, ring)
             raise
         for g in fills:
             g.bind(g.buffer)
@@ -96,11 +90,17 @@ class Residency:
         """Free everything ``comp``'s phase holds (the host packs stay the canonical copy)."""
         if not comp.loaded:
             return
-        comp.transfer.compute_waits()  # prefetched slots nobody consumed are still being written
-        for g in comp.groups:
-            g.drop_device_state(keep_tables=True)
-        if comp.ring is not None:
-            comp.ring.release()
-        comp.transfer.release()
+        _free(comp, comp.transfer, comp.ring)
         comp.transfer, comp.ring, comp.loaded = None, None, False
         comp.stats.evictions += 1
+
+
+def _free(comp, transfer: Transfer, ring: SlotRing | None) -> None:
+    """Free the device memory of ``comp``'s phase (loaded, or part way through loading) once the compute stream has
+    waited for every transfer queued into it (prefetched slots nobody consumed, uploads of an interrupted load)."""
+    transfer.compute_waits()
+    for g in comp.groups:
+        g.drop_device_state(keep_tables=True)
+    if ring is not None:
+        ring.release()
+    transfer.release()

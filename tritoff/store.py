@@ -518,7 +518,8 @@ def check_weights(directory: str | Path, components: dict[str, nn.Module], packe
         ]
         if not candidates:
             continue
-        pack, group = model.packs[min(candidates)[2]], model.groups[min(candidates)[2]]
+        chosen = min(candidates)[2]
+        pack, group = model.packs[chosen], model.groups[chosen]
         data = torch.zeros(pack.layout.nbytes, dtype=torch.uint8)
         with torch.no_grad():
             write_pack(
