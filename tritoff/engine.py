@@ -283,6 +283,7 @@ class Engine:
         self.manager: HookManager | None = None
         self.disk: DiskRing | None = None
         self._torn_down = False
+        self._guards: list = []  # forward pre-hooks refusing to run a torn-down engine's placeholders
 
     # building -----------------------------------------------------------------------------------------------------
     def _use_triton(self) -> bool:
@@ -428,12 +429,30 @@ class Engine:
 
     def teardown(self) -> None:
         """Remove every hook and release every GPU buffer (slots, staging, pool units, resident tiers, cached views,
-        kernel tables); parameters are left pointing at placeholders.
+        kernel tables); parameters are left pointing at placeholders, so a forward is refused until
+        ``tritoff.disable`` (ordinary modules again) or ``tritoff.enable`` (tritoff again).
 
         Done once: on an engine already torn down (disabled, or replaced by enabling the pipeline again) it does
         nothing, so it never touches the modules another engine now manages."""
+        if self._torn_down:
+            return
+        self._teardown()
+        self._guards = [module.register_forward_pre_hook(self._refuse_forward) for module in self.components.values()]
+
+    def _refuse_forward(self, module: nn.Module, args) -> None:
+        name = next(n for n, m in self.components.items() if m is module)
+        raise RuntimeError(
+            f"{name} holds no weights: its tritoff engine was torn down (engine.teardown()); call "
+            "tritoff.disable(pipe) for ordinary modules, or tritoff.enable(pipe, ...) to run with tritoff again"
+        )
+
+    def _teardown(self) -> None:
+        """:meth:`teardown` for disable and enable, which give the modules weights or hooks right after: no guard."""
         from tritoff import lora, operations
 
+        for guard in self._guards:  # a torn-down engine's guards go once the modules are taken over
+            guard.remove()
+        self._guards = []
         if self._torn_down:
             return
         self._torn_down = True
@@ -669,7 +688,7 @@ def enable(
         previous = None
     if reuse:
         _check_zero_copy(options, previous.packed)
-        previous.teardown()
+        previous._teardown()
         packed, snr = previous.packed, previous.snr
         requires_grad = previous.requires_grad
         requantized = previous.requantized
@@ -817,7 +836,7 @@ def _restore(engine: Engine, device: torch.device) -> None:
 
     If that fails (no room on ``device``, Ctrl-C), every parameter points at its placeholder again, the packs are as
     they were, and the error propagates: nothing is lost."""
-    engine.teardown()
+    engine._teardown()
     try:
         for name, module in engine.components.items():
             params = dict(named_parameters(module))

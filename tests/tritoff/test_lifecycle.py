@@ -175,6 +175,25 @@ def test_a_failed_enable_restores_the_weights_on_the_cpu_when_the_device_has_no_
     assert torch.equal(_output(model), _expected())
 
 
+@pytest.mark.parametrize("then", ["disable", "enable"])
+def test_a_torn_down_engine_refuses_to_run_until_disabled_or_enabled_again(then):
+    model = stack()
+    engine = _enable(model)
+    expected = _expected()
+    engine.teardown()
+    assert any(is_placeholder(p) for p in model.parameters())
+    with pytest.raises(RuntimeError, match=r"holds no weights: its tritoff engine was torn down.*tritoff.disable"):
+        _output(model)
+    engine.teardown()  # once only: no second guard
+    if then == "disable":
+        tritoff.disable(model)
+        assert not model._forward_pre_hooks and not any(is_placeholder(p) for p in model.parameters())
+    else:
+        again = _enable(model)
+        assert again is not engine and len(model._forward_pre_hooks) == 0
+    assert torch.equal(_output(model), expected)
+
+
 def test_teardown_of_a_replaced_or_disabled_engine_does_nothing():
     model = stack()
     old = _enable(model, mode="auto", budget=10**8)
