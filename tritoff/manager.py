@@ -356,7 +356,8 @@ class HookManager:
                 self._issue(group)
                 position = comp.order.index(self.index[id(group)]) if self.index[id(group)] in comp.order else -1
                 self.cursor = (comp.name, position)
-            group.bind(comp.ring.wait(group))
+            comp.ring.wait(group)
+            group.bind_views(comp.ring.views(group))
             self._top_up()
         # host time in the hook itself: synchronous fills (the CPU path) are the transfer, not overhead
         end = time.perf_counter_ns() - self.transfer_ns

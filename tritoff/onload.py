@@ -17,6 +17,9 @@ from tritoff.packer import Pack, PackedModel
 
 # the CUDA caching allocator hands out blocks of at least 512 bytes: what a group's tables really cost
 _ALLOCATION = 512
+# each distinct unpacked layout (offsets, dtypes, shapes: the same for every block of a model) as a small int, so a
+# slot's views are built once per layout and shared by the blocks that pass through it
+_VIEW_LAYOUTS: dict[tuple, int] = {}
 # one scalar per (dtype, device) behind every placeholder: NaN for floating dtypes, so a forward that reached an
 # unloaded weight would poison its output rather than compute something plausible
 _SCALARS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -94,6 +97,8 @@ class GroupRuntime:
         self._build_tables()
         # shapes from the layout: the parameters themselves were emptied when their group was packed
         self.placeholders = [placeholder(e.shape, e.dtype, device) for e in self.layout.entries]
+        views_of = tuple((e.out_offset, e.dtype, e.shape) for e in self.layout.entries)
+        self.view_layout = _VIEW_LAYOUTS.setdefault(views_of, len(_VIEW_LAYOUTS))
         self.tier = "stream"
         self.device_pack: torch.Tensor | None = None  # fp8 tier: the pack resident on the GPU
         self.buffer: torch.Tensor | None = None  # bf16 tier or pool unit: its own buffer
@@ -127,19 +132,24 @@ class GroupRuntime:
         return self.layout.out_nbytes
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """Views of ``buffer`` for each parameter, cached per buffer (building them costs ~3 us per tensor)."""
+        """Views of ``buffer`` for each parameter, cached per buffer (building them costs ~10 us per tensor)."""
         key = buffer.data_ptr()
         if key not in self._views:
-            self._views[key] = self._ordered_views(buffer)
+            self._views[key] = self.build_views(buffer)
         return self._views[key]
 
-    def _ordered_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+    def build_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``buffer`` for each parameter, in parameter order (uncached)."""
         by_name = self.layout.views(buffer)
         return [by_name[e.name] for e in self.layout.entries]
 
     def bind(self, buffer: torch.Tensor) -> None:
         """Point every parameter at its view of ``buffer``."""
-        for param, view in zip(self.params, self.views(buffer), strict=True):
+        self.bind_views(self.views(buffer))
+
+    def bind_views(self, views: list[torch.Tensor]) -> None:
+        """Point every parameter at its view in ``views`` (from :meth:`views`, or a ring slot's shared views)."""
+        for param, view in zip(self.params, views, strict=True):
             param.data = view
 
     def release(self) -> None:

@@ -22,7 +22,15 @@ class StallClock:
 
     def __init__(self):
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.spare: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # pairs read, ready to record again
         self.ms = 0.0
+
+    def pair(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """Two timing events to record around a wait: read ones are reused, since creating events in a block's hook
+        costs microseconds."""
+        if self.spare:
+            return self.spare.pop()
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def add(self, before: torch.cuda.Event, after: torch.cuda.Event) -> None:
         """Record one wait; finished pairs are folded in now and then, without blocking."""
@@ -37,6 +45,7 @@ class StallClock:
                 if block:
                     after.synchronize()
                 self.ms += before.elapsed_time(after)
+                self.spare.append((before, after))
             else:
                 pending.append((before, after))
         self.events = pending
@@ -69,6 +78,10 @@ class SlotRing:
         self.timing = timing and self.cuda
         self.stalls = stalls if stalls is not None else StallClock()
         self.seq = 0
+        # (slot, view layout) -> the parameters' views of that slot: blocks of one shape share them, so they are all
+        # built during the first forward (a group lands in a different slot on every pass when the ring's size does
+        # not divide the number of blocks)
+        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
 
     @property
     def n_slots(self) -> int:
@@ -89,22 +102,30 @@ class SlotRing:
             group.ready.record(self.transfer.upcast_stream)
         return nbytes
 
-    def wait(self, group: GroupRuntime) -> torch.Tensor:
-        """Make the compute stream wait for ``group``'s transfer; returns its slot buffer."""
+    def wait(self, group: GroupRuntime) -> None:
+        """Make the compute stream wait for ``group``'s transfer (its parameters may then view its slot)."""
         if self.cuda:
             stream = torch.cuda.current_stream(self.device)
             if self.timing:
-                before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                before, after = self.stalls.pair()
                 before.record(stream)
                 stream.wait_event(group.ready)
                 after.record(stream)
                 self.stalls.add(before, after)
             else:
                 stream.wait_event(group.ready)
-        return self.buffers[group.slot]
+
+    def views(self, group: GroupRuntime) -> list[torch.Tensor]:
+        """``group``'s parameter views of the slot it was loaded into."""
+        key = (group.slot, group.view_layout)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = group.build_views(self.buffers[group.slot])
+        return views
 
     def release(self) -> None:
         """Free the slots (teardown)."""
+        self._views = {}
         self.buffers = []
         self.free_events = []
         self.used = []

@@ -48,6 +48,11 @@ def _minimum(model) -> int:
     return info.value.minimum
 
 
+def _output(model, x):
+    with torch.no_grad():
+        return model(x)
+
+
 def _enable(model, budget):
     return tritoff.enable(model, mode="group", budget=budget, reserve=1000, progress=False, kernels="reference")
 
@@ -124,6 +129,28 @@ def test_ring_slots_are_reused_not_reallocated():
     weights = [p for g in streamed for p in g.params]
     assert weights and all(is_placeholder(p) for p in weights)
     assert {tuple(p.shape) for p in weights if p.dim() == 2} == {(64, 64)}
+
+
+def test_blocks_of_one_shape_share_each_slots_views(monkeypatch):
+    """Five blocks through three slots land in a different slot on each pass; their views of a slot are built once
+    and shared (building them in the hooks of later forwards would count as hook time)."""
+    from tritoff.onload import GroupRuntime
+
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    expected = _output(dequantize_in_place(_stack()), x)
+    model = _stack()
+    engine = _enable(model, _minimum(_stack()))
+    ring_slots = engine.plan.phases["model"].ring_slots
+    assert ring_slots == 3 and len(model.blocks) % ring_slots
+    built = []
+    original = GroupRuntime.build_views
+    monkeypatch.setattr(
+        GroupRuntime, "build_views", lambda self, buffer: built.append(self.name) or original(self, buffer)
+    )
+    for _ in range(4):
+        assert torch.equal(_output(model, x), expected)
+    assert [name for name in built if name.startswith("blocks.")] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert len({g.view_layout for g in engine.manager.components["model"].blocks}) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])

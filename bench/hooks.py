@@ -1,0 +1,123 @@
+"""Host time in tritoff's block hooks, with each block's own compute kept small.
+
+Builds a Wan-shaped transformer (``tritoff.tiny``, ``--layers`` blocks of 27 tensors) and enables tritoff at the
+smallest budget that works, so every block streams through the slot ring. Runs ``--forwards`` forwards on a tiny
+input and reports the engine's own counter: host time in the group hooks (pre + post) per group, after the first
+forward, synchronous fills (the CPU's transfer) excluded. For scale, it also times the parameter swaps alone: binding
+a block's tensors to slot views and back to placeholders, in a tight loop. Target: ≤ 20 µs per group.
+
+Usage:
+  python bench/hooks.py [--device cpu|cuda] [--layers 8] [--forwards 30] [--repeats 3] [--out DIR]
+  python bench/hooks.py --smoke          tiny, CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main() -> None:
+    """Measure and write ``hooks-<device>.json``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--forwards", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=3, help="engines built and measured; the median is reported")
+    parser.add_argument("--out", default=None, help="directory for the JSON (default: bench/results)")
+    parser.add_argument("--smoke", action="store_true", help="2 blocks, 4 forwards, 1 repeat")
+    parser.add_argument("--deadline", type=float, default=None, help="epoch seconds: start no repeat after it")
+    args = parser.parse_args()
+    if args.smoke:
+        args.layers, args.forwards, args.repeats = 2, 4, 1
+    import torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import warnings
+
+    from common import markdown_table, write_result
+
+    import tritoff
+    from tritoff.planner import BudgetError
+    from tritoff.tiny import tiny_wan_transformer
+
+    warnings.filterwarnings("ignore", message="no CUDA device")
+    config = dict(num_layers=args.layers, ffn_dim=1024, num_attention_heads=4, attention_head_dim=32)
+    kernels = "auto" if device.type == "cuda" else "reference"  # the interpreter's launches would dominate on a CPU
+    runs = []
+    for repeat in range(args.repeats):
+        if runs and args.deadline is not None and time.time() > args.deadline - 30:
+            break
+        model = tiny_wan_transformer(seed=repeat, **config)
+        common = dict(mode="group", reserve="100KB", device=device, kernels=kernels, progress=False)
+        try:
+            tritoff.enable(model, budget=1, **common)
+        except BudgetError as err:
+            minimum = err.minimum
+        engine = tritoff.enable(model, budget=minimum, **common)
+        tiers = engine.plan.tier_counts("model")
+        gen = torch.Generator().manual_seed(0)
+        dims = model.config
+        inputs = dict(
+            hidden_states=torch.randn(1, dims.in_channels, 1, 16, 16, generator=gen).to(device, torch.bfloat16),
+            timestep=torch.tensor([500], device=device),
+            encoder_hidden_states=torch.randn(1, 16, dims.text_dim, generator=gen).to(device, torch.bfloat16),
+            return_dict=False,
+        )
+        with torch.no_grad():
+            for _ in range(args.forwards):
+                model(**inputs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        stats = engine.stats["components"]["model"]
+        runs.append({"hook_us_per_group": stats["hook_us_per_group"], "tiers": tiers, "budget_bytes": minimum})
+        swap_us = _swap_us(engine, device)
+        runs[-1]["swap_us_per_group"] = swap_us
+        tritoff.disable(model, device="cpu")
+    hook = statistics.median(r["hook_us_per_group"] for r in runs)
+    swap = statistics.median(r["swap_us_per_group"] for r in runs)
+    result = {
+        "config": {**config, "forwards": args.forwards, "device": str(device), "kernels": kernels},
+        "tensors_per_group": 27,
+        "runs": runs,
+        "hook_us_per_group": hook,
+        "swap_us_per_group": swap,
+        "target_us": 20.0,
+        "met": hook <= 20.0,
+    }
+    path = write_result(f"hooks-{device.type}", result, smoke=args.smoke, out=args.out)
+    print(
+        markdown_table(
+            ["device", "blocks", "host µs per group in hooks", "of which param swaps (tight loop)", "target ≤ 20 µs"],
+            [[str(device), args.layers, f"{hook:.1f}", f"{swap:.1f}", "met" if hook <= 20 else "not met"]],
+        )
+    )
+    print(f"wrote {path}")
+
+
+def _swap_us(engine, device) -> float:
+    """µs to bind one streamed group's parameters to slot views and release them, in a tight loop."""
+    import torch
+
+    group = next(g for comp in engine.manager.components.values() for g in comp.blocks if g.tier == "stream")
+    views = group.build_views(torch.empty(group.unpacked_bytes, dtype=torch.uint8, device=device))
+    for _ in range(100):
+        group.bind_views(views)
+        group.release()
+    start = time.perf_counter_ns()
+    for _ in range(2000):
+        group.bind_views(views)
+        group.release()
+    return (time.perf_counter_ns() - start) / 2000 / 1e3
+
+
+if __name__ == "__main__":
+    main()
