@@ -1,0 +1,253 @@
+"""tritoff/video.py: frames converted to uint8 exactly, videos written complete or not at all, unwritable targets
+refused early in one line."""
+
+import os
+import re
+import stat
+import sys
+from pathlib import Path
+
+import imageio.v3 as iio
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tritoff import video
+from tritoff.video import check_writable, to_uint8_frames, write_video
+
+
+def _gif_frames(path) -> tuple[np.ndarray, list[int]]:
+    """The RGB frames of a GIF and each frame's duration in ms."""
+    with Image.open(path) as im:
+        frames, durations = [], []
+        for i in range(im.n_frames):
+            im.seek(i)
+            frames.append(np.asarray(im.convert("RGB")))
+            durations.append(im.info["duration"])
+    return np.stack(frames), durations
+
+
+# -- to_uint8_frames ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        pytest.param(0.0, 0, id="zero"),
+        pytest.param(1.0, 255, id="one"),
+        pytest.param(0.5, 128, id="half-rounds-to-128"),
+        pytest.param(1 / 255, 1, id="one-step"),
+        pytest.param(0.002, 1, id="0.51-rounds-up"),
+        pytest.param(0.998, 254, id="254.49-rounds-down"),
+        pytest.param(-0.3, 0, id="below-zero-clips"),
+        pytest.param(1.7, 255, id="above-one-clips"),
+        pytest.param(-1e9, 0, id="far-below"),
+        pytest.param(1e9, 255, id="far-above-no-wraparound"),
+    ],
+)
+def test_values_in_0_1_map_to_0_255_rounded_and_out_of_range_values_clip(value, expected):
+    frames = torch.full((2, 3, 4, 6), value)
+    out = to_uint8_frames(frames)
+    assert out.dtype == np.uint8
+    assert out.shape == (2, 4, 6, 3)
+    assert (out == expected).all()
+
+
+def test_channels_first_tensors_are_moved_to_channels_last():
+    frames = torch.rand(3, 3, 5, 7)  # (F, C, H, W)
+    out = to_uint8_frames(frames)
+    assert out.shape == (3, 5, 7, 3)
+    expected = (frames.permute(0, 2, 3, 1) * 255).round().to(torch.uint8).numpy()
+    np.testing.assert_array_equal(out, expected)
+    assert out[2, 4, 1, 0] == round(frames[2, 0, 4, 1].item() * 255)  # (f, c, h, w) -> (f, h, w, c)
+
+
+def test_channels_last_tensors_keep_their_layout_and_a_batch_dimension_is_dropped():
+    frames = torch.rand(3, 5, 7, 3)  # (F, H, W, C)
+    expected = (frames * 255).round().to(torch.uint8).numpy()
+    np.testing.assert_array_equal(to_uint8_frames(frames), expected)
+    np.testing.assert_array_equal(to_uint8_frames(frames[None]), expected)  # (1, F, H, W, C): the first video
+    batch = torch.rand(1, 3, 3, 5, 7)  # a pipeline's (B, F, C, H, W) output
+    assert to_uint8_frames(batch).shape == (3, 5, 7, 3)
+
+
+def test_bf16_and_grad_tracking_tensors_are_converted():
+    frames = torch.rand(2, 3, 4, 4, requires_grad=True)
+    np.testing.assert_array_equal(to_uint8_frames(frames), to_uint8_frames(frames.detach()))
+    half = torch.full((1, 3, 2, 2), 0.5, dtype=torch.bfloat16)
+    assert (to_uint8_frames(half) == 128).all()
+
+
+def test_lists_of_pil_images_and_uint8_arrays_are_kept_exactly():
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 256, (4, 6, 3), dtype=np.uint8) for _ in range(3)]
+    np.testing.assert_array_equal(to_uint8_frames(arrays), np.stack(arrays))
+    np.testing.assert_array_equal(to_uint8_frames([Image.fromarray(a) for a in arrays]), np.stack(arrays))
+
+
+def test_lists_of_float_arrays_are_scaled_like_tensors():
+    rng = np.random.default_rng(0)
+    arrays = [rng.random((4, 6, 3), dtype=np.float32) for _ in range(2)]  # diffusers' output_type="np"
+    np.testing.assert_array_equal(to_uint8_frames(arrays), to_uint8_frames(torch.from_numpy(np.stack(arrays))))
+
+
+def test_single_channel_frames_become_the_documented_rgb_frames():
+    frames = torch.rand(2, 1, 4, 6)  # (F, 1, H, W): a grey video, which the layout check recognizes
+    out = to_uint8_frames(frames)
+    assert out.shape == (2, 4, 6, 3)  # the docstring promises (F, H, W, 3)
+    grey = (frames[:, 0] * 255).round().to(torch.uint8).numpy()
+    for c in range(3):
+        np.testing.assert_array_equal(out[..., c], grey)
+
+
+# -- check_writable -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".mp4", ".gif", ".MP4", ".Gif"])
+def test_writable_targets_are_returned_as_paths(tmp_path, suffix):
+    target = tmp_path / f"out{suffix}"
+    assert check_writable(str(target)) == target
+    assert not target.exists()  # checking writes nothing
+
+
+@pytest.mark.parametrize(
+    "name,error,message",
+    [
+        pytest.param("", ValueError, "no video path given: name the video .mp4 or .gif", id="empty"),
+        pytest.param("   ", ValueError, "no video path given: name the video .mp4 or .gif", id="blank"),
+        pytest.param("out.avi", ValueError, "cannot write {dir}/out.avi: name the video .mp4 or .gif", id="avi"),
+        pytest.param("out", ValueError, "cannot write {dir}/out: name the video .mp4 or .gif", id="no-suffix"),
+        pytest.param(
+            "missing/out.mp4",
+            FileNotFoundError,
+            "cannot write {dir}/missing/out.mp4: directory {dir}/missing does not exist",
+            id="missing-directory",
+        ),
+        pytest.param(
+            "taken.gif",
+            IsADirectoryError,
+            "cannot write {dir}/taken.gif: it is a directory; give a file name ending in .mp4 or .gif",
+            id="a-directory-in-its-place",
+        ),
+    ],
+)
+def test_unwritable_targets_are_refused_in_one_line(tmp_path, name, error, message):
+    (tmp_path / "taken.gif").mkdir()
+    path = f"{tmp_path}/{name}" if name.strip() else name
+    with pytest.raises(error) as info:
+        check_writable(path)
+    assert str(info.value) == message.format(dir=tmp_path)
+    assert "\n" not in str(info.value)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory this process cannot write to: a 0555 directory, or for root (whom modes do not stop) /proc/sys."""
+    directory = tmp_path / "ro"
+    directory.mkdir()
+    os.chmod(directory, 0o555)
+    if os.access(directory, os.W_OK):
+        directory = Path("/proc/sys")
+        if not directory.is_dir() or os.access(directory, os.W_OK):
+            pytest.skip("no directory this process cannot write to")
+    yield directory
+    os.chmod(tmp_path / "ro", 0o755)
+
+
+def test_a_read_only_directory_is_refused_in_one_line(read_only_dir):
+    with pytest.raises(PermissionError) as info:
+        check_writable(read_only_dir / "out.gif")
+    assert str(info.value) == f"cannot write {read_only_dir}/out.gif: directory {read_only_dir} is not writable"
+
+
+def test_a_bare_file_name_is_checked_against_the_current_directory(tmp_path, read_only_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert check_writable("clip.gif") == Path("clip.gif")
+    monkeypatch.chdir(read_only_dir)
+    with pytest.raises(PermissionError, match=r"^cannot write clip.gif: directory \. is not writable$"):
+        check_writable("clip.gif")
+
+
+def test_mp4_without_imageio_ffmpeg_is_refused_naming_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # import fails as if it were not installed
+    with pytest.raises(ValueError, match=r"^writing \.mp4 needs imageio and imageio-ffmpeg .*pip install imageio "):
+        check_writable(tmp_path / "out.mp4")
+    assert check_writable(tmp_path / "out.gif") == tmp_path / "out.gif"  # a GIF needs only Pillow
+
+
+# -- write_video --------------------------------------------------------------------------------------------------
+
+
+def test_a_gif_reads_back_with_every_frame_exactly_at_the_frame_rate(tmp_path):
+    frames = torch.rand(5, 3, 8, 12)  # 96 pixels a frame: the GIF palette holds them all, so no colour is lost
+    path = write_video(frames, tmp_path / "clip.gif", fps=10)
+    assert path == tmp_path / "clip.gif"
+    back, durations = _gif_frames(path)
+    assert back.shape == (5, 8, 12, 3)
+    np.testing.assert_array_equal(back, to_uint8_frames(frames))
+    assert durations == [100] * 5  # 1000 // 10 ms
+    with Image.open(path) as im:
+        assert im.info["loop"] == 0  # loops forever
+
+
+def test_an_mp4_reads_back_with_the_frame_count_size_rate_and_levels(tmp_path):
+    levels = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 0.6])
+    frames = levels[:, None, None, None].expand(6, 3, 16, 24).contiguous()  # one grey level a frame
+    path = write_video(frames, tmp_path / "clip.mp4", fps=12)
+    back = iio.imread(path)
+    assert back.shape == (6, 16, 24, 3)
+    assert iio.immeta(path)["fps"] == 12.0
+    expected = (levels * 255).round().numpy()
+    assert np.abs(back.reshape(6, -1).astype(float) - expected[:, None]).max() <= 2  # h264's YUV round trip
+
+
+@pytest.mark.parametrize("suffix", [".mp4", ".gif"])
+def test_a_written_video_gets_the_mode_the_umask_gives_new_files(tmp_path, suffix):
+    previous = os.umask(0o027)
+    try:
+        path = write_video(torch.rand(2, 3, 16, 16), tmp_path / f"clip{suffix}")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+    assert os.listdir(tmp_path) == [f"clip{suffix}"]
+
+
+def test_a_writer_failing_halfway_leaves_the_previous_video_untouched(tmp_path, monkeypatch):
+    target = tmp_path / "clip.mp4"
+    target.write_bytes(b"the previous video")
+
+    class DyingWriter:
+        def imwrite(self, tmp, array, **kwargs):
+            with open(tmp, "wb") as f:
+                f.write(b"\x00\x00\x00\x18ftypisom")  # the start of an mp4, then the encoder dies
+            raise RuntimeError("ffmpeg exited with code 1")
+
+    monkeypatch.setattr(video, "_mp4_writer", DyingWriter)
+    with pytest.raises(RuntimeError, match="ffmpeg exited"):
+        write_video(torch.rand(2, 3, 16, 16), target)
+    assert target.read_bytes() == b"the previous video"
+    assert os.listdir(tmp_path) == ["clip.mp4"]
+
+
+def test_an_unwritable_target_is_refused_before_any_frame_is_converted(tmp_path):
+    class Frames:
+        def __iter__(self):
+            raise AssertionError("frames were read before the path was checked")
+
+    with pytest.raises(FileNotFoundError, match=re.escape(f"directory {tmp_path}/nope does not exist")):
+        write_video(Frames(), tmp_path / "nope" / "clip.gif")
+
+
+def test_an_mp4_the_encoder_cannot_write_is_not_left_behind_as_an_empty_file(tmp_path):
+    """libx264 refuses odd sizes with yuv420p; the file must then be the complete video or not be there at all."""
+    target = tmp_path / "clip.mp4"
+    target.write_bytes(b"the previous video")
+    frames = torch.rand(4, 3, 15, 16)  # height 15: not a multiple of 2
+    try:
+        write_video(frames, target)
+    except Exception:
+        assert target.read_bytes() == b"the previous video"  # refused: the previous video is untouched
+    else:
+        assert target.stat().st_size > 0, "write_video returned, but the encoder wrote nothing: an empty clip.mp4"
+        assert iio.imread(target).shape == (4, 15, 16, 3)  # written: all of it
