@@ -34,7 +34,7 @@ def parse_size(value: int | float | str, *, what: str = "budget", total: int | N
             raise ValueError(f"invalid {what} {value!r}: give a finite number of bytes, e.g. '12GB'")
         if value <= 0:
             raise ValueError(f"invalid {what} {value!r}: it must be positive, e.g. '12GB'")
-        return int(value)
+        return _whole_bytes(value, value, what)
     match = _PATTERN.match(str(value))
     unit = match.group(2).upper() if match else None
     if not match or (unit not in _UNITS and unit != "%"):
@@ -47,8 +47,15 @@ def parse_size(value: int | float | str, *, what: str = "budget", total: int | N
             raise ValueError(f"invalid {what} {value!r}: a percentage must be at most 100%")
         if total is None:
             raise ValueError(f"{what} {value!r} is a percentage, but there is no device memory to take it of")
-        return int(total * number / 100)
-    return int(number * _UNITS[unit])
+        return _whole_bytes(total * number / 100, value, what)
+    return _whole_bytes(number * _UNITS[unit], value, what)
+
+
+def _whole_bytes(size: float, value, what: str) -> int:
+    """``size`` rounded down to whole bytes; less than one byte is refused (``budget=0.5`` meant a unit)."""
+    if size < 1:
+        raise ValueError(f"invalid {what} {value!r}: that is less than one byte; give a unit, e.g. '12GB'")
+    return int(size)
 
 
 def parse_host_budget(value, what: str = "host_budget") -> int | None:

@@ -117,7 +117,7 @@ def _check_budget(budget: str | None, what: str = "budget") -> None:
     from tritoff.budget import parse_size
 
     if budget is not None:
-        parse_size(budget, what=what, total=1)  # syntax only: a percentage is resolved on the device later
+        parse_size(budget, what=what, total=2**50)  # syntax only: a percentage is resolved on the device later
 
 
 def _check_spill_dir(args) -> None:

@@ -1,6 +1,8 @@
-"""tritoff/budget.py: the default budget's headroom."""
+"""tritoff/budget.py: sizes as users write them, and the default budget's headroom."""
 
-from tritoff.budget import default_budget
+import pytest
+
+from tritoff.budget import default_budget, parse_host_budget, parse_size
 
 GiB, MiB = 2**30, 2**20
 
@@ -9,3 +11,63 @@ def test_the_default_budget_leaves_five_percent_of_free_memory_and_at_least_512_
     assert default_budget(80 * GiB) == 76 * GiB  # an idle H100: 4 GiB left for what the plan cannot count
     assert default_budget(8 * GiB) == 8 * GiB - 512 * MiB  # 5% would be 410 MiB: the floor holds
     assert default_budget(300 * MiB) == 0  # nothing fits: the planner names the smallest budget that works
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (12_000_000_000, 12 * 10**9),
+        (1.5e9, 1_500_000_000),
+        ("12GB", 12 * 10**9),
+        ("12 GiB", 12 * GiB),
+        ("12gib", 12 * GiB),
+        (" 0.5 MiB ", MiB // 2),
+        (".5GB", 5 * 10**8),
+        ("1000", 1000),
+        ("2.7B", 2),  # whole bytes, rounded down
+        ("25%", GiB),
+    ],
+    ids=str,
+)
+def test_sizes_in_every_spelling(value, expected):
+    assert parse_size(value, total=4 * GiB) == expected
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("abc", "invalid budget 'abc': give bytes"),
+        ("12 GBs", "invalid budget '12 GBs': give bytes"),
+        ("-1GB", "invalid budget '-1GB': give bytes"),
+        ("0GB", "it must be positive"),
+        (0, "it must be positive"),
+        (True, "invalid budget True"),
+        (float("nan"), "give a finite number"),
+        ("120%", "at most 100%"),
+        (0.5, "less than one byte; give a unit"),
+        ("0.0001KB", "less than one byte"),
+        ("0.00000001%", "less than one byte"),
+    ],
+    ids=str,
+)
+def test_a_bad_size_is_refused_in_one_line_that_says_what_to_give(value, message):
+    with pytest.raises(ValueError, match=message) as info:
+        parse_size(value, total=4 * GiB)
+    assert "\n" not in str(info.value)
+
+
+def test_a_percentage_needs_memory_to_take_it_of():
+    with pytest.raises(ValueError, match="is a percentage, but there is no device memory"):
+        parse_size("80%")
+
+
+@pytest.mark.parametrize("zero", [0, 0.0, "0", "0GB", "0 MiB", "0%"], ids=str)
+def test_a_host_budget_of_zero_in_any_spelling_serves_every_pack_from_disk(zero):
+    assert parse_host_budget(zero) == 0
+
+
+def test_no_host_budget_holds_every_pack_and_a_size_is_a_size():
+    assert parse_host_budget(None) is None
+    assert parse_host_budget("3GiB") == 3 * GiB
+    with pytest.raises(ValueError, match="invalid host_budget 'lots'"):
+        parse_host_budget("lots")

@@ -136,6 +136,7 @@ BAD = [
     (["run", "{pipe}", "--prompt", "x", "--store", "{tmp}/nokey"], "not a valid tritoff store index (no 'tritoff')"),
     (["run", "{pipe}"], "the following arguments are required: --prompt"),
     (["demo", "--budget", "abc"], "invalid budget 'abc'"),
+    (["demo", "--budget", "0.5"], "invalid budget '0.5': that is less than one byte; give a unit"),
     (["demo", "--steps", "0"], "--steps: must be an integer >= 1"),
     (["demo", "--frames", "0"], "--frames: must be an integer >= 1"),
     (["demo", "--device", "cuda"], "CUDA is not available"),
