@@ -11,12 +11,14 @@ from tritoff.atomic import atomic_path
 
 
 def to_uint8_frames(frames) -> np.ndarray:
-    """(F, H, W, 3) uint8 from a pipeline's frames: a tensor (F, C, H, W) or (F, H, W, C) in [0, 1], or a list of PIL
-    images or arrays."""
+    """(F, H, W, 3) uint8 from a pipeline's frames: a tensor (F, C, H, W) or (F, H, W, C) in [0, 1] (or uint8, kept
+    as it is), or a list of PIL images or arrays; single-channel frames become grey RGB."""
     import torch
 
     if isinstance(frames, torch.Tensor):
-        array = frames.detach().float().cpu()
+        array = frames.detach().cpu()
+        if array.dtype != torch.uint8:
+            array = array.float()
         if array.dim() == 5:
             array = array[0]
         if array.shape[1] in (1, 3) and array.shape[-1] not in (1, 3):
@@ -26,6 +28,10 @@ def to_uint8_frames(frames) -> np.ndarray:
         array = np.stack([np.asarray(f) for f in frames])
     if array.dtype != np.uint8:
         array = (np.clip(array, 0, 1) * 255).round().astype(np.uint8)
+    if array.ndim == 3:  # greyscale images: (F, H, W)
+        array = array[..., None]
+    if array.shape[-1] == 1:
+        array = np.repeat(array, 3, axis=-1)
     return array
 
 
@@ -72,7 +78,11 @@ def write_video(frames, path: str | Path, fps: int = 16) -> Path:
     array = to_uint8_frames(frames)
     with atomic_path(path, suffix=path.suffix) as tmp:  # the suffix tells the writers which format to use
         if path.suffix.lower() == ".mp4":
-            _mp4_writer().imwrite(tmp, array, fps=fps, codec="libx264", macro_block_size=1)
+            # H.264 in yuv420p needs an even width and height: an odd one gets its last row or column repeated
+            pad = ((0, 0), (0, array.shape[1] % 2), (0, array.shape[2] % 2), (0, 0))
+            _mp4_writer().imwrite(tmp, np.pad(array, pad, mode="edge"), fps=fps, codec="libx264", macro_block_size=1)
+            if os.path.getsize(tmp) == 0:  # ffmpeg reports some failures only on its stderr
+                raise RuntimeError(f"ffmpeg wrote nothing for {path}: write a .gif, or check the frames' size")
         else:
             from PIL import Image
 

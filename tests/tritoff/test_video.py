@@ -101,6 +101,20 @@ def test_single_channel_frames_become_the_documented_rgb_frames():
         np.testing.assert_array_equal(out[..., c], grey)
 
 
+
+def test_greyscale_pil_images_become_rgb_frames():
+    gen = np.random.default_rng(0)
+    pixels = gen.integers(0, 256, size=(3, 4, 6), dtype=np.uint8)
+    out = to_uint8_frames([Image.fromarray(p, mode="L") for p in pixels])
+    assert out.shape == (3, 4, 6, 3)
+    for c in range(3):
+        np.testing.assert_array_equal(out[..., c], pixels)
+
+
+def test_uint8_tensors_are_kept_as_they_are_not_read_as_0_1():
+    frames = torch.randint(0, 256, (2, 3, 4, 6), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    np.testing.assert_array_equal(to_uint8_frames(frames), frames.permute(0, 2, 3, 1).numpy())
+
 # -- check_writable -----------------------------------------------------------------------------------------------
 
 
@@ -239,15 +253,27 @@ def test_an_unwritable_target_is_refused_before_any_frame_is_converted(tmp_path)
         write_video(Frames(), tmp_path / "nope" / "clip.gif")
 
 
-def test_an_mp4_the_encoder_cannot_write_is_not_left_behind_as_an_empty_file(tmp_path):
-    """libx264 refuses odd sizes with yuv420p; the file must then be the complete video or not be there at all."""
+def test_an_mp4_of_odd_size_gets_its_last_row_repeated_to_the_even_size_h264_needs(tmp_path):
+    """libx264 refuses odd sizes with yuv420p (and wrote an empty file): the last row or column is repeated."""
+    target = tmp_path / "clip.mp4"
+    grey = torch.full((4, 3, 15, 17), 0.5)
+    write_video(grey, target)
+    back = iio.imread(target)
+    assert back.shape == (4, 16, 18, 3)
+    assert abs(int(back[:, -1].astype(int).mean()) - 128) <= 2  # the repeated edge, not black padding
+
+
+def test_an_encoder_that_writes_nothing_is_an_error_and_the_previous_video_stays(tmp_path, monkeypatch):
+    class SilentWriter:
+        @staticmethod
+        def imwrite(path, array, **kwargs):
+            open(path, "wb").close()  # what ffmpeg leaves when it fails with only a message on its stderr
+
     target = tmp_path / "clip.mp4"
     target.write_bytes(b"the previous video")
-    frames = torch.rand(4, 3, 15, 16)  # height 15: not a multiple of 2
-    try:
-        write_video(frames, target)
-    except Exception:
-        assert target.read_bytes() == b"the previous video"  # refused: the previous video is untouched
-    else:
-        assert target.stat().st_size > 0, "write_video returned, but the encoder wrote nothing: an empty clip.mp4"
-        assert iio.imread(target).shape == (4, 15, 16, 3)  # written: all of it
+    monkeypatch.setattr(video, "_mp4_writer", SilentWriter)
+    with pytest.raises(RuntimeError, match="ffmpeg wrote nothing for .*clip.mp4: write a .gif"):
+        write_video(torch.rand(2, 3, 16, 16), target)
+    assert target.read_bytes() == b"the previous video"
+    assert os.listdir(tmp_path) == ["clip.mp4"]
+
