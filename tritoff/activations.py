@@ -52,16 +52,18 @@ class _PeakBytes(TorchDispatchMode):
             # a data-dependent scalar (.item(), a mask's .all()): meta tensors hold no data, so read it as 1 (True),
             # the path an unpadded input takes; the shapes that follow, and so the memory, do not depend on it
             return True if args[0].dtype == torch.bool else (1.0 if args[0].is_floating_point() else 1)
+        # storages that existed before the trace (parameters, inputs): a view of one (a weight's transpose, a
+        # reshaped input) allocates nothing
+        before = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        before -= self.live.keys()
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and _storage(t) not in before:
                 self._track(t)
         return out
 
     def _track(self, t: torch.Tensor) -> None:
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        key = StorageWeakRef(t.untyped_storage()).cdata
+        key = _storage(t)
         if key in self.live:
             return
         nbytes = t.untyped_storage().nbytes()
@@ -72,6 +74,13 @@ class _PeakBytes(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.now -= self.live.pop(key, 0)
+
+
+def _storage(t: torch.Tensor) -> int:
+    """A key for ``t``'s storage, shared by its views."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage()).cdata
 
 
 def meta_twin(module: nn.Module) -> nn.Module | None:
