@@ -101,7 +101,6 @@ def test_single_channel_frames_become_the_documented_rgb_frames():
         np.testing.assert_array_equal(out[..., c], grey)
 
 
-
 def test_greyscale_pil_images_become_rgb_frames():
     gen = np.random.default_rng(0)
     pixels = gen.integers(0, 256, size=(3, 4, 6), dtype=np.uint8)
@@ -114,6 +113,7 @@ def test_greyscale_pil_images_become_rgb_frames():
 def test_uint8_tensors_are_kept_as_they_are_not_read_as_0_1():
     frames = torch.randint(0, 256, (2, 3, 4, 6), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     np.testing.assert_array_equal(to_uint8_frames(frames), frames.permute(0, 2, 3, 1).numpy())
+
 
 # -- check_writable -----------------------------------------------------------------------------------------------
 
@@ -276,4 +276,3 @@ def test_an_encoder_that_writes_nothing_is_an_error_and_the_previous_video_stays
         write_video(torch.rand(2, 3, 16, 16), target)
     assert target.read_bytes() == b"the previous video"
     assert os.listdir(tmp_path) == ["clip.mp4"]
-
