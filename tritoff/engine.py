@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ import torch
 import torch.nn as nn
 from accelerate.hooks import add_hook_to_module, remove_hook_from_module
 
-from tritoff import disk
+from tritoff import disk, torn_down
 from tritoff.adapters import adapter_bytes, merged_adapters, move_adapters, named_parameters, outer_modules
 from tritoff.arena import HostArena
 from tritoff.budget import default_budget, device_memory, format_bytes, parse_host_budget, parse_size, percentage
@@ -97,7 +98,7 @@ def _check_no_foreign_hooks(components: dict[str, nn.Module]) -> None:
         for module_name, module in component.named_modules():
             where = f"{name}.{module_name}" if module_name else name
             hook = getattr(module, "_hf_hook", None)
-            if hook is not None and not isinstance(hook, (ComponentHook, GroupHook)):
+            if hook is not None and not isinstance(hook, (ComponentHook, GroupHook, torn_down.TornDown)):
                 raise ValueError(
                     f"{where} carries accelerate hooks (enable_model_cpu_offload, enable_sequential_cpu_offload or "
                     "cpu_offload); call pipe.remove_all_hooks() first"
@@ -437,24 +438,21 @@ class Engine:
         if self._torn_down:
             return
         self._teardown()
-        self._guards = [module.register_forward_pre_hook(self._refuse_forward) for module in self.components.values()]
-
-    def _refuse_forward(self, module: nn.Module, args) -> None:
-        name = next(n for n, m in self.components.items() if m is module)
-        raise RuntimeError(
-            f"{name} holds no weights: its tritoff engine was torn down (engine.teardown()); call "
-            "tritoff.disable(pipe) for ordinary modules, or tritoff.enable(pipe, ...) to run with tritoff again"
-        )
+        self._guards = torn_down.guard(self)
 
     def _teardown(self) -> None:
-        """:meth:`teardown` for disable and enable, which give the modules weights or hooks right after: no guard."""
-        from tritoff import lora, operations
-
-        for guard in self._guards:  # a torn-down engine's guards go once the modules are taken over
-            guard.remove()
+        """:meth:`teardown` for disable and enable, which give the modules weights or hooks right after: no guard.
+        It waits for a forward running on another thread (the manager's lock)."""
+        torn_down.unguard(self, self._guards)  # a torn-down engine's refusals go once the modules are taken over
         self._guards = []
         if self._torn_down:
             return
+        with self.manager.lock if self.manager is not None else contextlib.nullcontext():
+            self._release_everything()
+
+    def _release_everything(self) -> None:
+        from tritoff import lora, operations
+
         self._torn_down = True
         lora.detach(self, unwrap=False)
         blocks = [m for m in self._hooked if isinstance(getattr(m, "_hf_hook", None), GroupHook)]
@@ -884,17 +882,22 @@ def disable(target, device: str | torch.device | None = None) -> None:
     from tritoff import lora
 
     device = _check_device(device) if device is not None else engine.options.device
+    was_torn_down = engine._torn_down
     try:
         _restore(engine, device)
     except BaseException as err:
-        # the parameters point at their placeholders again: hook the engine back, as it was
-        engine._torn_down = False
-        engine._build_runtime()
-        _install(engine)
+        # the parameters point at their placeholders again: the engine goes back as it was, hooked or torn down
+        if was_torn_down:
+            engine._guards = torn_down.guard(engine)
+        else:
+            engine._torn_down = False
+            engine._build_runtime()
+            _install(engine)
         if isinstance(err, torch.OutOfMemoryError):
             total = sum(p.layout.out_nbytes for packed in engine.packed.values() for p in packed.packs)
+            state = "tritoff stays torn down" if was_torn_down else "tritoff stays enabled"
             raise torch.OutOfMemoryError(
-                f"the weights ({format_bytes(total)}) do not fit on {device}: tritoff stays enabled; free memory, or "
+                f"the weights ({format_bytes(total)}) do not fit on {device}: {state}; free memory, or "
                 "call tritoff.disable(pipe, device='cpu')"
             ) from err
         raise

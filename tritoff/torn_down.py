@@ -1,0 +1,71 @@
+"""What ``engine.teardown()`` leaves on a pipeline: refusals, in one line, to run or fuse into placeholders.
+
+Teardown frees the GPU without dequantizing, so every managed parameter is a placeholder (a NaN scalar expanded to
+its shape). Until ``tritoff.disable`` (ordinary modules again) or ``tritoff.enable`` (tritoff again), each module
+tritoff had hooked refuses a forward (a forward pre-hook, so a block or a ``ModuleList``'s children called directly
+refuse too) and diffusers' ``encode``/``decode`` (which call ``module._hf_hook.pre_forward`` and never ``forward``);
+the pipeline and its components refuse ``fuse_lora``/``unfuse_lora`` (they would write into placeholders). The
+refusals hold a component's name only, never the engine, so a torn-down module can still be copied or pickled.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+MESSAGE = (
+    "holds no weights: its tritoff engine was torn down (engine.teardown()); call tritoff.disable(pipe) for ordinary "
+    "modules, or tritoff.enable(pipe, ...) to run with tritoff again"
+)
+FUSING = ("fuse_lora", "unfuse_lora")
+
+
+class TornDown:
+    """A forward pre-hook, and a stand-in ``_hf_hook`` for diffusers' encode/decode, that refuses to run."""
+
+    def __init__(self, component: str):
+        self.component = component
+
+    def __call__(self, module: nn.Module, args) -> None:
+        self.pre_forward(module)
+
+    def pre_forward(self, module: nn.Module, *args, **kwargs):
+        """Refuse: the module's parameters are placeholders."""
+        raise RuntimeError(f"{self.component} {MESSAGE}")
+
+
+def _refuse_fusing(name: str):
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{name}(): the pipeline {MESSAGE}")
+
+    refuse._tritoff_torn_down = True
+    return refuse
+
+
+def guard(engine) -> list:
+    """Install the refusals on what ``engine`` had hooked (its ``_unhooked`` modules), its target and components;
+    returns what :func:`unguard` removes."""
+    names = {id(m): name for name, component in engine.components.items() for m in component.modules()}
+    handles = []
+    for module in engine._unhooked:
+        refusal = TornDown(names.get(id(module), type(module).__name__))
+        handles.append(module.register_forward_pre_hook(refusal))
+        if "_hf_hook" not in module.__dict__:
+            module._hf_hook = refusal
+    for owner in {id(o): o for o in (engine.target, *engine.components.values())}.values():
+        for name in FUSING:
+            if callable(getattr(type(owner), name, None)) and name not in owner.__dict__:
+                setattr(owner, name, _refuse_fusing(name))
+    return handles
+
+
+def unguard(engine, handles: list) -> None:
+    """Remove what :func:`guard` installed."""
+    for handle in handles:
+        handle.remove()
+    for module in engine._unhooked:
+        if isinstance(module.__dict__.get("_hf_hook"), TornDown):
+            del module._hf_hook
+    for owner in (engine.target, *engine.components.values()):
+        for name in FUSING:
+            if getattr(owner.__dict__.get(name), "_tritoff_torn_down", False):
+                delattr(owner, name)
