@@ -53,14 +53,27 @@ class _PeakBytes(TorchDispatchMode):
             # the path an unpadded input takes; the shapes that follow, and so the memory, do not depend on it
             return True if args[0].dtype == torch.bool else (1.0 if args[0].is_floating_point() else 1)
         # storages that existed before the trace (parameters, inputs): a view of one (a weight's transpose, a
-        # reshaped input) allocates nothing
-        before = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        before -= self.live.keys()
+        # reshaped input) allocates nothing, but one grown in place (resize_, an out= argument) allocates the growth
+        before = {}
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and _storage(t) not in self.live:
+                before[_storage(t)] = t.untyped_storage().nbytes()
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and _storage(t) not in before:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = _storage(t)
+            if key in before:
+                grown = t.untyped_storage().nbytes() - before[key]
+                before[key] += max(grown, 0)
+                self._add(max(grown, 0))  # held past the trace, as the storage it grew
+            else:
                 self._track(t)
         return out
+
+    def _add(self, nbytes: int) -> None:
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
 
     def _track(self, t: torch.Tensor) -> None:
         key = _storage(t)
@@ -68,8 +81,7 @@ class _PeakBytes(TorchDispatchMode):
             return
         nbytes = t.untyped_storage().nbytes()
         self.live[key] = nbytes
-        self.now += nbytes
-        self.peak = max(self.peak, self.now)
+        self._add(nbytes)
         weakref.finalize(t, self._free, key)
 
     def _free(self, key: int) -> None:

@@ -284,7 +284,7 @@ class Engine:
         self.manager: HookManager | None = None
         self.disk: DiskRing | None = None
         self._torn_down = False
-        self._guards: list = []  # forward pre-hooks refusing to run a torn-down engine's placeholders
+        self._guards: list | None = None  # what teardown leaves refusing to run its placeholders (torn_down.py)
 
     # building -----------------------------------------------------------------------------------------------------
     def _use_triton(self) -> bool:
@@ -444,7 +444,7 @@ class Engine:
         """:meth:`teardown` for disable and enable, which give the modules weights or hooks right after: no guard.
         It waits for a forward running on another thread (the manager's lock)."""
         torn_down.unguard(self, self._guards)  # a torn-down engine's refusals go once the modules are taken over
-        self._guards = []
+        self._guards = None
         if self._torn_down:
             return
         with self.manager.lock if self.manager is not None else contextlib.nullcontext():

@@ -9,24 +9,45 @@ import numpy as np
 
 from tritoff.atomic import atomic_path
 
+# channel counts a frame may have: grey, RGB, RGBA
+CHANNELS = (1, 3, 4)
+
 
 def to_uint8_frames(frames) -> np.ndarray:
-    """(F, H, W, 3) uint8 from a pipeline's frames: a tensor (F, C, H, W) or (F, H, W, C) in [0, 1] (or uint8, kept
-    as it is), or a list of PIL images or arrays; single-channel frames become grey RGB."""
+    """(F, H, W, C) uint8 frames, C being 3 (or 4 with alpha), from a pipeline's output: a tensor or array of
+    (F, C, H, W) or (F, H, W, C) frames (of a batch of videos, the first), in [0, 1] when floating point and 0-255
+    when integer, or a list of PIL images or arrays. Single-channel frames become grey RGB. Where both dimensions
+    could hold the channels, the one holding 3 does; else a tensor is read channels-first (diffusers' ``"pt"``
+    output) and an array channels-last (its ``"np"`` output)."""
     import torch
 
-    if isinstance(frames, torch.Tensor):
-        array = frames.detach().cpu()
-        if array.dtype != torch.uint8:
-            array = array.float()
-        if array.dim() == 5:
-            array = array[0]
-        if array.shape[1] in (1, 3) and array.shape[-1] not in (1, 3):
-            array = array.permute(0, 2, 3, 1)
-        array = array.numpy()
+    if isinstance(frames, (torch.Tensor, np.ndarray)):
+        channels_first = isinstance(frames, torch.Tensor)
+        if channels_first:
+            frames = frames.detach().cpu()
+            frames = (frames.float() if frames.dtype in (torch.float16, torch.bfloat16) else frames).numpy()
+        array = frames[0] if frames.ndim == 5 else frames
+        if array.ndim == 3:  # greyscale frames: (F, H, W)
+            array = array[..., None]
+        first, last = array.shape[1] in CHANNELS, array.shape[-1] in CHANNELS
+        if array.ndim != 4 or not (first or last):
+            raise ValueError(f"frames of shape {tuple(frames.shape)}: give (F, C, H, W) or (F, H, W, C) frames")
+        if first and last and (array.shape[1] == 3) != (array.shape[-1] == 3):
+            channels_first = array.shape[1] == 3  # RGB where the other could only be grey or RGBA
+        elif first != last:
+            channels_first = first
+        if channels_first:
+            array = array.transpose(0, 2, 3, 1)
     else:
-        array = np.stack([np.asarray(f) for f in frames])
-    if array.dtype != np.uint8:
+        images = [np.asarray(f) for f in frames]
+        array = np.stack(images) if images else np.empty(0)
+    if array.size == 0:
+        raise ValueError("no frames to write")
+    if array.dtype == np.bool_:
+        array = array.astype(np.uint8) * 255
+    elif np.issubdtype(array.dtype, np.integer):
+        array = np.clip(array, 0, 255).astype(np.uint8)
+    else:
         array = (np.clip(array, 0, 1) * 255).round().astype(np.uint8)
     if array.ndim == 3:  # greyscale images: (F, H, W)
         array = array[..., None]

@@ -108,6 +108,26 @@ def test_views_of_parameters_and_inputs_are_not_new_storage(factory, shape, expe
     assert peak_bytes(_meta(factory), (torch.randn(shape),)) == expected
 
 
+class _GrowInput(nn.Module):
+    """Grows its (empty) input's storage in place: ``resize_``, or a matmul written through ``out=``."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+
+    def forward(self, buffer, x):
+        if self.how == "resize":
+            buffer.resize_(32, 32)
+        else:
+            torch.mm(x, x, out=buffer)
+        return buffer
+
+
+@pytest.mark.parametrize("how", ["resize", "out"])
+def test_an_input_grown_in_place_counts_the_growth(how):
+    assert peak_bytes(_GrowInput(how), (torch.empty(0), torch.randn(32, 32))) == 32 * 32 * FP32
+
+
 # -- estimate -----------------------------------------------------------------------------------------------------
 
 

@@ -22,7 +22,7 @@ def _enable(target, **kwargs):
     return tritoff.enable(target, progress=False, kernels="reference", **kwargs)
 
 
-def test_every_way_into_a_torn_down_pipeline_is_refused_until_disable():
+def test_every_way_into_a_torn_down_pipeline_is_refused_until_disable(tmp_path):
     expected = run(dequantized_pipeline(wan), LATENTS)
     pipe = wan()
     pipe.load_lora_weights(lora_state_dict(pipe.transformer), adapter_name="style")
@@ -39,11 +39,21 @@ def test_every_way_into_a_torn_down_pipeline_is_refused_until_disable():
         pipe.transformer.blocks[0](hidden)  # the refusal comes before the block reads its arguments
     with pytest.raises(RuntimeError, match=r"fuse_lora\(\): the pipeline " + REFUSED):
         pipe.fuse_lora(components=["transformer"])
-    # the refusals hold a name, not the engine (its page-locked arena cannot be copied): a torn-down module copies
-    twin = copy.deepcopy(pipe.transformer)
-    pickle.dumps(pipe.vae)
-    with pytest.raises(RuntimeError, match="transformer " + REFUSED):
-        twin.blocks[0](hidden)
+    # what an enabled pipeline refuses stays refused: each would write, build or copy NaN weights at full size
+    refused = [
+        lambda: pipe.transformer.save_pretrained(tmp_path / "nan"),
+        lambda: pipe.transformer.fuse_qkv_projections(),
+        lambda: pipe.to(torch.float32),
+        lambda: pipe.transformer.to(torch.float32),
+        lambda: copy.deepcopy(pipe.transformer),
+        lambda: pickle.dumps(pipe.vae),
+        lambda: pipe.enable_model_cpu_offload(),
+        lambda: pipe.remove_all_hooks(),
+    ]
+    for call in refused:
+        with pytest.raises(RuntimeError, match="tritoff.disable|before tritoff.enable"):
+            call()
+    assert not (tmp_path / "nan").exists()
     tritoff.disable(pipe)
     assert torch.equal(run(pipe, LATENTS), expected)
     assert not any(

@@ -276,3 +276,38 @@ def test_an_encoder_that_writes_nothing_is_an_error_and_the_previous_video_stays
         write_video(torch.rand(2, 3, 16, 16), target)
     assert target.read_bytes() == b"the previous video"
     assert os.listdir(tmp_path) == ["clip.mp4"]
+
+
+def test_diffusers_np_output_a_batch_of_channels_last_arrays_is_read_as_such():
+    rng = np.random.default_rng(1)
+    videos = rng.random((1, 2, 8, 3, 3), dtype=np.float32)  # (B, F, H, W, C), width 3: channels still last
+    np.testing.assert_array_equal(to_uint8_frames(videos), (videos[0] * 255).round().astype(np.uint8))
+
+
+@pytest.mark.parametrize(
+    "shape, channels_last_shape",
+    [
+        pytest.param((2, 3, 8, 3), (2, 8, 3, 3), id="width-3-rgb"),
+        pytest.param((2, 3, 1, 1), (2, 1, 1, 3), id="1x1-rgb"),
+        pytest.param((2, 4, 6, 5), (2, 6, 5, 4), id="rgba"),
+    ],
+)
+def test_a_channels_first_tensor_whose_width_could_be_channels_is_still_channels_first(shape, channels_last_shape):
+    frames = torch.rand(shape, generator=torch.Generator().manual_seed(0))
+    expected = (frames.permute(0, 2, 3, 1) * 255).round().to(torch.uint8).numpy()
+    out = to_uint8_frames(frames)
+    assert out.shape == channels_last_shape
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_integer_and_bool_frames_are_read_as_0_255_and_as_off_on():
+    levels = torch.tensor([-5, 0, 7, 255, 300]).view(1, 1, 5, 1).expand(2, 4, 5, 3)  # (F, H, W, C)
+    assert to_uint8_frames(levels.long())[0, 0, :, 0].tolist() == [0, 0, 7, 255, 255]
+    mask = torch.tensor([True, False]).view(1, 1, 1, 2).expand(2, 3, 4, 2)  # (F, C, H, W)
+    assert to_uint8_frames(mask)[0, 0, :, 0].tolist() == [255, 0]
+
+
+@pytest.mark.parametrize("frames", [[], torch.empty(0, 3, 4, 4)], ids=["empty-list", "no-frames-tensor"])
+def test_no_frames_is_refused_in_one_line(frames):
+    with pytest.raises(ValueError, match="^no frames to write$"):
+        to_uint8_frames(frames)
