@@ -335,6 +335,12 @@ def _load(out: Path, name: str, suffix: str, since: float) -> dict | None:
     return json.loads(path.read_text()) if path.exists() and path.stat().st_mtime >= since else None
 
 
+def _fresh(out: Path, pattern: str, suffix: str, since: float) -> list[Path]:
+    """This part's JSON files named ``pattern``: smoke results only in a smoke run, none older than the part."""
+    paths = sorted(out.glob(f"{pattern}{suffix}.json"))
+    return [p for p in paths if not (suffix == "" and p.stem.endswith("-smoke")) and p.stat().st_mtime >= since]
+
+
 def _verdict(ok: bool | None) -> str:
     return "-" if ok is None else ("met" if ok else "NOT met")
 
@@ -377,17 +383,13 @@ def summary_lines(record: dict, out: Path, suffix: str) -> list[str]:
                 f"matmul slowdown while onloading 351 MB packs: staged {ov['slowdown_staged_pct']:.1f}%, "
                 f"zero-copy {ov['slowdown_zero_copy_pct']:.1f}%"
             )
-    for path in sorted(out.glob(f"hooks-*{suffix}.json")):
-        if (suffix == "" and path.stem.endswith("-smoke")) or path.stat().st_mtime < since:
-            continue
+    for path in _fresh(out, "hooks-*", suffix, since):
         hooks = json.loads(path.read_text())
         lines.append(
             f"\nhost time in block hooks ({hooks['config']['device']}): {hooks['hook_us_per_group']:.1f} us per group, "
             f"param swaps alone {hooks['swap_us_per_group']:.1f} us; <= 20 us: {_verdict(hooks['met'])}"
         )
-    for path in sorted(out.glob(f"e2e-*{suffix}.json")):
-        if (suffix == "" and path.stem.endswith("-smoke")) or path.stat().st_mtime < since:
-            continue
+    for path in _fresh(out, "e2e-*", suffix, since):
         lines += ["", *e2e_lines(path.stem, json.loads(path.read_text()))]
     env = record.get("environment", {})
     lines.append(

@@ -77,16 +77,22 @@ def main() -> None:
                 model(**inputs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        stats = engine.stats["components"]["model"]
-        runs.append({"hook_us_per_group": stats["hook_us_per_group"], "tiers": tiers, "budget_bytes": minimum})
-        swap_us = _swap_us(engine, device)
-        runs[-1]["swap_us_per_group"] = swap_us
+        group = next(g for comp in engine.manager.components.values() for g in comp.blocks if g.tier == "stream")
+        runs.append(
+            {
+                "hook_us_per_group": engine.stats["components"]["model"]["hook_us_per_group"],
+                "swap_us_per_group": _swap_us(group, device),
+                "tensors_per_group": len(group.params),
+                "tiers": tiers,
+                "budget_bytes": minimum,
+            }
+        )
         tritoff.disable(model, device="cpu")
     hook = statistics.median(r["hook_us_per_group"] for r in runs)
     swap = statistics.median(r["swap_us_per_group"] for r in runs)
     result = {
         "config": {**config, "forwards": args.forwards, "device": str(device), "kernels": kernels},
-        "tensors_per_group": 27,
+        "tensors_per_group": runs[0]["tensors_per_group"],
         "runs": runs,
         "hook_us_per_group": hook,
         "swap_us_per_group": swap,
@@ -103,11 +109,10 @@ def main() -> None:
     print(f"wrote {path}")
 
 
-def _swap_us(engine, device) -> float:
-    """µs to bind one streamed group's parameters to slot views and release them, in a tight loop."""
+def _swap_us(group, device) -> float:
+    """µs to bind a streamed ``group``'s parameters to slot views and release them, in a tight loop."""
     import torch
 
-    group = next(g for comp in engine.manager.components.values() for g in comp.blocks if g.tier == "stream")
     views = group.build_views(torch.empty(group.unpacked_bytes, dtype=torch.uint8, device=device))
     for _ in range(100):
         group.bind_views(views)

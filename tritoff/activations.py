@@ -56,17 +56,17 @@ class _PeakBytes(TorchDispatchMode):
         # reshaped input) allocates nothing, but one grown in place (resize_, an out= argument) allocates the growth
         before = {}
         for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and _storage(t) not in self.live:
-                before[_storage(t)] = t.untyped_storage().nbytes()
+            if isinstance(t, torch.Tensor) and (key := _storage(t)) not in self.live:
+                before[key] = t.untyped_storage().nbytes()
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor):
                 continue
             key = _storage(t)
             if key in before:
-                grown = t.untyped_storage().nbytes() - before[key]
-                before[key] += max(grown, 0)
-                self._add(max(grown, 0))  # held past the trace, as the storage it grew
+                grown = max(t.untyped_storage().nbytes() - before[key], 0)
+                before[key] += grown
+                self._add(grown)  # held past the trace, as the storage it grew
             else:
                 self._track(t)
         return out

@@ -58,15 +58,21 @@ def _refusal(name: str, message: str):
     return refuse
 
 
+def refuse(objects, refusals: dict[str, str]) -> None:
+    """Shadow each method named in ``refusals`` on each of ``objects`` (where its class has it and nothing shadows it
+    yet) with a one-line refusal carrying its message; :func:`remove` takes them off."""
+    for obj in {id(o): o for o in objects}.values():
+        for name, message in refusals.items():
+            if callable(getattr(type(obj), name, None)) and name not in obj.__dict__:
+                setattr(obj, name, _refusal(name, message))
+
+
 def install(target, components: dict, device: torch.device, blocks=()) -> None:
     """Intercept the operations above on ``target`` (a pipeline or module), on each of its ``components`` and on the
     hooked ``blocks``."""
     for block in blocks:
         install_block(block)
-    for obj in {id(o): o for o in (target, *components.values())}.values():
-        for name, message in REFUSED.items():
-            if callable(getattr(type(obj), name, None)) and name not in obj.__dict__:
-                setattr(obj, name, _refusal(name, message))
+    refuse((target, *components.values()), REFUSED)
     for name, module in components.items():
         if "_apply" not in module.__dict__:
             module._apply = _guarded_apply(module, name, device)
@@ -77,10 +83,11 @@ def install(target, components: dict, device: torch.device, blocks=()) -> None:
         target.to = _guarded_to(target, components, device)
 
 
-def remove(target, components: dict, blocks=()) -> None:
-    """Give back the methods :func:`install` shadowed (a block compiled meanwhile stays compiled)."""
+def remove(target, components: dict, blocks=(), also=()) -> None:
+    """Give back the methods :func:`install` shadowed (a block compiled meanwhile stays compiled), and those named in
+    ``also`` that :func:`refuse` shadowed."""
     for obj in (target, *components.values(), *blocks):
-        for name in (*REFUSED, "_apply", "to", "compile"):
+        for name in (*REFUSED, "_apply", "to", "compile", *also):
             if getattr(obj.__dict__.get(name), "_tritoff", False):
                 delattr(obj, name)
 

@@ -39,14 +39,6 @@ class TornDown(ModelHook):
         raise RuntimeError(f"{self.component} {MESSAGE}")
 
 
-def _refuse_fusing(name: str):
-    def refuse(*args, **kwargs):
-        raise RuntimeError(f"{name}(): the pipeline {MESSAGE}")
-
-    refuse._tritoff_torn_down = True
-    return refuse
-
-
 def guard(engine) -> list:
     """Install the refusals on what ``engine`` had hooked (its ``_unhooked`` modules), its target and components;
     returns what :func:`unguard` removes."""
@@ -60,10 +52,9 @@ def guard(engine) -> list:
         handles.append(module.register_forward_pre_hook(refusal))
         if "_hf_hook" not in module.__dict__:
             module._hf_hook = refusal
-    for owner in {id(o): o for o in (engine.target, *engine.components.values())}.values():
-        for name in FUSING:
-            if callable(getattr(type(owner), name, None)) and name not in owner.__dict__:
-                setattr(owner, name, _refuse_fusing(name))
+    operations.refuse(
+        (engine.target, *engine.components.values()), {name: f"the pipeline {MESSAGE}" for name in FUSING}
+    )
     return handles
 
 
@@ -73,13 +64,9 @@ def unguard(engine, handles: list | None) -> None:
 
     if handles is None:
         return
-    operations.remove(engine.target, engine.components)
+    operations.remove(engine.target, engine.components, also=FUSING)
     for handle in handles:
         handle.remove()
     for module in engine._unhooked:
         if isinstance(module.__dict__.get("_hf_hook"), TornDown):
             del module._hf_hook
-    for owner in (engine.target, *engine.components.values()):
-        for name in FUSING:
-            if getattr(owner.__dict__.get(name), "_tritoff_torn_down", False):
-                delattr(owner, name)

@@ -21,26 +21,27 @@ def to_uint8_frames(frames) -> np.ndarray:
     output) and an array channels-last (its ``"np"`` output)."""
     import torch
 
-    if isinstance(frames, (torch.Tensor, np.ndarray)):
-        channels_first = isinstance(frames, torch.Tensor)
-        if channels_first:
-            frames = frames.detach().cpu()
-            frames = (frames.float() if frames.dtype in (torch.float16, torch.bfloat16) else frames).numpy()
-        array = frames[0] if frames.ndim == 5 else frames
-        if array.ndim == 3:  # greyscale frames: (F, H, W)
-            array = array[..., None]
-        first, last = array.shape[1] in CHANNELS, array.shape[-1] in CHANNELS
-        if array.ndim != 4 or not (first or last):
-            raise ValueError(f"frames of shape {tuple(frames.shape)}: give (F, C, H, W) or (F, H, W, C) frames")
-        if first and last and (array.shape[1] == 3) != (array.shape[-1] == 3):
-            channels_first = array.shape[1] == 3  # RGB where the other could only be grey or RGBA
-        elif first != last:
-            channels_first = first
-        if channels_first:
-            array = array.transpose(0, 2, 3, 1)
-    else:
+    channels_first = isinstance(frames, torch.Tensor)
+    if channels_first:
+        frames = frames.detach().cpu()
+        frames = (frames.float() if frames.dtype in (torch.float16, torch.bfloat16) else frames).numpy()
+    elif not isinstance(frames, np.ndarray):  # PIL images or arrays, one per frame
         images = [np.asarray(f) for f in frames]
-        array = np.stack(images) if images else np.empty(0)
+        if not images:
+            raise ValueError("no frames to write")
+        frames = np.stack(images)
+    array = frames[0] if frames.ndim == 5 else frames
+    if array.ndim == 3:  # greyscale frames: (F, H, W)
+        array = array[..., None]
+    first, last = array.shape[1] in CHANNELS, array.shape[-1] in CHANNELS
+    if array.ndim != 4 or not (first or last):
+        raise ValueError(f"frames of shape {tuple(frames.shape)}: give (F, C, H, W) or (F, H, W, C) frames")
+    if first and last and (array.shape[1] == 3) != (array.shape[-1] == 3):
+        channels_first = array.shape[1] == 3  # RGB where the other could only be grey or RGBA
+    elif first != last:
+        channels_first = first
+    if channels_first:
+        array = array.transpose(0, 2, 3, 1)
     if array.size == 0:
         raise ValueError("no frames to write")
     if array.dtype == np.bool_:
@@ -49,8 +50,6 @@ def to_uint8_frames(frames) -> np.ndarray:
         array = np.clip(array, 0, 255).astype(np.uint8)
     else:
         array = (np.clip(array, 0, 1) * 255).round().astype(np.uint8)
-    if array.ndim == 3:  # greyscale images: (F, H, W)
-        array = array[..., None]
     if array.shape[-1] == 1:
         array = np.repeat(array, 3, axis=-1)
     return array
