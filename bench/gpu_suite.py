@@ -385,9 +385,12 @@ def summary_lines(record: dict, out: Path, suffix: str) -> list[str]:
             )
     for path in _fresh(out, "hooks-*", suffix, since):
         hooks = json.loads(path.read_text())
+        issue = hooks.get("issue_us_per_group")
         lines.append(
             f"\nhost time in block hooks ({hooks['config']['device']}): {hooks['hook_us_per_group']:.1f} us per group, "
-            f"param swaps alone {hooks['swap_us_per_group']:.1f} us; <= 20 us: {_verdict(hooks['met'])}"
+            f"param swaps alone {hooks['swap_us_per_group']:.1f} us"
+            + ("" if issue is None else f", issuing one transfer alone {issue:.1f} us")
+            + f"; <= 20 us: {_verdict(hooks['met'])}"
         )
     for path in _fresh(out, "e2e-*", suffix, since):
         lines += ["", *e2e_lines(path.stem, json.loads(path.read_text()))]

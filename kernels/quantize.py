@@ -15,7 +15,7 @@ import triton.language as tl
 
 from tritoff.formats import StorageFormat
 
-from .backend import launch, native_fp8, register_op
+from .backend import eager, launch, native_fp8, register_op
 from .fp8_bits import encode_fp8_bits
 
 # Scale exponents are clamped so fp8 * 2^k never leaves bf16's normal range (smallest e5m2 subnormal 2^-16 * 2^-100).
@@ -119,8 +119,7 @@ def _quantize_rows_kernel(
         tl.store(q_ptr + base + start + cols, code, mask=m)
 
 
-@register_op("quantize_rows", mutates_args=("q", "scales"))
-def _quantize_rows_op(
+def _quantize_rows_launch(
     w: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, fp8_kind: int, per_row: bool, native: bool
 ) -> None:
     fmt_dtype = torch.float8_e4m3fn if fp8_kind == 0 else torch.float8_e5m2
@@ -144,6 +143,10 @@ def _quantize_rows_op(
     )
 
 
+# the op torch.compile and fake-tensor tracing see; eager calls launch directly (see ``backend.eager``)
+_quantize_rows_op = register_op("quantize_rows", mutates_args=("q", "scales"))(_quantize_rows_launch)
+
+
 def quantize(
     w: torch.Tensor, fmt: StorageFormat, granularity: str = "row", *, native: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,5 +166,6 @@ def quantize(
         scales = torch.ones(1, dtype=torch.float32, device=w.device)
     if rows.numel():
         use_native = native_fp8(w.device) if native is None else native
-        _quantize_rows_op(rows, q, scales, _FP8_DTYPES[fmt.dtype], granularity == "row", use_native)
+        call = _quantize_rows_launch if eager(rows) else _quantize_rows_op
+        call(rows, q, scales, _FP8_DTYPES[fmt.dtype], granularity == "row", use_native)
     return q.reshape(w.shape), scales

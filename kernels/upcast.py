@@ -28,7 +28,7 @@ import triton.language as tl
 
 from tritoff.formats import StorageFormat
 
-from .backend import interpreting, launch, native_fp8, register_op
+from .backend import eager, interpreting, launch, native_fp8, register_op
 from .fp8_bits import decode_fp8_bits
 
 KIND_COPY, KIND_FP8 = 0, 1
@@ -181,8 +181,7 @@ def _max_tensors(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-@register_op("upcast_pack", mutates_args=("dst",))
-def _upcast_pack_op(
+def _upcast_pack_launch(
     src: torch.Tensor,
     dst: torch.Tensor,
     table: torch.Tensor,
@@ -214,6 +213,10 @@ def _upcast_pack_op(
     )
 
 
+# the op torch.compile and fake-tensor tracing see; eager calls launch directly (see ``backend.eager``)
+_upcast_pack_op = register_op("upcast_pack", mutates_args=("dst",))(_upcast_pack_launch)
+
+
 def _check(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, out_dtype: torch.dtype) -> None:
     if src.dtype != torch.uint8 or dst.dtype != torch.uint8:
         raise TypeError(f"pack and destination must be uint8 byte buffers, got {src.dtype} and {dst.dtype}")
@@ -234,7 +237,8 @@ def _run(src, dst, table, n_programs, out_dtype, fmt, native, block, grid=0):
     use_native = native_fp8(dst.device) if native is None else native
     e5m2 = fmt.dtype == torch.float8_e5m2
     grid = min(grid, n_programs) if grid else 0
-    _upcast_pack_op(src, dst, table, n_programs, _OUT_CODES[out_dtype], e5m2, use_native, block, grid)
+    call = _upcast_pack_launch if eager(dst) else _upcast_pack_op
+    call(src, dst, table, n_programs, _OUT_CODES[out_dtype], e5m2, use_native, block, grid)
     return dst
 
 

@@ -22,7 +22,7 @@ from tritoff.groups import REST, Group, block_groups, is_block, is_host, leaf_gr
 from tritoff.host_lookup import HostLookupHook, host_views
 from tritoff.host_plan import hold_plan
 from tritoff.manager import ComponentHook, ComponentRuntime, GroupHook, HookManager, guard_forward
-from tritoff.onload import GroupRuntime, placeholder, table_bytes
+from tritoff.onload import GroupRuntime, parameter_homes, placeholder, table_bytes
 from tritoff.packer import (
     PackedModel,
     hold_packs,
@@ -311,6 +311,7 @@ class Engine:
         for name, module in self.components.items():
             packed = self.packed[name]
             params_by_name = dict(named_parameters(module))
+            homes = parameter_homes(module)
             phase = self.plan.phases[name]
             comp = ComponentRuntime(name, module, phase, _looped(name))
             split = bool(sizes[name].blocks)
@@ -324,7 +325,8 @@ class Engine:
                     comp.host.append((group, params))
                     continue
                 ring_arena = self.disk.arena if pack.on_disk else None
-                g = GroupRuntime(name, pack, packed, params, device, use_triton, zero_copy, chunk, ring_arena)
+                places = [homes[id(p)] for p in params]
+                g = GroupRuntime(name, pack, packed, params, places, device, use_triton, zero_copy, chunk, ring_arena)
                 if split and is_block(group):
                     g.tier = "bf16" if phase.modes[name] == "resident" else tiers[g.name]
                     comp.blocks.append(g)

@@ -145,8 +145,10 @@ class HookManager:
     def transfer_ns(self) -> int:
         """Host time spent filling synchronously (the CPU path) or waiting for the disk: transfer time, not hook
         overhead."""
-        fills = sum(c.transfer.sync_fill_ns for c in self.components.values() if c.transfer is not None)
-        return fills + (self.disk.wait_ns if self.disk is not None else 0)
+        waited = self.disk.wait_ns if self.disk is not None else 0
+        if self.device.type == "cuda":  # fills are asynchronous there (this runs four times per block)
+            return waited
+        return waited + sum(c.transfer.sync_fill_ns for c in self.components.values() if c.transfer is not None)
 
     def slot_storages(self) -> set[int]:
         """The storages of every loaded ring slot."""
@@ -208,6 +210,9 @@ class HookManager:
         if torch.is_grad_enabled():
             for g in comp.unit:
                 _check_frozen(g)
+        for g in comp.groups:  # a streamed block checks its own when it binds
+            if g.tier not in ("fp8", "stream"):
+                g.check_homes()
         comp.stats.calls += 1
         self._plan_activations(comp, args, kwargs)
         if comp.blocks:  # encode/decode run pre_forward only (diffusers' apply_forward_hook): never marked active
@@ -357,7 +362,7 @@ class HookManager:
                 position = comp.order.index(self.index[id(group)]) if self.index[id(group)] in comp.order else -1
                 self.cursor = (comp.name, position)
             comp.ring.wait(group)
-            group.bind_views(comp.ring.views(group))
+            group.bind_slot(comp.ring.parameters(group))
             self._top_up()
         # host time in the hook itself: synchronous fills (the CPU path) are the transfer, not overhead
         end = time.perf_counter_ns() - self.transfer_ns
@@ -373,7 +378,7 @@ class HookManager:
         comp = self.components[group.component]
         if group.tier in ("fp8", "stream") and group.slot is not None:
             comp.ring.done(group)
-            group.release()
+            group.unbind_slot()
         if comp.reads_disk and not self.inflight and self.cursor is not None and self.cursor[0] == comp.name:
             # the block's kernels are queued (whatever its tier): wait for the next pack's disk read now, while the
             # GPU computes, rather than in the next block's hook with nothing queued

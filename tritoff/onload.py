@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tritoff.chunks import Chunk, split_pack
+from tritoff.kernels.backend import native_fp8
 from tritoff.kernels.upcast import (
     BLOCK,
     BLOCK_ZERO_COPY,
@@ -44,6 +45,16 @@ def is_placeholder(tensor: torch.Tensor) -> bool:
     return scalar is not None and tensor.data_ptr() == scalar.data_ptr()
 
 
+def parameter_homes(root: torch.nn.Module) -> dict[int, list[tuple[dict, str]]]:
+    """Where each parameter under ``root`` lives, by ``id``: every (owner's ``_parameters``, key) holding it."""
+    homes: dict[int, list[tuple[dict, str]]] = {}
+    for module in root.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                homes.setdefault(id(param), []).append((module._parameters, key))
+    return homes
+
+
 def _launch_tables(layout: PackLayout, chunks: list[Chunk], zero_copy: bool) -> list[tuple[torch.Tensor, int]]:
     """(table, programs) of every launch a group may make: the whole pack (HBM or the CPU), the whole pack read
     zero-copy, then each staging chunk (a chunk that is the whole pack reuses the first table)."""
@@ -69,6 +80,13 @@ class GroupRuntime:
     ``chunk_bytes``: the capacity of one staging half, which the pack is split to fit (0: no staging).
     ``host_arena``: the page-locked arena its bytes are read from (default: its component's; the disk ring's for a
     pack served from disk).
+    ``homes``: for each of ``params``, where it lives (from :func:`parameter_homes`): (owner's ``_parameters``, key)
+    pairs, more than one for a tied parameter.
+
+    Resident groups bind by pointing each parameter's ``.data`` at its view. A streamed group lands in a different
+    slot on most passes, so for each forward it swaps the modules' parameter entries instead: a dict store per
+    tensor, against ``param.data = view`` costing ~1 µs each, twice per tensor per forward (bind and release).
+    Between forwards the modules hold the group's own parameters again (placeholders).
     """
 
     def __init__(
@@ -77,6 +95,7 @@ class GroupRuntime:
         pack: Pack,
         packed: PackedModel,
         params: list[torch.nn.Parameter],
+        homes: list[list[tuple[dict, str]]],
         device: torch.device,
         use_triton: bool,
         zero_copy: bool,
@@ -93,12 +112,17 @@ class GroupRuntime:
         self.device = device
         self.use_triton = use_triton
         self.zero_copy = zero_copy and device.type == "cuda" and self.arena.registered
+        self.native = native_fp8(device)  # asked once: each launch would ask the device again
         self.chunks = split_pack(self.layout, chunk_bytes) if chunk_bytes else []
         self._build_tables()
         # shapes from the layout: the parameters themselves were emptied when their group was packed
         self.placeholders = [placeholder(e.shape, e.dtype, device) for e in self.layout.entries]
-        views_of = tuple((e.out_offset, e.dtype, e.shape) for e in self.layout.entries)
+        # (owner's parameter dict, key, the group's own parameter), flat: a tied parameter has one per place
+        self.homes = [(owner, key, param) for param, places in zip(params, homes, strict=True) for owner, key in places]
+        self._home_index = tuple(i for i, places in enumerate(homes) for _ in places)
+        views_of = (tuple((e.out_offset, e.dtype, e.shape) for e in self.layout.entries), self._home_index)
         self.view_layout = _VIEW_LAYOUTS.setdefault(views_of, len(_VIEW_LAYOUTS))
+        self.in_slot = False  # whether the modules hold a slot's parameters (between bind_slot and unbind_slot)
         self.tier = "stream"
         self.device_pack: torch.Tensor | None = None  # fp8 tier: the pack resident on the GPU
         self.buffer: torch.Tensor | None = None  # bf16 tier or pool unit: its own buffer
@@ -143,17 +167,56 @@ class GroupRuntime:
         by_name = self.layout.views(buffer)
         return [by_name[e.name] for e in self.layout.entries]
 
-    def bind(self, buffer: torch.Tensor) -> None:
-        """Point every parameter at its view of ``buffer``."""
-        self.bind_views(self.views(buffer))
+    def slot_parameters(self, buffer: torch.Tensor) -> list[torch.nn.Parameter]:
+        """Parameters viewing ``buffer`` (a ring slot), one per place in :attr:`homes`: what :meth:`bind_slot` takes.
+        Groups of one :attr:`view_layout` can share them."""
+        views = [torch.nn.Parameter(v, requires_grad=False) for v in self.build_views(buffer)]
+        return [views[i] for i in self._home_index]
 
-    def bind_views(self, views: list[torch.Tensor]) -> None:
-        """Point every parameter at its view in ``views`` (from :meth:`views`, or a ring slot's shared views)."""
-        for param, view in zip(self.params, views, strict=True):
+    def bind(self, buffer: torch.Tensor) -> None:
+        """Point every parameter at its view of ``buffer`` (a resident group: its own buffer, for many forwards)."""
+        for param, view in zip(self.params, self.views(buffer), strict=True):
             param.data = view
+
+    def bind_slot(self, slot_params: list[torch.nn.Parameter]) -> None:
+        """Put ``slot_params`` (from :meth:`slot_parameters`) in the modules for one forward."""
+        for (owner, key, param), bound in zip(self.homes, slot_params, strict=True):
+            if owner[key] is not param:
+                self._unbind_until(owner, key)
+                raise self._replaced(key)
+            owner[key] = bound
+        self.in_slot = True
+
+    def check_homes(self) -> None:
+        """Refuse a parameter replaced after enable (``module.weight = ...``, ``load_state_dict(assign=True)``): the
+        module would compute with it while tritoff holds the weight, or tritoff would put its own back over it."""
+        for owner, key, param in self.homes:
+            if owner[key] is not param:
+                raise self._replaced(key)
+
+    def _replaced(self, key: str) -> RuntimeError:
+        return RuntimeError(
+            f"{self.component}.{self.name}: parameter {key!r} was replaced after tritoff.enable (its weights live in "
+            "tritoff's packs); call tritoff.disable first, replace it, then enable again"
+        )
+
+    def _unbind_until(self, stop_owner: dict, stop_key: str) -> None:
+        """Undo a partial :meth:`bind_slot`: the group's own parameters back in the places before this one."""
+        for owner, key, param in self.homes:
+            if owner is stop_owner and key == stop_key:
+                return
+            owner[key] = param
+
+    def unbind_slot(self) -> None:
+        """Give the modules the group's own parameters back (placeholders) after its forward."""
+        for owner, key, param in self.homes:
+            owner[key] = param
+        self.in_slot = False
 
     def release(self) -> None:
         """Point every parameter at its placeholder on the compute device (its shape, no memory)."""
+        if self.in_slot:
+            self.unbind_slot()
         for param, empty in zip(self.params, self.placeholders, strict=True):
             param.data = empty
 
@@ -205,6 +268,6 @@ class GroupRuntime:
         if not self.use_triton:
             upcast_pack_reference(src, dst, table_cpu, self.layout.out_dtype, self.storage)
         elif launch == 1 and self.zero_copy:
-            upcast_pack_zero_copy(src, dst, table, n_programs, self.layout.out_dtype, self.storage)
+            upcast_pack_zero_copy(src, dst, table, n_programs, self.layout.out_dtype, self.storage, native=self.native)
         else:
-            upcast_pack(src, dst, table, n_programs, self.layout.out_dtype, self.storage)
+            upcast_pack(src, dst, table, n_programs, self.layout.out_dtype, self.storage, native=self.native)

@@ -78,10 +78,10 @@ class SlotRing:
         self.timing = timing and self.cuda
         self.stalls = stalls if stalls is not None else StallClock()
         self.seq = 0
-        # (slot, view layout) -> the parameters' views of that slot: blocks of one shape share them, so they are all
-        # built during the first forward (a group lands in a different slot on every pass when the ring's size does
-        # not divide the number of blocks)
-        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        # (slot, view layout) -> parameters viewing that slot: blocks of one shape share them, so they are all built
+        # during the first forward (a group lands in a different slot on every pass when the ring's size does not
+        # divide the number of blocks)
+        self._params: dict[tuple[int, int], list[torch.nn.Parameter]] = {}
 
     @property
     def n_slots(self) -> int:
@@ -115,17 +115,17 @@ class SlotRing:
             else:
                 stream.wait_event(group.ready)
 
-    def views(self, group: GroupRuntime) -> list[torch.Tensor]:
-        """``group``'s parameter views of the slot it was loaded into."""
+    def parameters(self, group: GroupRuntime) -> list[torch.nn.Parameter]:
+        """Parameters viewing the slot ``group`` was loaded into, for :meth:`GroupRuntime.bind_slot`."""
         key = (group.slot, group.view_layout)
-        views = self._views.get(key)
-        if views is None:
-            views = self._views[key] = group.build_views(self.buffers[group.slot])
-        return views
+        params = self._params.get(key)
+        if params is None:
+            params = self._params[key] = group.slot_parameters(self.buffers[group.slot])
+        return params
 
     def release(self) -> None:
         """Free the slots (teardown)."""
-        self._views = {}
+        self._params = {}
         self.buffers = []
         self.free_events = []
         self.used = []

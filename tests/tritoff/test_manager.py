@@ -408,3 +408,73 @@ def test_a_phase_entry_that_fails_part_way_frees_what_it_allocated(monkeypatch, 
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
         assert torch.equal(model(x), reference(x))
+
+
+def test_streamed_blocks_lend_their_modules_slot_parameters_for_one_forward():
+    """A streamed block's modules hold parameters viewing its ring slot during its forward and the block's own
+    parameters (placeholders) otherwise; a parameter tied between two of its layers is one parameter in both."""
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+
+    def tied():
+        model = _stack()
+        for block in model.blocks:
+            block[2].weight = block[0].weight
+        return model
+
+    expected = _output(dequantize_in_place(tied()), x)
+    model = tied()
+    own = [(block[0].weight, block[0].bias, block[2].bias) for block in model.blocks]
+    engine = _enable(model, _minimum(tied()))
+    assert engine.plan.tier_counts("model")["stream"] == 5
+    seen = []
+
+    for block in model.blocks:  # the GELU runs between the block's hooks
+        block[1].register_forward_pre_hook(lambda _, args, b=block: seen.append((b[0].weight, b[2].weight, b[0].bias)))
+    for _ in range(2):
+        assert torch.equal(_output(model, x), expected)
+    slots = {b.untyped_storage().data_ptr() for b in engine.manager.components["model"].ring.buffers}
+    for weight, tied_weight, bias in seen:
+        assert weight is tied_weight and not is_placeholder(weight) and not is_placeholder(bias)
+        assert weight.untyped_storage().data_ptr() in slots and not weight.requires_grad
+    for block, (weight, bias, bias_2) in zip(model.blocks, own, strict=True):
+        assert block[0].weight is weight and block[2].weight is weight and block[0].bias is bias
+        assert block[2].bias is bias_2 and is_placeholder(weight)
+
+
+def test_a_parameter_replaced_after_enable_is_refused_and_kept():
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    expected = _output(dequantize_in_place(_stack()), x)
+    model = _stack()
+    _enable(model, _minimum(_stack()))
+    block = model.blocks[1]
+    own = {name: p for name, p in block.named_parameters()}
+    mine = nn.Parameter(torch.randn(64, 64, dtype=torch.bfloat16), requires_grad=False)
+    block[2].weight = mine  # after the layer before it in the block: that one is bound first, then undone
+    with pytest.raises(RuntimeError, match=r"model\.blocks\.1: parameter 'weight' was replaced") as info:
+        _output(model, x)
+    assert "\n" not in str(info.value) and "tritoff.disable" in str(info.value)
+    assert block[2].weight is mine  # the caller's parameter is not overwritten
+    assert block[0].weight is own["0.weight"] and block[0].bias is own["0.bias"]  # the partial bind undone
+    block[2].weight = own["2.weight"]
+    assert torch.equal(_output(model, x), expected)
+
+
+def test_a_resident_parameter_replaced_after_enable_is_refused():
+    """Resident blocks and the rest of a component bind once: the component's next forward refuses the replacement
+    (the module would otherwise compute with it while tritoff holds the weight)."""
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    model = _stack()
+    engine = _enable(model, "1GB")
+    assert engine.plan.tier_counts("model")["bf16"] == 5
+    _output(model, x)
+    own = model.head.weight
+    model.head.weight = nn.Parameter(torch.randn(16, 64, dtype=torch.bfloat16), requires_grad=False)
+    with pytest.raises(RuntimeError, match=r"parameter 'weight' was replaced after tritoff\.enable"):
+        _output(model, x)
+    model.head.weight = own
+    model.blocks[3][0].load_state_dict(
+        {"weight": torch.randn(64, 64, dtype=torch.bfloat16), "bias": torch.randn(64, dtype=torch.bfloat16)},
+        assign=True,
+    )
+    with pytest.raises(RuntimeError, match=r"model\.blocks\.3: parameter 'weight' was replaced"):
+        _output(model, x)
