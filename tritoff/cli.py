@@ -407,7 +407,7 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_convert(args) -> int:
-    from tritoff.store import check_target
+    from tritoff.store import check_target, left_behind
 
     local = _check_model(args.model)
     target = check_target(args.out_dir, args.overwrite, model=local)
@@ -418,9 +418,16 @@ def _cmd_convert(args) -> int:
         except re.error as err:
             raise CliError(f"--skip {pattern!r} is not a valid regular expression: {err}") from None
     parent = target.parent if str(target.parent) else Path(".")
+    removed = left_behind(target)  # the conversion removes these
+    for stale in removed:
+        print(f"tritoff: removing {stale}, left by an interrupted conversion", file=sys.stderr)
     for stale in sorted(parent.glob(f".{target.name}.*.partial")) + sorted(parent.glob(f".{target.name}.*.old")):
-        # left by a conversion that was killed (SIGKILL, power loss): never used, maybe large
-        print(f"tritoff: note: {stale} is left from an interrupted conversion; delete it", file=sys.stderr)
+        # left by a conversion that was killed (SIGKILL, power loss) on another host, or while replacing a store
+        if stale not in removed:
+            print(
+                f"tritoff: note: {stale} is from another conversion of this store; delete it if none runs",
+                file=sys.stderr,
+            )
     _prepare_backend(None)
 
     import torch

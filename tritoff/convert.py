@@ -2,9 +2,10 @@
 
 Diffusers components (the transformer: most of the bytes) are built from their configs without weights; each group's
 tensors are read from the checkpoint's safetensors files (memory-mapped), cast as ``from_pretrained`` would, quantized,
-written to a private spill file beside the store, and dropped: host memory holds one group, so a store larger than RAM
-can be made. Other components (transformers text encoders, which tie weights at load time) and checkpoints without
-safetensors files are loaded normally and released group by group as they are packed.
+written into its component's file of the store being written, and dropped: host memory holds one group, so a store
+larger than RAM can be made, and the disk holds the packs once (their files become the store's). Other components
+(transformers text encoders, which tie weights at load time) and checkpoints without safetensors files are loaded
+normally and released group by group as they are packed.
 
 The store is written atomically (a temporary directory beside the target, renamed into place) and records the weight
 files it was made from, so ``tritoff run MODEL --store DIR`` can refuse a store made from other weights.
@@ -13,18 +14,25 @@ files it was made from, so ``tritoff run MODEL --store DIR`` can refuse a store 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from tritoff.disk import spill_files
 from tritoff.formats import get_format
 from tritoff.groups import Group
 from tritoff.packer import PackedModel, pack_model, plan_layouts
 from tritoff.skip import SkipRules
 from tritoff.storage import resolve_storage
-from tritoff.store import check_target, describe_source, fingerprint, save_store
+from tritoff.store import (
+    check_target,
+    describe_source,
+    fingerprint,
+    partial_store,
+    reserve_store_files,
+    save_store,
+)
 
 
 def empty_diffusers_component(directory: Path, class_name: str, dtype: torch.dtype | dict[str, torch.dtype]):
@@ -157,18 +165,29 @@ def convert_pipeline(
     # recorded before the weights are read: what the packs are made from
     source = describe_source(source_dir, components) if source_dir is not None else None
     fingerprints = {n: fingerprint(m) for n, m in components.items()}
-    scratch = Path(out_dir).expanduser().resolve().parent  # the store's file system: the packs are written there
     plans = {}
     for name, module in components.items():
         groups = _groups_for(module, grouping if grouping == "leaf" else "group")
         quantized = SkipRules.for_model(module, skip).quantized_names(module)
         plans[name] = groups, plan_layouts(groups, quantized, get_format(storages[name]), granularity)
     sizes = {name: sum(lay.nbytes for lay in layouts) for name, (_, layouts) in plans.items()}
-    _check_disk(scratch, sum(sizes.values()))
-    # each pack goes to a private spill file beside the store as soon as it is made: host memory holds one group,
-    # whatever the model's size (the store is then written from those files)
-    # (no tmpfs warning: a store written there is in RAM anyway)
-    spills = spill_files(scratch, sizes, warn_tmpfs=False)
+    # each pack goes to disk as soon as it is made, so host memory holds one group whatever the model's size: into
+    # its component's file of the store being written beside the target, where it stays
+    partial = partial_store(out_dir, overwrite)
+    try:
+        _check_disk(partial, sum(sizes.values()))
+        layouts_of = {name: [(g.name, lay) for g, lay in zip(*plans[name], strict=True)] for name in components}
+        files = reserve_store_files(partial, layouts_of)
+        packed = _pack(components, plans, readers, storages, granularity, skip, progress, files)
+        save_store(out_dir, fingerprints, packed, skip, grouping, source=source, partial=partial, files=files)
+    finally:
+        if partial.exists():  # interrupted or failed: nothing is left behind (save_store renamed it otherwise)
+            shutil.rmtree(partial, ignore_errors=True)
+    return packed
+
+
+def _pack(components, plans, readers, storages, granularity, skip, progress, files) -> dict[str, PackedModel]:
+    """Pack each component group by group, every pack written into its component's store file as it is made."""
     packed = {}
     for name, module in components.items():
         groups, layouts = plans[name]
@@ -192,25 +211,20 @@ def convert_pipeline(
             layouts=layouts,
             desc=f"packing {name}",
             held=set(),
-            spill=spills.get(name),
+            spill=files[name],
         )
-    save_store(out_dir, fingerprints, packed, skip, grouping, source=source, overwrite=overwrite)
     return packed
 
 
 def _check_disk(directory: Path, packs: int) -> None:
-    """Refuse, before packing, a store whose disk cannot hold its packs twice (written once while packing, once into
-    the store)."""
-    import shutil
-
+    """Refuse, before packing, a store whose disk cannot hold its packs."""
     from tritoff.budget import format_bytes
 
     free = shutil.disk_usage(directory).free
-    if free < 2 * packs:
+    if free < packs:
         raise ValueError(
-            f"converting needs {format_bytes(2 * packs)} of free disk in {directory} (the {format_bytes(packs)} of "
-            f"packs, written while packing and again into the store), which has {format_bytes(free)}: write the "
-            "store on a larger disk"
+            f"converting needs {format_bytes(packs)} of free disk in {directory.parent} for the packs, which has "
+            f"{format_bytes(free)}: write the store on a larger disk"
         )
 
 

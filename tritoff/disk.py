@@ -33,6 +33,9 @@ from tritoff.pack import align
 READ_AHEAD_ON_CPU = False
 
 
+SPILL_FULL = "for the packs beyond host_budget: pass spill_dir= (--spill-dir) on a larger disk, or convert to a store"
+
+
 class PackFile:
     """A file holding packs at ``data_offset`` + each pack's offset; ``fd`` an open descriptor of it.
 
@@ -40,8 +43,11 @@ class PackFile:
     it when first read (``verify``), so a corrupt store is refused, naming the file, before a wrong byte is used (the
     hash covers the pack and its padding to the next page)."""
 
-    def __init__(self, fd: int, data_offset: int, path: str, *, verify: bool = True, owner=None):
+    def __init__(
+        self, fd: int, data_offset: int, path: str, *, verify: bool = True, owner=None, no_space: str = SPILL_FULL
+    ):
         self.fd = fd
+        self.no_space = no_space  # what to do when a write finds the disk full
         self.data_offset = data_offset
         self.path = path
         self.verify = verify
@@ -110,11 +116,7 @@ class PackFile:
         except OSError as err:
             if err.errno != errno.ENOSPC:
                 raise
-            raise OSError(
-                errno.ENOSPC,
-                f"no space left on the disk of {self.path} for the packs beyond host_budget: pass "
-                "spill_dir= (--spill-dir) on a larger disk, or convert to a store",
-            ) from None
+            raise OSError(errno.ENOSPC, f"no space left on the disk of {self.path} {self.no_space}") from None
 
     def drop_cache(self, pack) -> None:
         """Tell the kernel the pack's pages will not be read again soon (a pack now held in RAM)."""
@@ -135,12 +137,12 @@ class PackFile:
 
     def close(self) -> None:
         """Close the descriptor (mapped views stay valid until they go away)."""
-        if self.fd >= 0:
+        if self._owner is not None:  # the owner's descriptor is ``fd``: closed once, by its owner
+            owner, self._owner = self._owner, None
+            owner.close()
+        elif self.fd >= 0:
             os.close(self.fd)
-            self.fd = -1
-        if self._owner is not None:
-            self._owner.close()
-            self._owner = None
+        self.fd = -1
 
     def __del__(self):
         try:

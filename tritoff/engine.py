@@ -278,6 +278,9 @@ class Engine:
         # weights written back into their packs by fusing or unfusing an adapter: name -> ("fuse"|"unfuse", SNR)
         self.requantized: dict[str, tuple[str, float]] = {}
         self._group_lists = group_lists
+        # the parameters tritoff manages, by component and name: disable restores these objects, so one a caller put
+        # in a module's place after enable (refused at the next forward) stays theirs, untouched
+        self._own_params = {name: dict(named_parameters(module)) for name, module in components.items()}
         self._hooked: list[nn.Module] = []
         self._unhooked: list[nn.Module] = []  # what teardown unhooked: disable gives their forwards back
         self._runtimes: list[ComponentRuntime] = []
@@ -643,6 +646,9 @@ def enable(
         )
     fmts = {name: get_format(fmt) for name, fmt in options.storage.items()}
     if reuse:
+        for comp in previous._runtimes:  # a parameter replaced since: refused now, before anything changes
+            for group in comp.groups:
+                group.check_homes()
         group_lists = previous._group_lists
         layouts = {n: [p.layout for p in previous.packed[n].packs] for n in components}
     elif store is not None:
@@ -838,14 +844,14 @@ def _restore(engine: Engine, device: torch.device) -> None:
     they were, and the error propagates: nothing is lost."""
     engine._teardown()
     try:
-        for name, module in engine.components.items():
-            params = dict(named_parameters(module))
+        for name in engine.components:
             packed = engine.packed.get(name)
             if packed is not None:
+                own = engine._own_params[name]
                 for pack, group in zip(packed.packs, engine._group_lists[name], strict=True):
                     tensors = _dequantized(pack, device)
                     for pname, _ in group.params:
-                        params[pname].data = tensors[pname]
+                        own[pname].data = tensors[pname]
     except BaseException:
         _release(engine)
         raise
@@ -865,7 +871,7 @@ def _restore(engine: Engine, device: torch.device) -> None:
 def _release(engine: Engine) -> None:
     """Point every managed parameter at its placeholder on the compute device (what the engine's runtime expects)."""
     for name, packed in engine.packed.items():
-        params = dict(named_parameters(engine.components[name]))
+        params = engine._own_params[name]
         for pack in packed.packs:
             for entry in pack.layout.entries:
                 params[entry.name].data = placeholder(entry.shape, entry.dtype, engine.options.device)

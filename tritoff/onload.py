@@ -123,6 +123,7 @@ class GroupRuntime:
         views_of = (tuple((e.out_offset, e.dtype, e.shape) for e in self.layout.entries), self._home_index)
         self.view_layout = _VIEW_LAYOUTS.setdefault(views_of, len(_VIEW_LAYOUTS))
         self.in_slot = False  # whether the modules hold a slot's parameters (between bind_slot and unbind_slot)
+        self._bound: list[torch.nn.Parameter] = []
         self.tier = "stream"
         self.device_pack: torch.Tensor | None = None  # fp8 tier: the pack resident on the GPU
         self.buffer: torch.Tensor | None = None  # bf16 tier or pool unit: its own buffer
@@ -180,38 +181,35 @@ class GroupRuntime:
 
     def bind_slot(self, slot_params: list[torch.nn.Parameter]) -> None:
         """Put ``slot_params`` (from :meth:`slot_parameters`) in the modules for one forward."""
+        self._bound = slot_params
+        self.in_slot = True  # first: whatever interrupts the loop part way, release() undoes what it stored
         for (owner, key, param), bound in zip(self.homes, slot_params, strict=True):
-            if owner[key] is not param:
-                self._unbind_until(owner, key)
+            if owner.get(key) is not param:
+                self.unbind_slot()
                 raise self._replaced(key)
             owner[key] = bound
-        self.in_slot = True
+
+    def unbind_slot(self) -> None:
+        """Give the modules the group's own parameters back (placeholders) after its forward, wherever they hold the
+        slot's (an entry the caller changed meanwhile stays as the caller left it)."""
+        for (owner, key, param), bound in zip(self.homes, self._bound, strict=True):
+            if owner.get(key) is bound:
+                owner[key] = param
+        self.in_slot = False
 
     def check_homes(self) -> None:
-        """Refuse a parameter replaced after enable (``module.weight = ...``, ``load_state_dict(assign=True)``): the
-        module would compute with it while tritoff holds the weight, or tritoff would put its own back over it."""
+        """Refuse a parameter replaced after enable (``module.weight = ...``, ``load_state_dict(assign=True)``, ``del
+        module.weight``): the module would compute with it while tritoff holds the weight."""
         for owner, key, param in self.homes:
-            if owner[key] is not param:
+            if owner.get(key) is not param:
                 raise self._replaced(key)
 
     def _replaced(self, key: str) -> RuntimeError:
         return RuntimeError(
-            f"{self.component}.{self.name}: parameter {key!r} was replaced after tritoff.enable (its weights live in "
-            "tritoff's packs); call tritoff.disable first, replace it, then enable again"
+            f"{self.component}.{self.name}: parameter {key!r} was replaced or deleted after tritoff.enable (its "
+            "weights live in tritoff's packs); put it back, or call tritoff.disable first, change it, then enable "
+            "again"
         )
-
-    def _unbind_until(self, stop_owner: dict, stop_key: str) -> None:
-        """Undo a partial :meth:`bind_slot`: the group's own parameters back in the places before this one."""
-        for owner, key, param in self.homes:
-            if owner is stop_owner and key == stop_key:
-                return
-            owner[key] = param
-
-    def unbind_slot(self) -> None:
-        """Give the modules the group's own parameters back (placeholders) after its forward."""
-        for owner, key, param in self.homes:
-            owner[key] = param
-        self.in_slot = False
 
     def release(self) -> None:
         """Point every parameter at its placeholder on the compute device (its shape, no memory)."""

@@ -4,9 +4,11 @@ tritoff owns where every managed weight lives, so operations that would move, ca
 behind its back are intercepted on the enabled pipeline and its components (instance attributes shadowing the
 methods; :func:`remove` gives the originals back):
 
-- ``.to(...)``, ``.cuda()``, ``.cpu()``, ``.half()``... (all through ``nn.Module._apply``): a move or cast that leaves
-  every managed weight where and what it is (``pipe.to("cuda")`` with tritoff on that GPU) works and is otherwise a
-  no-op for them; one that would move managed weights elsewhere or change their dtype is refused before anything moves;
+- ``.to(...)``, ``.cuda()``, ``.cpu()``, ``.half()``... (all through ``nn.Module._apply``) on the pipeline, a component
+  or any submodule holding weights: a move or cast that leaves every managed weight where and what it is
+  (``pipe.to("cuda")`` with tritoff on that GPU) works and is otherwise a no-op for them; one that would move managed
+  weights elsewhere or change their dtype is refused before anything moves (a block cast on its own would fill its
+  placeholders to full size, or, inside a forward, cast the slot it computes from);
 - diffusers' offloading (``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``, ``enable_group_offload``),
   ``enable_layerwise_casting`` and ``remove_all_hooks``: refused, since they would strip or fight tritoff's hooks;
 - ``fuse_qkv_projections``: refused, since it would concatenate placeholders; fusing before ``enable`` works;
@@ -74,8 +76,9 @@ def install(target, components: dict, device: torch.device, blocks=()) -> None:
         install_block(block)
     refuse((target, *components.values()), REFUSED)
     for name, module in components.items():
-        if "_apply" not in module.__dict__:
-            module._apply = _guarded_apply(module, name, device)
+        for sub_name, sub in module.named_modules():  # any submodule may be moved or cast on its own
+            if "_apply" not in sub.__dict__:
+                sub._apply = _guarded_apply(sub, f"{name}.{sub_name}" if sub_name else name, device)
         inside = {id(m) for m in module.modules()}
         if "compile" not in module.__dict__ and any(id(b) in inside for b in blocks):
             module.compile = _compile_around_hooks(module, name)
@@ -86,7 +89,8 @@ def install(target, components: dict, device: torch.device, blocks=()) -> None:
 def remove(target, components: dict, blocks=(), also=()) -> None:
     """Give back the methods :func:`install` shadowed (a block compiled meanwhile stays compiled), and those named in
     ``also`` that :func:`refuse` shadowed."""
-    for obj in (target, *components.values(), *blocks):
+    subs = [sub for module in components.values() for sub in module.modules()]
+    for obj in (target, *components.values(), *blocks, *subs):
         for name in (*REFUSED, "_apply", "to", "compile", *also):
             if getattr(obj.__dict__.get(name), "_tritoff", False):
                 delattr(obj, name)

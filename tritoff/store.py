@@ -29,6 +29,7 @@ import os
 import shutil
 import struct
 import tempfile
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,7 +43,7 @@ if TYPE_CHECKING:  # torch and the packer load on use: the command line reads an
     import torch.nn as nn
 
     from tritoff.groups import Group
-    from tritoff.pack import PackEntry
+    from tritoff.pack import PackEntry, PackLayout
     from tritoff.packer import PackedModel
 
 STORE_VERSION = 4
@@ -303,6 +304,115 @@ def _data_pieces(model: PackedModel, nbytes: int):
         yield bytes(nbytes - at)
 
 
+def _head(packs: list[tuple[str, int, PackLayout]], nbytes: int, hashes: list[str]) -> bytes:
+    """A component file's header: its length (8 bytes) and safetensors JSON (the arena as one uint8 tensor, the pack
+    tables in the metadata), padded with spaces so the data starts on a page boundary (safetensors allows them)."""
+    from tritoff.arena import PAGE
+
+    meta = {
+        "packs": [
+            {
+                "name": name,
+                "offset": offset,
+                "nbytes": layout.nbytes,
+                "out_nbytes": layout.out_nbytes,
+                "out_dtype": str(layout.out_dtype).split(".")[-1],
+                "hash": digest,
+                "entries": [_entry_dict(e) for e in layout.entries],
+            }
+            for (name, offset, layout), digest in zip(packs, hashes, strict=True)
+        ]
+    }
+    header = {
+        "arena": {"dtype": "U8", "shape": [nbytes], "data_offsets": [0, nbytes]},
+        "__metadata__": {"tritoff": json.dumps(meta)},
+    }
+    raw = json.dumps(header).encode()
+    raw += b" " * (-(8 + len(raw)) % PAGE)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def partial_store(directory: str | Path, overwrite: bool = False) -> Path:
+    """A new temporary directory beside the store target ``directory`` to write the store into; :func:`save_store`
+    (``partial=``) renames it into place. Its name carries this host and process, so one left behind by a process
+    that was killed (the out-of-memory killer, a power loss) is removed here by the next write of the same store."""
+    import socket
+
+    target = check_target(directory, overwrite)
+    if target.is_symlink():  # a link to a store: replace the store it points to, keep the link
+        target = Path(os.path.realpath(target))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for old in left_behind(target):
+        shutil.rmtree(old, ignore_errors=True)
+    prefix = f".{target.name}.{socket.gethostname()}-{os.getpid()}."
+    return Path(tempfile.mkdtemp(dir=target.parent, prefix=prefix, suffix=".partial"))
+
+
+def left_behind(target: Path) -> list[Path]:
+    """The partial directories of the store ``target`` that writers on this host left when they were killed (their
+    process is gone): never used, maybe large, removed by :func:`partial_store`."""
+    import socket
+
+    mine = f".{target.name}.{socket.gethostname()}-"
+    parent = target.parent if str(target.parent) else Path(".")
+    dead = []
+    for old in sorted(parent.glob(f"{glob_escape(mine)}*.partial")):
+        pid = old.name[len(mine) :].partition(".")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            dead.append(old)
+    return dead
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def reserve_store_files(partial: Path, layouts: dict[str, list[tuple[str, PackLayout]]]) -> dict:
+    """The component files of the store being written in ``partial`` (:func:`partial_store`), one per component of
+    ``layouts`` ({component: [(group name, layout)]}), laid out with room for their headers: packs written into them
+    (``pack_model``'s ``spill``) are where they stay, and :func:`save_store` (``files=``) only writes the headers.
+    Converting then needs the packs' size on disk once, not twice (spill files, then the store)."""
+    from tritoff.disk import PackFile
+    from tritoff.packer import pack_offsets
+
+    files: dict[str, PackFile] = {}
+    for name, packs in layouts.items():
+        offsets, nbytes = pack_offsets([layout for _, layout in packs])
+        # an XXH3-128 digest is 32 hex digits: the header reserved here has the length of the final one
+        head = _head([(n, o, lay) for (n, lay), o in zip(packs, offsets, strict=True)], nbytes, ["0" * 32] * len(packs))
+        path = partial / f"{name}.safetensors"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        files[name] = PackFile(
+            fd, len(head), str(path), verify=False, no_space="while converting: write the store on a larger disk"
+        )
+        os.ftruncate(fd, len(head) + nbytes)  # sparse: the zeros between packs cost no disk
+    return files
+
+
+def _finish_in_place(file, head: bytes, nbytes: int) -> str:
+    """Write ``head`` into ``file`` (from :func:`reserve_store_files`), make it durable and return the whole file's
+    XXH3-128."""
+    done = 0
+    while done < len(head):
+        done += os.pwrite(file.fd, head[done:], done)
+    os.fsync(file.fd)  # on disk before the rename makes it visible, so a power loss cannot publish a torn file
+    hasher, buffer = xxhash.xxh3_128(), bytearray(CHUNK)
+    view, at, size = memoryview(buffer), 0, len(head) + nbytes
+    while at < size:
+        got = os.preadv(file.fd, [view[: min(CHUNK, size - at)]], at)
+        if got == 0:
+            raise OSError(f"{file.path} ended early while hashing it; the file was truncated")
+        hasher.update(view[:got])
+        at += got
+    return hasher.hexdigest()
+
+
 def save_store(
     directory: str | Path,
     fingerprints: dict[str, str],
@@ -312,20 +422,24 @@ def save_store(
     *,
     source: dict | None = None,
     overwrite: bool = False,
+    partial: Path | None = None,
+    files: dict | None = None,
 ) -> Path:
     """Write every component's packs as a store at ``directory``, atomically: into a temporary directory beside it,
     then renamed into place. ``directory`` must be new or empty, or an existing store with ``overwrite``.
 
     ``fingerprints`` are the components' :func:`fingerprint` taken before packing; ``source`` is what the packs were
-    made from (:func:`describe_source`), checked by :func:`check_source`.
+    made from (:func:`describe_source`), checked by :func:`check_source`. ``partial``: the directory from
+    :func:`partial_store` to write into (default: a new one), with ``files``, the component files
+    :func:`reserve_store_files` made there when the packs were written into them: those get their headers, not a copy.
     """
     from tritoff.arena import PAGE
     from tritoff.packer import pack_bytes
 
-    target = check_target(directory, overwrite)
-    if target.is_symlink():  # a link to a store: replace the store it points to, keep the link
+    tmp = partial if partial is not None else partial_store(directory, overwrite)
+    target = Path(directory)
+    if target.is_symlink():
         target = Path(os.path.realpath(target))
-    target.parent.mkdir(parents=True, exist_ok=True)
     first = next(iter(packed.values()))
     from tritoff.storage import common_fp8
 
@@ -341,37 +455,21 @@ def save_store(
         "source": source,
         "components": {},
     }
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial"))
     try:
         for name, model in packed.items():
             # each pack's hash goes into the header, so a pack read alone (served from disk) is checked alone; it
             # covers the pack's page-aligned span, so with the header's hash every byte of the file is covered
             hashes = [_span_hash(pack_bytes(p), PAGE) for p in model.packs]
-            meta = {
-                "packs": [
-                    {
-                        "name": p.name,
-                        "offset": p.offset,
-                        "nbytes": p.layout.nbytes,
-                        "out_nbytes": p.layout.out_nbytes,
-                        "out_dtype": str(p.layout.out_dtype).split(".")[-1],
-                        "hash": digest,
-                        "entries": [_entry_dict(e) for e in p.layout.entries],
-                    }
-                    for p, digest in zip(model.packs, hashes, strict=True)
-                ]
-            }
             nbytes = model.layout_bytes
-            header = {
-                "arena": {"dtype": "U8", "shape": [nbytes], "data_offsets": [0, nbytes]},
-                "__metadata__": {"tritoff": json.dumps(meta)},
-            }
-            raw = json.dumps(header).encode()
-            # pad the header with spaces so the data starts on a page boundary (safetensors allows trailing spaces)
-            raw += b" " * (-(8 + len(raw)) % PAGE)
-            head = struct.pack("<Q", len(raw)) + raw
+            head = _head([(p.name, p.offset, p.layout) for p in model.packs], nbytes, hashes)
             file = f"{name}.safetensors"
-            size, digest = _write_hashed(tmp / file, [head, *_data_pieces(model, nbytes)])
+            own = (files or {}).get(name)
+            if own is not None and own.data_offset == len(head) and all(p.file is own for p in model.packs):
+                size, digest = len(head) + nbytes, _finish_in_place(own, head, nbytes)
+            else:  # packs held in RAM or in spill files: written into a new file
+                if own is not None:
+                    os.unlink(tmp / file)  # a reserved file its packs did not go to
+                size, digest = _write_hashed(tmp / file, [head, *_data_pieces(model, nbytes)])
             index["components"][name] = {
                 "file": file,
                 "storage": model.storage.name,
@@ -389,6 +487,8 @@ def save_store(
         check_target(target, overwrite)  # again: something may have appeared there while the packs were written
         _replace_dir(tmp, target)
         _fsync_dir(target.parent)
+        for file in (files or {}).values():  # the packs' file is the store's now: errors name it there
+            file.path = str(target / Path(file.path).name)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -127,7 +127,7 @@ def test_convert_refuses_a_non_empty_target_and_the_model_directory(two_pipeline
         convert_pipeline(two_pipelines / "a", two_pipelines / "store", progress=False)
 
 
-def test_a_disk_that_cannot_hold_the_packs_twice_is_refused_before_packing(two_pipelines, tmp_path, monkeypatch):
+def test_a_disk_that_cannot_hold_the_packs_is_refused_before_packing(two_pipelines, tmp_path, monkeypatch):
     import shutil
 
     from tritoff import packer
@@ -150,3 +150,74 @@ def test_a_truncated_checkpoint_is_a_one_line_error(two_pipelines, tmp_path):
     with pytest.raises(ValueError, match=r"cannot read .*diffusion_pytorch_model.safetensors: .*checkpoint complete"):
         convert_pipeline(model, tmp_path / "store", progress=False)
     assert not (tmp_path / "store").exists()
+
+
+def _store_files(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_packs_are_written_where_they_stay(two_pipelines, tmp_path, monkeypatch):
+    """Each pack goes straight into its component's file of the store being written: nothing is copied, and the
+    store is the one an engine holding every pack in memory saves, byte for byte."""
+    from tritoff import store
+
+    written = []
+    original = store._write_hashed
+    monkeypatch.setattr(
+        store, "_write_hashed", lambda path, chunks: written.append(path.name) or original(path, chunks)
+    )
+    packed = convert_pipeline(two_pipelines / "a", tmp_path / "store", progress=False)
+    assert written == [store.INDEX]  # the component files got their headers, not a copy
+    for name, model in packed.items():  # the packs now live in the store's files
+        assert {p.file.path for p in model.packs} == {str(tmp_path / "store" / f"{name}.safetensors")}
+    store.verify_store(tmp_path / "store", full=True)
+    assert _store_files(tmp_path / "store") == _store_files(two_pipelines / "store")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
+
+
+def test_converting_needs_the_packs_once_on_disk(two_pipelines, tmp_path, monkeypatch):
+    import shutil
+
+    packs = sum(p.stat().st_size for p in (two_pipelines / "store").glob("*.safetensors"))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=int(1.05 * packs)))
+    convert_pipeline(two_pipelines / "a", tmp_path / "store", progress=False)
+    assert _store_files(tmp_path / "store") == _store_files(two_pipelines / "store")
+
+
+def test_an_interrupted_conversion_leaves_no_file(two_pipelines, tmp_path, monkeypatch):
+    from tritoff import packer
+
+    calls = []
+    original = packer.write_pack
+
+    def interrupt(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(packer, "write_pack", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        convert_pipeline(two_pipelines / "a", tmp_path / "store", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_what_a_killed_conversion_left_is_removed_by_the_next(two_pipelines, tmp_path):
+    """A conversion killed outright (the out-of-memory killer) cannot clean up: the next write of the same store
+    removes its partial directory, and leaves alone one a live process is writing."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    left = tmp_path / f".store.{host}-{int(dead.stdout)}.abc123.partial"
+    live = tmp_path / f".store.{host}-{os.getppid()}.def456.partial"
+    other = tmp_path / f".other.{host}-{int(dead.stdout)}.abc123.partial"
+    for directory in (left, live, other):
+        directory.mkdir()
+        (directory / "transformer.safetensors").write_bytes(b"x" * 1000)
+    convert_pipeline(two_pipelines / "a", tmp_path / "store", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, "store"])

@@ -459,3 +459,19 @@ def test_peak_host_memory_stays_within_the_host_budget_plus_the_ring(tmp_path):
     assert limited["peak"] <= limited["arena"] + limited["ring"] + other + 12 * 2**20, (limited, full)
     assert limited["peak"] < full["peak"] - limited["packed"] // 4, (limited, full)
     assert limited["arena"] + limited["ring"] < full["arena"] - limited["packed"] // 2  # several times smaller
+
+
+def test_a_spill_file_is_closed_once_by_its_owner(tmp_path):
+    """Closing a spill file closes its descriptor once: a second close could shut a file another thread has opened
+    since under the same number."""
+    spill = spill_files(tmp_path, {"transformer": 4096})["transformer"]
+    owner = spill._owner
+    spill.close()  # used to close the descriptor, then fail closing it again through its owner
+    assert owner.closed and spill.fd == -1
+    reused = os.open(tmp_path, os.O_RDONLY)  # the number is free again, and nothing closes it behind our back
+    try:
+        spill.close()
+        del spill, owner
+        os.fstat(reused)
+    finally:
+        os.close(reused)

@@ -469,7 +469,7 @@ def test_a_resident_parameter_replaced_after_enable_is_refused():
     _output(model, x)
     own = model.head.weight
     model.head.weight = nn.Parameter(torch.randn(16, 64, dtype=torch.bfloat16), requires_grad=False)
-    with pytest.raises(RuntimeError, match=r"parameter 'weight' was replaced after tritoff\.enable"):
+    with pytest.raises(RuntimeError, match=r"parameter 'weight' was replaced or deleted after tritoff\.enable"):
         _output(model, x)
     model.head.weight = own
     model.blocks[3][0].load_state_dict(
@@ -478,3 +478,67 @@ def test_a_resident_parameter_replaced_after_enable_is_refused():
     )
     with pytest.raises(RuntimeError, match=r"model\.blocks\.3: parameter 'weight' was replaced"):
         _output(model, x)
+
+
+def test_a_deleted_parameter_is_refused_and_an_interrupted_bind_is_undone(monkeypatch):
+    from tritoff.slots import SlotRing
+
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    expected = _output(dequantize_in_place(_stack()), x)
+    model = _stack()
+    _enable(model, _minimum(_stack()))
+    block = model.blocks[1]
+    own = block[2].weight
+    del block[2].weight  # what registering a parametrization does
+    with pytest.raises(RuntimeError, match=r"model\.blocks\.1: parameter 'weight' was replaced or deleted"):
+        _output(model, x)
+    assert "weight" not in block[2]._parameters and block[0].weight is not None and is_placeholder(block[0].weight)
+    block[2].weight = own
+    assert torch.equal(_output(model, x), expected)
+
+    class Interrupting(list):  # a Ctrl-C arriving after the first parameter was stored
+        def __iter__(self):
+            yield self[0]
+            raise KeyboardInterrupt
+
+    original = SlotRing.parameters
+    monkeypatch.setattr(SlotRing, "parameters", lambda ring, group: Interrupting(original(ring, group)))
+    with pytest.raises(KeyboardInterrupt):
+        _output(model, x)
+    monkeypatch.setattr(SlotRing, "parameters", original)
+    assert all(is_placeholder(p) for p in model.blocks.parameters() if p.dim() == 2)
+    assert torch.equal(_output(model, x), expected)
+
+
+def test_disable_after_a_refused_replacement_leaves_the_new_parameter_as_it_is():
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    expected = _output(dequantize_in_place(_stack()), x)
+    model = _stack()
+    _enable(model, _minimum(_stack()))
+    mine = nn.Parameter(torch.full((64, 64), 7.0, dtype=torch.bfloat16), requires_grad=False)
+    model.blocks[1][2].weight = mine
+    with pytest.raises(RuntimeError, match="was replaced or deleted"):
+        _output(model, x)
+    with pytest.raises(RuntimeError, match="was replaced or deleted"):  # a re-plan refuses it too, changing nothing
+        _enable(model, "1GB")
+    tritoff.disable(model)
+    assert model.blocks[1][2].weight is mine and bool((mine == 7).all())
+    model.blocks[1][2].weight = nn.Parameter(dequantize_in_place(_stack()).blocks[1][2].weight.detach())
+    assert torch.equal(_output(model, x), expected)
+
+
+def test_a_block_moved_or_cast_on_its_own_is_refused_before_anything_changes():
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    expected = _output(dequantize_in_place(_stack()), x)
+    model = _stack()
+    _enable(model, _minimum(_stack()))
+    for cast in (lambda: model.blocks[1].float(), lambda: model.blocks[1][2].to(torch.float16)):
+        with pytest.raises(RuntimeError, match=r"moving or casting model\.blocks\.1(\.2)? to torch\.float") as info:
+            cast()
+        assert "\n" not in str(info.value)
+    assert all(is_placeholder(p) and p.dtype == torch.bfloat16 for p in model.blocks[1].parameters())
+    model.blocks[1].to("cpu")  # where it computes already: nothing to refuse
+    assert torch.equal(_output(model, x), expected)
+    tritoff.disable(model)
+    model.blocks[1].float()  # an ordinary module again
+    assert model.blocks[1][0].weight.dtype == torch.float32
