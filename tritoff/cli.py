@@ -8,6 +8,7 @@ temporary file or directory and renamed.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -407,7 +408,8 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_convert(args) -> int:
-    from tritoff.store import check_target, left_behind
+    from tritoff.partial import left_behind, real_target
+    from tritoff.store import check_target
 
     local = _check_model(args.model)
     target = check_target(args.out_dir, args.overwrite, model=local)
@@ -417,11 +419,13 @@ def _cmd_convert(args) -> int:
             re.compile(pattern)
         except re.error as err:
             raise CliError(f"--skip {pattern!r} is not a valid regular expression: {err}") from None
-    parent = target.parent if str(target.parent) else Path(".")
-    removed = left_behind(target)  # the conversion removes these
+    real = real_target(target)
+    parent = real.parent if str(real.parent) else Path(".")
+    removed = left_behind(real)  # the conversion removes these
     for stale in removed:
         print(f"tritoff: removing {stale}, left by an interrupted conversion", file=sys.stderr)
-    for stale in sorted(parent.glob(f".{target.name}.*.partial")) + sorted(parent.glob(f".{target.name}.*.old")):
+    name = glob.escape(real.name)
+    for stale in sorted(parent.glob(f".{name}.*.partial")) + sorted(parent.glob(f".{name}.*.old")):
         # left by a conversion that was killed (SIGKILL, power loss) on another host, or while replacing a store
         if stale not in removed:
             print(

@@ -14,6 +14,7 @@ files it was made from, so ``tritoff run MODEL --store DIR`` can refuse a store 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -23,13 +24,13 @@ import torch.nn as nn
 from tritoff.formats import get_format
 from tritoff.groups import Group
 from tritoff.packer import PackedModel, pack_model, plan_layouts
+from tritoff.partial import finished, partial_store
 from tritoff.skip import SkipRules
 from tritoff.storage import resolve_storage
 from tritoff.store import (
     check_target,
     describe_source,
     fingerprint,
-    partial_store,
     reserve_store_files,
     save_store,
 )
@@ -170,19 +171,29 @@ def convert_pipeline(
         groups = _groups_for(module, grouping if grouping == "leaf" else "group")
         quantized = SkipRules.for_model(module, skip).quantized_names(module)
         plans[name] = groups, plan_layouts(groups, quantized, get_format(storages[name]), granularity)
-    sizes = {name: sum(lay.nbytes for lay in layouts) for name, (_, layouts) in plans.items()}
     # each pack goes to disk as soon as it is made, so host memory holds one group whatever the model's size: into
     # its component's file of the store being written beside the target, where it stays
     partial = partial_store(out_dir, overwrite)
     try:
-        _check_disk(partial, sum(sizes.values()))
         layouts_of = {name: [(g.name, lay) for g, lay in zip(*plans[name], strict=True)] for name in components}
         files = reserve_store_files(partial, layouts_of)
+        _check_disk(partial, sum(os.fstat(f.fd).st_size for f in files.values()))  # sparse so far: packs + headers
         packed = _pack(components, plans, readers, storages, granularity, skip, progress, files)
-        save_store(out_dir, fingerprints, packed, skip, grouping, source=source, partial=partial, files=files)
+        save_store(
+            out_dir,
+            fingerprints,
+            packed,
+            skip,
+            grouping,
+            source=source,
+            overwrite=overwrite,
+            partial=partial,
+            files=files,
+        )
     finally:
         if partial.exists():  # interrupted or failed: nothing is left behind (save_store renamed it otherwise)
             shutil.rmtree(partial, ignore_errors=True)
+        finished(partial)
     return packed
 
 
@@ -217,13 +228,13 @@ def _pack(components, plans, readers, storages, granularity, skip, progress, fil
 
 
 def _check_disk(directory: Path, packs: int) -> None:
-    """Refuse, before packing, a store whose disk cannot hold its packs."""
+    """Refuse, before packing, a store whose disk cannot hold its files (``packs`` bytes)."""
     from tritoff.budget import format_bytes
 
     free = shutil.disk_usage(directory).free
     if free < packs:
         raise ValueError(
-            f"converting needs {format_bytes(packs)} of free disk in {directory.parent} for the packs, which has "
+            f"converting needs {format_bytes(packs)} of free disk in {directory.parent} for the store, which has "
             f"{format_bytes(free)}: write the store on a larger disk"
         )
 

@@ -23,13 +23,13 @@ Anything that does not match is refused with a one-line error: a store is never 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
 import struct
 import tempfile
-from glob import escape as glob_escape
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -332,49 +332,8 @@ def _head(packs: list[tuple[str, int, PackLayout]], nbytes: int, hashes: list[st
     return struct.pack("<Q", len(raw)) + raw
 
 
-def partial_store(directory: str | Path, overwrite: bool = False) -> Path:
-    """A new temporary directory beside the store target ``directory`` to write the store into; :func:`save_store`
-    (``partial=``) renames it into place. Its name carries this host and process, so one left behind by a process
-    that was killed (the out-of-memory killer, a power loss) is removed here by the next write of the same store."""
-    import socket
-
-    target = check_target(directory, overwrite)
-    if target.is_symlink():  # a link to a store: replace the store it points to, keep the link
-        target = Path(os.path.realpath(target))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    for old in left_behind(target):
-        shutil.rmtree(old, ignore_errors=True)
-    prefix = f".{target.name}.{socket.gethostname()}-{os.getpid()}."
-    return Path(tempfile.mkdtemp(dir=target.parent, prefix=prefix, suffix=".partial"))
-
-
-def left_behind(target: Path) -> list[Path]:
-    """The partial directories of the store ``target`` that writers on this host left when they were killed (their
-    process is gone): never used, maybe large, removed by :func:`partial_store`."""
-    import socket
-
-    mine = f".{target.name}.{socket.gethostname()}-"
-    parent = target.parent if str(target.parent) else Path(".")
-    dead = []
-    for old in sorted(parent.glob(f"{glob_escape(mine)}*.partial")):
-        pid = old.name[len(mine) :].partition(".")[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            dead.append(old)
-    return dead
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def reserve_store_files(partial: Path, layouts: dict[str, list[tuple[str, PackLayout]]]) -> dict:
-    """The component files of the store being written in ``partial`` (:func:`partial_store`), one per component of
+    """The component files of the store being written in ``partial`` (``tritoff.partial``), one per component of
     ``layouts`` ({component: [(group name, layout)]}), laid out with room for their headers: packs written into them
     (``pack_model``'s ``spill``) are where they stay, and :func:`save_store` (``files=``) only writes the headers.
     Converting then needs the packs' size on disk once, not twice (spill files, then the store)."""
@@ -399,8 +358,13 @@ def _finish_in_place(file, head: bytes, nbytes: int) -> str:
     """Write ``head`` into ``file`` (from :func:`reserve_store_files`), make it durable and return the whole file's
     XXH3-128."""
     done = 0
-    while done < len(head):
-        done += os.pwrite(file.fd, head[done:], done)
+    try:
+        while done < len(head):
+            done += os.pwrite(file.fd, head[done:], done)
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        raise OSError(errno.ENOSPC, f"no space left on the disk of {file.path} {file.no_space}") from None
     os.fsync(file.fd)  # on disk before the rename makes it visible, so a power loss cannot publish a torn file
     hasher, buffer = xxhash.xxh3_128(), bytearray(CHUNK)
     view, at, size = memoryview(buffer), 0, len(head) + nbytes
@@ -430,16 +394,15 @@ def save_store(
 
     ``fingerprints`` are the components' :func:`fingerprint` taken before packing; ``source`` is what the packs were
     made from (:func:`describe_source`), checked by :func:`check_source`. ``partial``: the directory from
-    :func:`partial_store` to write into (default: a new one), with ``files``, the component files
+    :func:`tritoff.partial.partial_store` to write into (default: a new one), with ``files``, the component files
     :func:`reserve_store_files` made there when the packs were written into them: those get their headers, not a copy.
     """
     from tritoff.arena import PAGE
     from tritoff.packer import pack_bytes
+    from tritoff.partial import finished, partial_store, real_target
 
     tmp = partial if partial is not None else partial_store(directory, overwrite)
-    target = Path(directory)
-    if target.is_symlink():
-        target = Path(os.path.realpath(target))
+    target = real_target(Path(directory))
     first = next(iter(packed.values()))
     from tritoff.storage import common_fp8
 
@@ -485,13 +448,16 @@ def save_store(
         os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private; a store follows the umask like any directory
         _fsync_dir(tmp)
         check_target(target, overwrite)  # again: something may have appeared there while the packs were written
+        finished(tmp)
         _replace_dir(tmp, target)
         _fsync_dir(target.parent)
         for file in (files or {}).values():  # the packs' file is the store's now: errors name it there
             file.path = str(target / Path(file.path).name)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        if partial is None:  # a caller's partial directory is the caller's to remove
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+            finished(tmp)
     return target
 
 

@@ -205,19 +205,53 @@ def test_an_interrupted_conversion_leaves_no_file(two_pipelines, tmp_path, monke
 
 def test_what_a_killed_conversion_left_is_removed_by_the_next(two_pipelines, tmp_path):
     """A conversion killed outright (the out-of-memory killer) cannot clean up: the next write of the same store
-    removes its partial directory, and leaves alone one a live process is writing."""
+    removes its partial directory, whose lock nobody holds, and leaves alone one whose writer holds it (in a container
+    with the same host name, process ids would not tell), one without a lock file, and other stores' ones."""
+    import fcntl
     import os
-    import socket
-    import subprocess
-    import sys
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    host = socket.gethostname()
-    left = tmp_path / f".store.{host}-{int(dead.stdout)}.abc123.partial"
-    live = tmp_path / f".store.{host}-{os.getppid()}.def456.partial"
-    other = tmp_path / f".other.{host}-{int(dead.stdout)}.abc123.partial"
-    for directory in (left, live, other):
+    def partial(name):
+        directory = tmp_path / name
         directory.mkdir()
         (directory / "transformer.safetensors").write_bytes(b"x" * 1000)
-    convert_pipeline(two_pipelines / "a", tmp_path / "store", progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, "store"])
+        (directory / ".writing").touch()
+        return directory
+
+    left = partial(".store.abcd_123.partial")
+    live = partial(".store.efgh_456.partial")
+    legacy = partial(".store.ijkl_789.partial")
+    (legacy / ".writing").unlink()
+    others = [partial(".other.abcd_123.partial"), partial(".store.abcd_1234.partial"), partial(".store.x.y.partial")]
+    held = os.open(live / ".writing", os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)  # as its writer would
+    try:
+        convert_pipeline(two_pipelines / "a", tmp_path / "store", progress=False)
+    finally:
+        os.close(held)
+    kept = sorted(p.name for p in [live, legacy, *others])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, "store"])
+    assert not left.exists() and not (tmp_path / "store" / ".writing").exists()
+
+
+def test_convert_overwrites_a_store_it_is_asked_to(two_pipelines, tmp_path):
+    import shutil
+
+    from tritoff.store import read_index, verify_store
+
+    shutil.copytree(two_pipelines / "store", tmp_path / "store")
+    (tmp_path / "link").symlink_to(tmp_path / "store")
+    convert_pipeline(two_pipelines / "b", tmp_path / "link", progress=False, storage="fp8_e5m2", overwrite=True)
+    assert (tmp_path / "link").is_symlink() and read_index(tmp_path / "store")["storage"] == "fp8_e5m2"
+    verify_store(tmp_path / "store", full=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "store"]
+
+
+def test_the_disk_check_counts_the_headers_too(two_pipelines, tmp_path, monkeypatch):
+    import shutil
+
+    files = sum(p.stat().st_size for p in (two_pipelines / "store").glob("*.safetensors"))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=files - 1))
+    with pytest.raises(ValueError, match="converting needs .* for the store, which has"):
+        convert_pipeline(two_pipelines / "a", tmp_path / "store", progress=False)
+    assert list(tmp_path.iterdir()) == []
