@@ -186,7 +186,7 @@ class GroupRuntime:
         for (owner, key, param), bound in zip(self.homes, slot_params, strict=True):
             if owner.get(key) is not param:
                 self.unbind_slot()
-                raise self._replaced(key)
+                raise self._replaced(owner, key)
             owner[key] = bound
 
     def unbind_slot(self) -> None:
@@ -202,13 +202,14 @@ class GroupRuntime:
         module.weight``): the module would compute with it while tritoff holds the weight."""
         for owner, key, param in self.homes:
             if owner.get(key) is not param:
-                raise self._replaced(key)
+                raise self._replaced(owner, key)
 
-    def _replaced(self, key: str) -> RuntimeError:
+    def _replaced(self, owner: dict, key: str) -> RuntimeError:
+        place = next(i for i, (o, k, _) in enumerate(self.homes) if o is owner and k == key)
+        name = self.layout.entries[self._home_index[place]].name
         return RuntimeError(
-            f"{self.component}.{self.name}: parameter {key!r} was replaced or deleted after tritoff.enable (its "
-            "weights live in tritoff's packs); put it back, or call tritoff.disable first, change it, then enable "
-            "again"
+            f"{self.component}.{name} was replaced or deleted after tritoff.enable (its weights live in tritoff's "
+            "packs); put it back, or call tritoff.disable first, change it, then enable again"
         )
 
     def release(self) -> None:
