@@ -206,6 +206,8 @@ def pack_model(
             for pack, group in zip(packs, groups, strict=False):
                 restore_params(group, pack)
         raise
+    finally:  # now, not when the loop is collected: what is printed next (an error, "interrupted") starts a line
+        bar.close()
     if locks(register):  # locked once written: locking faults in every page at once
         arena.register()
     return PackedModel(arena, packs, groups, fmt, granularity)
@@ -229,13 +231,13 @@ def hold_packs(
     offsets, total = pack_offsets([p.layout for p in chosen])
     arena = HostArena(total, register=False)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc or "reading packs", disable=not progress or not total)
-    for pack, offset in zip(chosen, offsets, strict=True):
-        data = arena.view(offset, pack.layout.nbytes)
-        pack.file.read(pack, data)
-        pack.file.drop_cache(pack)
-        pack.data = data
-        bar.update(align(pack.layout.nbytes, PAGE))
-    bar.close()
+    with bar:  # closed even when a read fails or is interrupted: what is printed next starts a line
+        for pack, offset in zip(chosen, offsets, strict=True):
+            data = arena.view(offset, pack.layout.nbytes)
+            pack.file.read(pack, data)
+            pack.file.drop_cache(pack)
+            pack.data = data
+            bar.update(align(pack.layout.nbytes, PAGE))
     if locks(register):  # locked once read (faulted in already, locking is quicker)
         arena.register()
     packed.arena.close()
