@@ -107,9 +107,12 @@ class PackFile:
             self._verified.add(pack.offset)
 
     def write(self, pack, data: torch.Tensor) -> None:
-        """Write ``data`` (the pack's bytes) at the pack's place (a spill file)."""
-        view = memoryview(data.numpy())
-        position, done = self.data_offset + pack.offset, 0
+        """Write ``data`` (the pack's bytes) at the pack's place (a spill file, a store file being written)."""
+        self.write_at(self.data_offset + pack.offset, memoryview(data.numpy()))
+
+    def write_at(self, position: int, data) -> None:
+        """Write the bytes ``data`` at ``position`` in the file; a full disk is a one-line error saying what to do."""
+        view, done = memoryview(data), 0
         try:
             while done < len(view):
                 done += os.pwrite(self.fd, view[done:], position + done)

@@ -313,7 +313,7 @@ class Engine:
         runtimes = []
         for name, module in self.components.items():
             packed = self.packed[name]
-            params_by_name = dict(named_parameters(module))
+            params_by_name = self._own_params[name]
             homes = parameter_homes(module)
             phase = self.plan.phases[name]
             comp = ComponentRuntime(name, module, phase, _looped(name))

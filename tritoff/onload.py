@@ -122,8 +122,7 @@ class GroupRuntime:
         self._home_index = tuple(i for i, places in enumerate(homes) for _ in places)
         views_of = (tuple((e.out_offset, e.dtype, e.shape) for e in self.layout.entries), self._home_index)
         self.view_layout = _VIEW_LAYOUTS.setdefault(views_of, len(_VIEW_LAYOUTS))
-        self.in_slot = False  # whether the modules hold a slot's parameters (between bind_slot and unbind_slot)
-        self._bound: list[torch.nn.Parameter] = []
+        self._bound: list[torch.nn.Parameter] = []  # the slot's parameters the modules hold (bind_slot to unbind_slot)
         self.tier = "stream"
         self.device_pack: torch.Tensor | None = None  # fp8 tier: the pack resident on the GPU
         self.buffer: torch.Tensor | None = None  # bf16 tier or pool unit: its own buffer
@@ -181,8 +180,7 @@ class GroupRuntime:
 
     def bind_slot(self, slot_params: list[torch.nn.Parameter]) -> None:
         """Put ``slot_params`` (from :meth:`slot_parameters`) in the modules for one forward."""
-        self._bound = slot_params
-        self.in_slot = True  # first: whatever interrupts the loop part way, release() undoes what it stored
+        self._bound = slot_params  # first: whatever interrupts the loop part way, release() undoes what it stored
         for (owner, key, param), bound in zip(self.homes, slot_params, strict=True):
             if owner.get(key) is not param:
                 self.unbind_slot()
@@ -195,7 +193,7 @@ class GroupRuntime:
         for (owner, key, param), bound in zip(self.homes, self._bound, strict=True):
             if owner.get(key) is bound:
                 owner[key] = param
-        self.in_slot = False
+        self._bound = []
 
     def check_homes(self) -> None:
         """Refuse a parameter replaced after enable (``module.weight = ...``, ``load_state_dict(assign=True)``, ``del
@@ -214,7 +212,7 @@ class GroupRuntime:
 
     def release(self) -> None:
         """Point every parameter at its placeholder on the compute device (its shape, no memory)."""
-        if self.in_slot:
+        if self._bound:
             self.unbind_slot()
         for param, empty in zip(self.params, self.placeholders, strict=True):
             param.data = empty

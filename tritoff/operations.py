@@ -5,7 +5,7 @@ behind its back are intercepted on the enabled pipeline and its components (inst
 methods; :func:`remove` gives the originals back):
 
 - ``.to(...)``, ``.cuda()``, ``.cpu()``, ``.half()``... (all through ``nn.Module._apply``) on the pipeline, a component
-  or any submodule holding weights: a move or cast that leaves every managed weight where and what it is
+  or any of its submodules: a move or cast that leaves every managed weight where and what it is
   (``pipe.to("cuda")`` with tritoff on that GPU) works and is otherwise a no-op for them; one that would move managed
   weights elsewhere or change their dtype is refused before anything moves (a block cast on its own would fill its
   placeholders to full size, or, inside a forward, cast the slot it computes from);

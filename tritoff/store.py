@@ -23,7 +23,6 @@ Anything that does not match is refused with a one-line error: a store is never 
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -357,24 +356,11 @@ def reserve_store_files(partial: Path, layouts: dict[str, list[tuple[str, PackLa
 def _finish_in_place(file, head: bytes, nbytes: int) -> str:
     """Write ``head`` into ``file`` (from :func:`reserve_store_files`), make it durable and return the whole file's
     XXH3-128."""
-    done = 0
-    try:
-        while done < len(head):
-            done += os.pwrite(file.fd, head[done:], done)
-    except OSError as err:
-        if err.errno != errno.ENOSPC:
-            raise
-        raise OSError(errno.ENOSPC, f"no space left on the disk of {file.path} {file.no_space}") from None
+    file.write_at(0, head)
     os.fsync(file.fd)  # on disk before the rename makes it visible, so a power loss cannot publish a torn file
-    hasher, buffer = xxhash.xxh3_128(), bytearray(CHUNK)
-    view, at, size = memoryview(buffer), 0, len(head) + nbytes
-    while at < size:
-        got = os.preadv(file.fd, [view[: min(CHUNK, size - at)]], at)
-        if got == 0:
-            raise OSError(f"{file.path} ended early while hashing it; the file was truncated")
-        hasher.update(view[:got])
-        at += got
-    return hasher.hexdigest()
+    if os.fstat(file.fd).st_size != len(head) + nbytes:
+        raise OSError(f"{file.path} ended early while hashing it; the file was truncated")
+    return file_hash(file.path)
 
 
 def save_store(

@@ -57,6 +57,15 @@ def _enable(model, budget):
     return tritoff.enable(model, mode="group", budget=budget, reserve=1000, progress=False, kernels="reference")
 
 
+def _streamed_stack():
+    """A Stack with every block streamed, its engine, an input, and the output of its dequantized twin for it."""
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    expected = _output(dequantize_in_place(_stack()), x)
+    model = _stack()
+    engine = _enable(model, _minimum(_stack()))
+    return model, engine, x, expected
+
+
 def test_conditional_and_unused_groups_work_and_are_counted():
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     reference = dequantize_in_place(_stack())
@@ -136,10 +145,7 @@ def test_blocks_of_one_shape_share_each_slots_views(monkeypatch):
     and shared (building them in the hooks of later forwards would count as hook time)."""
     from tritoff.onload import GroupRuntime
 
-    x = torch.randn(4, 16, dtype=torch.bfloat16)
-    expected = _output(dequantize_in_place(_stack()), x)
-    model = _stack()
-    engine = _enable(model, _minimum(_stack()))
+    model, engine, x, expected = _streamed_stack()
     ring_slots = engine.plan.phases["model"].ring_slots
     assert ring_slots == 3 and len(model.blocks) % ring_slots
     built = []
@@ -442,10 +448,7 @@ def test_streamed_blocks_lend_their_modules_slot_parameters_for_one_forward():
 
 
 def test_a_parameter_replaced_after_enable_is_refused_and_kept():
-    x = torch.randn(4, 16, dtype=torch.bfloat16)
-    expected = _output(dequantize_in_place(_stack()), x)
-    model = _stack()
-    _enable(model, _minimum(_stack()))
+    model, _, x, expected = _streamed_stack()
     block = model.blocks[1]
     own = {name: p for name, p in block.named_parameters()}
     mine = nn.Parameter(torch.randn(64, 64, dtype=torch.bfloat16), requires_grad=False)
@@ -483,10 +486,7 @@ def test_a_resident_parameter_replaced_after_enable_is_refused():
 def test_a_deleted_parameter_is_refused_and_an_interrupted_bind_is_undone(monkeypatch):
     from tritoff.slots import SlotRing
 
-    x = torch.randn(4, 16, dtype=torch.bfloat16)
-    expected = _output(dequantize_in_place(_stack()), x)
-    model = _stack()
-    _enable(model, _minimum(_stack()))
+    model, _, x, expected = _streamed_stack()
     block = model.blocks[1]
     own = block[2].weight
     del block[2].weight  # what registering a parametrization does
@@ -511,10 +511,7 @@ def test_a_deleted_parameter_is_refused_and_an_interrupted_bind_is_undone(monkey
 
 
 def test_disable_after_a_refused_replacement_leaves_the_new_parameter_as_it_is():
-    x = torch.randn(4, 16, dtype=torch.bfloat16)
-    expected = _output(dequantize_in_place(_stack()), x)
-    model = _stack()
-    _enable(model, _minimum(_stack()))
+    model, _, x, expected = _streamed_stack()
     mine = nn.Parameter(torch.full((64, 64), 7.0, dtype=torch.bfloat16), requires_grad=False)
     model.blocks[1][2].weight = mine
     with pytest.raises(RuntimeError, match="was replaced or deleted"):
@@ -528,10 +525,7 @@ def test_disable_after_a_refused_replacement_leaves_the_new_parameter_as_it_is()
 
 
 def test_a_block_moved_or_cast_on_its_own_is_refused_before_anything_changes():
-    x = torch.randn(4, 16, dtype=torch.bfloat16)
-    expected = _output(dequantize_in_place(_stack()), x)
-    model = _stack()
-    _enable(model, _minimum(_stack()))
+    model, _, x, expected = _streamed_stack()
     for cast in (lambda: model.blocks[1].float(), lambda: model.blocks[1][2].to(torch.float16)):
         with pytest.raises(RuntimeError, match=r"moving or casting model\.blocks\.1(\.2)? to torch\.float") as info:
             cast()
