@@ -89,7 +89,9 @@ def eager(tensor: torch.Tensor) -> bool:
 
 
 def launch(kernel):
-    """Wrap a ``@triton.jit`` kernel for launching from a registered op (``wrap_triton`` unless interpreting)."""
+    """Wrap a ``@triton.jit`` kernel for launching from a registered op's body (``wrap_triton`` unless
+    interpreting). Never for eager calls: outside ``triton_op``'s body the wrapper dispatches every launch through a
+    higher-order op."""
     if interpreting():
         return kernel
     from torch.library import wrap_triton

@@ -119,32 +119,39 @@ def _quantize_rows_kernel(
         tl.store(q_ptr + base + start + cols, code, mask=m)
 
 
-def _quantize_rows_launch(
-    w: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, fp8_kind: int, per_row: bool, native: bool
-) -> None:
-    fmt_dtype = torch.float8_e4m3fn if fp8_kind == 0 else torch.float8_e5m2
-    fmax = torch.finfo(fmt_dtype).max
-    fmax_exp, fmax_mantissa = _fp32_fields(fmax)
-    launch(_quantize_rows_kernel)[(w.shape[0],)](
-        w,
-        q,
-        scales,
-        w.shape[1],
-        FMAX=fmax,
-        FMAX_EXP=fmax_exp,
-        FMAX_MANTISSA=fmax_mantissa,
-        MANTISSA_BITS=3 if fp8_kind == 0 else 2,
-        EXPONENT_BIAS=7 if fp8_kind == 0 else 15,
-        FP8_DTYPE=tl.float8e4nv if fp8_kind == 0 else tl.float8e5,
-        NATIVE_FP8=native,
-        PER_ROW=per_row,
-        MAX_EXP=MAX_SCALE_EXPONENT,
-        BLOCK=_BLOCK,
-    )
+def _quantize_rows_launcher(traceable: bool):
+    """The launcher of the quantize kernel; ``traceable`` as in ``upcast._upcast_pack_launcher``."""
+
+    def quantize_rows_launch(
+        w: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, fp8_kind: int, per_row: bool, native: bool
+    ) -> None:
+        fmt_dtype = torch.float8_e4m3fn if fp8_kind == 0 else torch.float8_e5m2
+        fmax = torch.finfo(fmt_dtype).max
+        fmax_exp, fmax_mantissa = _fp32_fields(fmax)
+        kernel = launch(_quantize_rows_kernel) if traceable else _quantize_rows_kernel
+        kernel[(w.shape[0],)](
+            w,
+            q,
+            scales,
+            w.shape[1],
+            FMAX=fmax,
+            FMAX_EXP=fmax_exp,
+            FMAX_MANTISSA=fmax_mantissa,
+            MANTISSA_BITS=3 if fp8_kind == 0 else 2,
+            EXPONENT_BIAS=7 if fp8_kind == 0 else 15,
+            FP8_DTYPE=tl.float8e4nv if fp8_kind == 0 else tl.float8e5,
+            NATIVE_FP8=native,
+            PER_ROW=per_row,
+            MAX_EXP=MAX_SCALE_EXPONENT,
+            BLOCK=_BLOCK,
+        )
+
+    return quantize_rows_launch
 
 
+_quantize_rows_eager = _quantize_rows_launcher(traceable=False)
 # the op torch.compile and fake-tensor tracing see; eager calls launch directly (see ``backend.eager``)
-_quantize_rows_op = register_op("quantize_rows", mutates_args=("q", "scales"))(_quantize_rows_launch)
+_quantize_rows_op = register_op("quantize_rows", mutates_args=("q", "scales"))(_quantize_rows_launcher(traceable=True))
 
 
 def quantize(
@@ -166,6 +173,6 @@ def quantize(
         scales = torch.ones(1, dtype=torch.float32, device=w.device)
     if rows.numel():
         use_native = native_fp8(w.device) if native is None else native
-        call = _quantize_rows_launch if eager(rows) else _quantize_rows_op
+        call = _quantize_rows_eager if eager(rows) else _quantize_rows_op
         call(rows, q, scales, _FP8_DTYPES[fmt.dtype], granularity == "row", use_native)
     return q.reshape(w.shape), scales

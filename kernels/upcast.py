@@ -124,7 +124,8 @@ def _upcast_chunk(
         tl.store(dst.to(tl.pointer_type(tl.int32), bitcast=True) + first + offs, words, mask=mask)
 
 
-@triton.jit
+# counts are not specialised (Triton would compile a variant per value that is 1 or a multiple of 16)
+@triton.jit(do_not_specialize=["n_tensors", "n_chunks"])
 def _upcast_pack_kernel(
     src_ptr,
     dst_ptr,
@@ -177,44 +178,58 @@ def _upcast_pack_kernel(
 
 
 def _max_tensors(n: int) -> int:
-    # a power of two >= 16, so packs of similar size share one compiled variant
-    return max(16, triton.next_power_of_2(n))
+    # a power of two >= 16, so packs of similar size share one compiled variant (plain Python: it runs per launch)
+    return max(16, 1 << (n - 1).bit_length())
 
 
-def _upcast_pack_launch(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    table: torch.Tensor,
-    n_programs: int,
-    out_code: int,
-    fp8_e5m2: bool,
-    native: bool,
-    block: int,
-    grid: int,
-) -> None:
-    n_tensors = table.shape[0]
-    # Triton's interpreter runs the strided loop with memory corruption in later, unrelated calls (seen after
-    # torch.library.opcheck): on the CPU every launch is one program per chunk, the bound matters only for PCIe
-    persistent = bool(grid) and not interpreting()
-    launch(_upcast_pack_kernel)[(grid if persistent else n_programs,)](
-        src,
-        dst,
-        table,
-        n_tensors,
-        n_programs,
-        OUT_DTYPE=_OUT_TL[out_code],
-        FP8_DTYPE=tl.float8e5 if fp8_e5m2 else tl.float8e4nv,
-        MANTISSA_BITS=2 if fp8_e5m2 else 3,
-        EXPONENT_BIAS=15 if fp8_e5m2 else 7,
-        NATIVE_FP8=native,
-        MAX_TENSORS=_max_tensors(n_tensors),
-        BLOCK=block,
-        PERSISTENT=persistent,
-    )
+# decided when the kernel above was decorated, like Triton itself (read once: a launch should not consult os.environ)
+_INTERPRETED = interpreting()
 
 
+def _upcast_pack_launcher(traceable: bool):
+    """The launcher of the upcast kernel. ``traceable``: through ``wrap_triton``, for the registered op's body, where
+    torch.compile and ``make_fx`` trace into the kernel. Eager calls launch the kernel itself: outside ``triton_op``'s
+    own wrapper, ``wrap_triton`` sends every launch through a higher-order op (hundreds of µs, and a side-table entry
+    that is never freed)."""
+
+    def upcast_pack_launch(
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        table: torch.Tensor,
+        n_programs: int,
+        out_code: int,
+        fp8_e5m2: bool,
+        native: bool,
+        block: int,
+        grid: int,
+    ) -> None:
+        n_tensors = table.shape[0]
+        # Triton's interpreter runs the strided loop with memory corruption in later, unrelated calls (seen after
+        # torch.library.opcheck): on the CPU every launch is one program per chunk, the bound matters only for PCIe
+        persistent = bool(grid) and not _INTERPRETED
+        kernel = launch(_upcast_pack_kernel) if traceable else _upcast_pack_kernel
+        kernel[(grid if persistent else n_programs,)](
+            src,
+            dst,
+            table,
+            n_tensors,
+            n_programs,
+            OUT_DTYPE=_OUT_TL[out_code],
+            FP8_DTYPE=tl.float8e5 if fp8_e5m2 else tl.float8e4nv,
+            MANTISSA_BITS=2 if fp8_e5m2 else 3,
+            EXPONENT_BIAS=15 if fp8_e5m2 else 7,
+            NATIVE_FP8=native,
+            MAX_TENSORS=_max_tensors(n_tensors),
+            BLOCK=block,
+            PERSISTENT=persistent,
+        )
+
+    return upcast_pack_launch
+
+
+_upcast_pack_eager = _upcast_pack_launcher(traceable=False)
 # the op torch.compile and fake-tensor tracing see; eager calls launch directly (see ``backend.eager``)
-_upcast_pack_op = register_op("upcast_pack", mutates_args=("dst",))(_upcast_pack_launch)
+_upcast_pack_op = register_op("upcast_pack", mutates_args=("dst",))(_upcast_pack_launcher(traceable=True))
 
 
 def _check(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, out_dtype: torch.dtype) -> None:
@@ -237,7 +252,7 @@ def _run(src, dst, table, n_programs, out_dtype, fmt, native, block, grid=0):
     use_native = native_fp8(dst.device) if native is None else native
     e5m2 = fmt.dtype == torch.float8_e5m2
     grid = min(grid, n_programs) if grid else 0
-    call = _upcast_pack_launch if eager(dst) else _upcast_pack_op
+    call = _upcast_pack_eager if eager(dst) else _upcast_pack_op
     call(src, dst, table, n_programs, _OUT_CODES[out_dtype], e5m2, use_native, block, grid)
     return dst
 

@@ -87,6 +87,10 @@ class HostArena:
         if self.registered:
             from tritoff import cuda_host
 
+            # copies still reading it (prefetches queued by a pipeline dropped without tritoff.disable) finish first:
+            # the driver does not wait for them
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
             cuda_host.unregister(self.buffer.data_ptr())
             self.registered = False
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from tritoff.onload import GroupRuntime
-from tritoff.transfer import Transfer
+from tritoff.transfer import Transfer, free_after_transfers
 
 
 class StallClock:
@@ -129,6 +129,9 @@ class SlotRing:
         self.buffers = []
         self.free_events = []
         self.used = []
+
+    def __del__(self):
+        free_after_transfers(getattr(self, "transfer", None), getattr(self, "buffers", None))
 
     def done(self, group: GroupRuntime) -> None:
         """Mark the end of ``group``'s use of its slot on the compute stream."""

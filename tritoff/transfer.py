@@ -53,6 +53,8 @@ class Transfer:
         self._free = [torch.cuda.Event() for _ in self.staging] if self.cuda else []
         self._used = [False] * len(self.staging)
         self._half = 0
+        # the stream the staging (and the ring's slots) were allocated on: their memory goes back to its pool
+        self.home_stream = torch.cuda.current_stream(device) if self.cuda else None
         self.sync_fill_ns = 0  # time spent filling synchronously (the CPU): transfer time, not hook overhead
 
     @property
@@ -141,10 +143,10 @@ class Transfer:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def compute_waits(self) -> None:
-        """Make the compute (current) stream wait for every copy and fill issued so far."""
+    def compute_waits(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` (default: the compute, current one) wait for every copy and fill issued so far."""
         if self.cuda:
-            compute = torch.cuda.current_stream(self.device)
+            compute = stream if stream is not None else torch.cuda.current_stream(self.device)
             compute.wait_stream(self.copy_stream)
             compute.wait_stream(self.upcast_stream)
 
@@ -170,3 +172,17 @@ class Transfer:
         """Free the staging halves (teardown)."""
         self.staging = []
         self._used = []
+
+    def __del__(self):
+        free_after_transfers(self, getattr(self, "staging", None))
+
+
+def free_after_transfers(transfer: Transfer | None, buffers: list | None) -> None:
+    """Before ``buffers`` of a dropped Transfer or SlotRing (a pipeline deleted without ``tritoff.disable``) go back
+    to the allocator: the stream they were allocated on waits for the copies and fills still queued on ``transfer``'s
+    streams, which may be writing them, since its next allocations may reuse their memory."""
+    if buffers and transfer is not None and transfer.cuda:
+        try:
+            transfer.compute_waits(transfer.home_stream)
+        except Exception:  # interpreter shutdown: CUDA may already be gone
+            pass

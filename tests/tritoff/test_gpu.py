@@ -225,6 +225,37 @@ def test_a_pool_unit_is_not_filled_into_memory_queued_kernels_still_read():
         pytest.skip("the allocator did not hand the evicted memory to the next unit: the race was not exercised")
 
 
+@pytest.mark.parametrize("owner", ["ring", "staging"])
+def test_buffers_dropped_without_release_are_reused_only_after_the_fills_writing_them(owner):
+    """A pipeline deleted without tritoff.disable drops its ring and staging with prefetches still queued on the
+    transfer streams: their memory must not be handed to a new tensor before the fills writing it have run."""
+    from tritoff.slots import SlotRing
+    from tritoff.transfer import Transfer
+
+    device, nbytes = torch.device("cuda"), 64 * 2**20
+    transfer = Transfer(device, nbytes if owner == "staging" else 0)
+    ring = SlotRing(device, 1, nbytes if owner == "ring" else nbytes // 2, transfer)
+    written = ring.buffers if owner == "ring" else transfer.staging
+    addresses = {buffer.data_ptr() for buffer in written}
+    with torch.cuda.stream(transfer.upcast_stream):  # fills queued behind other transfers
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for buffer in written:
+            buffer.fill_(1)
+    del written
+    if owner == "staging":
+        ring.release()  # the ring holds nothing written: only the transfer's own drop orders the frees
+        del ring
+        del transfer
+    else:
+        del ring
+    fresh = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    reused = fresh.data_ptr() in addresses
+    torch.cuda.synchronize()
+    assert not fresh.any()
+    if not reused:
+        pytest.skip("the allocator did not hand the dropped memory to the new tensor: the race was not exercised")
+
+
 def test_after_an_exception_the_gpu_engine_recovers():
     x = torch.randn(64, 512, dtype=torch.bfloat16, device="cuda")
     reference = dequantize_in_place(_sleepy()).cuda()
