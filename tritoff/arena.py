@@ -50,8 +50,8 @@ class HostArena:
         if self.register_error is not None:
             warnings.warn(
                 f"page-locking {self.nbytes / 2**30:.2f} GiB of host memory failed ({self.register_error}); transfers "
-                "fall back to pageable memory and will be slower. Raise the locked-memory limit (ulimit -l) or free "
-                "host memory.",
+                "fall back to pageable memory and will be slower. Free host memory, or give tritoff.enable a smaller "
+                "host_budget so fewer packs are held in it.",
                 stacklevel=3,
             )
             return

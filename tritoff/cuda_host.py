@@ -3,7 +3,7 @@
 ``cudaHostRegister`` (the runtime API, all PyTorch exposes) leaves a failed registration's error as the runtime's
 *last error*, which the next unrelated kernel launch then reports as its own failure. The driver API
 (``cuMemHostRegister``) returns its error and leaves no such state, so a machine that cannot lock a 14 GB arena
-(``ulimit -l``, too little RAM) keeps working with pageable copies. libcuda is the driver itself, present wherever CUDA
+(too little free RAM) keeps working with pageable copies. libcuda is the driver itself, present wherever CUDA
 runs; it is loaded on first use, never at import.
 """
 

@@ -386,7 +386,7 @@ class Engine:
             ring.close()
             raise ValueError(
                 f"transport='zero_copy' needs page-locked host memory, and the disk ring could not be locked "
-                f"({ring.arena.register_error}); use transport='staged' or raise the locked-memory limit (ulimit -l)"
+                f"({ring.arena.register_error}); use transport='staged', or free host memory"
             )
         return ring
 
@@ -805,7 +805,7 @@ def _check_zero_copy(options: Options, arenas: dict) -> None:
         if arena.nbytes and not arena.registered:
             raise ValueError(
                 f"transport='zero_copy' needs page-locked host memory, and {name}'s packs could not be locked "
-                f"({arena.register_error}); use transport='staged' or raise the locked-memory limit (ulimit -l)"
+                f"({arena.register_error}); use transport='staged', or free host memory"
             )
 
 
