@@ -13,8 +13,10 @@ import torch
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels on the CPU in its interpreter (TRITON_INTERPRET=1 before importing triton)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs kernels on the CPU in its interpreter (TRITON_INTERPRET=1 before importing triton).
+
+    Read as Triton reads it: ``1``, ``true``, ``on``, ``yes`` or ``y`` in any case; anything else is off."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes", "y")
 
 
 @functools.cache
@@ -73,18 +75,19 @@ def register_op(name: str, mutates_args: tuple[str, ...]):
     return decorate
 
 
-def eager(tensor: torch.Tensor) -> bool:
-    """Whether a kernel call on ``tensor`` may run its launcher directly rather than through its registered op: eager
-    mode on a plain tensor, with no dispatch mode active. The op's dispatch costs tens of microseconds per call in
+def eager(*tensors: torch.Tensor) -> bool:
+    """Whether a kernel call on ``tensors`` may run its launcher directly rather than through its registered op: eager
+    mode on plain tensors, with no dispatch mode active. The op's dispatch costs tens of microseconds per call in
     eager mode (77 µs with torch 2.11 on a 2-core VM), more than the launch itself, and a streamed block launches in
-    its hook. torch.compile, fake tensors, ``make_fx``, ``functionalize`` and dispatch modes (flop counters, loggers)
-    still see the op."""
-    return (
-        type(tensor) is torch.Tensor
-        and not torch.compiler.is_compiling()
-        and torch._C._len_torch_dispatch_stack() == 0
-        and not torch._C._functorch.is_functorch_wrapped_tensor(tensor)
-        and not torch._is_functional_tensor(tensor)
+    its hook. torch.compile, fake tensors, ``make_fx``, ``torch.export`` and dispatch modes (flop counters, loggers)
+    still see the op (``functionalize`` and ``vmap`` refuse it: torch supports neither for custom ops that mutate)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    return all(
+        type(t) is torch.Tensor
+        and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+        and not torch._is_functional_tensor(t)
+        for t in tensors
     )
 
 

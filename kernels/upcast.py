@@ -25,10 +25,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from tritoff.formats import StorageFormat
 
-from .backend import eager, interpreting, launch, native_fp8, register_op
+from .backend import eager, launch, native_fp8, register_op
 from .fp8_bits import decode_fp8_bits
 
 KIND_COPY, KIND_FP8 = 0, 1
@@ -182,8 +183,9 @@ def _max_tensors(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-# decided when the kernel above was decorated, like Triton itself (read once: a launch should not consult os.environ)
-_INTERPRETED = interpreting()
+# whether Triton made the kernel above an interpreted one, as it decided when decorating it (not os.environ, which a
+# launch should not read, and which may have changed since)
+_INTERPRETED = not isinstance(_upcast_pack_kernel, JITFunction)
 
 
 def _upcast_pack_launcher(traceable: bool):
@@ -252,7 +254,7 @@ def _run(src, dst, table, n_programs, out_dtype, fmt, native, block, grid=0):
     use_native = native_fp8(dst.device) if native is None else native
     e5m2 = fmt.dtype == torch.float8_e5m2
     grid = min(grid, n_programs) if grid else 0
-    call = _upcast_pack_eager if eager(dst) else _upcast_pack_op
+    call = _upcast_pack_eager if eager(src, dst, table) else _upcast_pack_op
     call(src, dst, table, n_programs, _OUT_CODES[out_dtype], e5m2, use_native, block, grid)
     return dst
 

@@ -37,6 +37,7 @@ class HostArena:
         )
         self.registered = False
         self.register_error: str | None = None
+        self.readers: set[torch.device] = set()  # CUDA devices whose transfers read it (see close)
         if locks(register):
             self.register()
 
@@ -50,8 +51,7 @@ class HostArena:
         if self.register_error is not None:
             warnings.warn(
                 f"page-locking {self.nbytes / 2**30:.2f} GiB of host memory failed ({self.register_error}); transfers "
-                "fall back to pageable memory and will be slower. Free host memory, or give tritoff.enable a smaller "
-                "host_budget so fewer packs are held in it.",
+                "fall back to pageable memory and will be slower (page-locking needs that much free host memory).",
                 stacklevel=3,
             )
             return
@@ -89,8 +89,11 @@ class HostArena:
 
             # copies still reading it (prefetches queued by a pipeline dropped without tritoff.disable) finish first:
             # the driver does not wait for them
+            devices = set(self.readers)
             if torch.cuda.is_initialized():
-                torch.cuda.synchronize()
+                devices.add(torch.device("cuda", torch.cuda.current_device()))
+            for device in devices:
+                torch.cuda.synchronize(device)
             cuda_host.unregister(self.buffer.data_ptr())
             self.registered = False
 

@@ -80,6 +80,7 @@ class ComponentRuntime:
     active: int = 0
     last_used: int = 0
     estimates: dict = field(default_factory=dict)  # input shapes -> activation estimate (None: not traceable)
+    unplannable: set = field(default_factory=set)  # (input shapes, reserve) the budget could not fit: warned once
     twin: object = None  # meta twin for estimates (False: cannot be built)
     measured: int | None = None  # activations of the first forward, measured on CUDA
     stats: ComponentStats = field(default_factory=ComponentStats)
@@ -190,11 +191,12 @@ class HookManager:
         needed = comp.estimates[key]
         if comp.measured is not None:
             needed = max(needed or 0, int(comp.measured * MARGIN))
-        if needed is None or needed == comp.plan.reserve:
+        if needed is None or needed == comp.plan.reserve or (key, needed) in comp.unplannable:
             return
         try:
             new = self.replan(comp.name, needed)
         except BudgetError as err:
+            comp.unplannable.add((key, needed))  # the budget is the same at the next call: say it once
             warnings.warn(
                 f"{comp.name}: this call needs about {format_bytes(needed)} of activations, more than the budget "
                 f"leaves ({err}); it may run out of memory: raise the budget, or lower frames or resolution",

@@ -107,6 +107,8 @@ class GroupRuntime:
         self.pack = pack
         self.layout = pack.layout
         self.arena = host_arena if host_arena is not None else packed.arena
+        if device.type == "cuda":
+            self.arena.readers.add(device)  # closing the arena waits for this device's copies
         self.storage = packed.storage
         self.params = params
         self.device = device

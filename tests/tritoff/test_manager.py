@@ -536,3 +536,23 @@ def test_a_block_moved_or_cast_on_its_own_is_refused_before_anything_changes():
     tritoff.disable(model)
     model.blocks[1].float()  # an ordinary module again
     assert model.blocks[1][0].weight.dtype == torch.float32
+
+
+def test_a_call_the_budget_cannot_plan_for_warns_once_per_input_shape():
+    """Enabled at the smallest budget (named for the default reserve), a call whose traced activations do not fit
+    warns with the budget that would; the same shapes again change nothing, so they do not warn again."""
+    import warnings
+
+    model = tiny_umt5()
+    with pytest.raises(BudgetError) as info:
+        tritoff.enable(model, mode="group", budget=1, progress=False)
+    tritoff.enable(model, mode="group", budget=info.value.minimum, progress=False)
+    gen = torch.Generator().manual_seed(0)
+    short, long = (torch.randint(3, 256, (1, n), generator=gen) for n in (12, 40))
+    with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+        warnings.simplefilter("always")
+        for ids in (short, short, short, long, long):
+            model(input_ids=ids)
+    warned = [str(w.message) for w in seen if "of activations, more than the budget leaves" in str(w.message)]
+    assert len(warned) == 2, warned
+    assert all("the smallest that works is" in message for message in warned)
