@@ -392,6 +392,14 @@ def summary_lines(record: dict, out: Path, suffix: str) -> list[str]:
             + ("" if issue is None else f", issuing one transfer alone {issue:.1f} us")
             + f"; <= 20 us: {_verdict(hooks['met'])}"
         )
+        if hooks.get("issue_steps_us"):
+            lines.append(
+                "issuing one chunk, step by step (us): "
+                + ", ".join(
+                    f"{name} {us:.1f}" if isinstance(us, float) else f"{name}: {us}"
+                    for name, us in hooks["issue_steps_us"].items()
+                )
+            )
     for path in _fresh(out, "e2e-*", suffix, since):
         lines += ["", *e2e_lines(path.stem, json.loads(path.read_text()))]
     env = record.get("environment", {})

@@ -5,7 +5,8 @@ smallest budget that works, so every block streams through the slot ring. Runs `
 input and reports the engine's own counter: host time in the group hooks (pre + post) per group, after the first
 forward, synchronous fills (the CPU's transfer) excluded. For scale, it also times the parameter swaps alone: binding
 a block's tensors to slot views and back to placeholders, in a tight loop; and, on CUDA, the host time to issue one
-block's transfer (copy, upcast launch, events), which the hooks do for the blocks ahead. Target: ≤ 20 µs per group.
+block's transfer (copy, upcast launch, events), which the hooks do for the blocks ahead, and each of those calls
+alone. Target: ≤ 20 µs per group.
 
 Usage:
   python bench/hooks.py [--device cpu|cuda] [--layers 8] [--forwards 30] [--repeats 3] [--out DIR]
@@ -84,6 +85,7 @@ def main() -> None:
                 "hook_us_per_group": engine.stats["components"]["model"]["hook_us_per_group"],
                 "swap_us_per_group": _swap_us(group, device),
                 "issue_us_per_group": _issue_us(engine, group, device),
+                "issue_steps_us": _issue_steps(engine, group, device),
                 "tensors_per_group": len(group.params),
                 "tiers": tiers,
                 "budget_bytes": minimum,
@@ -101,6 +103,7 @@ def main() -> None:
         "hook_us_per_group": hook,
         "swap_us_per_group": swap,
         "issue_us_per_group": issue,
+        "issue_steps_us": runs[-1]["issue_steps_us"],
         "target_us": 20.0,
         "met": hook <= 20.0,
     }
@@ -127,7 +130,17 @@ def main() -> None:
             ],
         )
     )
+    if result["issue_steps_us"]:
+        print("issuing one chunk, step by step (µs):", result["issue_steps_us"])
     print(f"wrote {path}")
+
+
+def _issue_steps(engine, group, device) -> dict | None:
+    """:func:`_issue_steps_us`, or the error it raised: a diagnostic, whose failure must not cost the measurement."""
+    try:
+        return _issue_steps_us(engine, group, device)
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {err}"}
 
 
 def _swap_us(group, device) -> float:
@@ -163,6 +176,46 @@ def _issue_us(engine, group, device) -> float | None:
     elapsed = time.perf_counter_ns() - start
     torch.cuda.synchronize(device)
     return elapsed / 200 / 1e3
+
+
+def _issue_steps_us(engine, group, device) -> dict | None:
+    """On CUDA, host µs of each call a staged fill makes per chunk, each in a tight loop: what issuing a transfer is
+    made of (a stream switch happens twice per chunk, an event record twice, a wait once or twice). None on the CPU,
+    or for a group with no staging."""
+    if device.type != "cuda" or not group.chunks:
+        return None
+    import torch
+
+    from tritoff.chunks import stage_chunk
+
+    comp = engine.manager.components[group.component]
+    transfer, dst, chunk = comp.transfer, comp.ring.buffers[0], group.chunks[0]
+    stream, event = transfer.upcast_stream, torch.cuda.Event()
+    staged = stage_chunk(chunk, group.pack.data, transfer.staging[0])
+
+    def switch():
+        with torch.cuda.stream(stream):
+            pass
+
+    steps = {
+        "stream switch": switch,
+        "event record": lambda: event.record(stream),
+        "stream wait": lambda: stream.wait_event(event),
+        "H2D copy issue": lambda: stage_chunk(chunk, group.pack.data, transfer.staging[0]),
+        "upcast launch": lambda: group.fill_chunk(0, staged, dst),
+    }
+    out = {}
+    for name, step in steps.items():
+        torch.cuda.synchronize(device)
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize(device)
+        start = time.perf_counter_ns()
+        for _ in range(200):
+            step()
+        out[name] = (time.perf_counter_ns() - start) / 200 / 1e3
+    torch.cuda.synchronize(device)
+    return out
 
 
 if __name__ == "__main__":

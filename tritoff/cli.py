@@ -491,6 +491,7 @@ def _cmd_plan(args) -> int:
             link=args.link,
             disk=args.disk,
             vae_tiling=args.vae_tiling,
+            progress=True,
         )
     print(preview.json() if args.json else preview.text())
     return 0

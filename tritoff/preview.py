@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from tqdm.auto import tqdm
 
 from tritoff.activations import estimate, meta_twin
 from tritoff.budget import format_bytes, parse_host_budget, parse_size
@@ -213,6 +214,7 @@ def plan(
     disk: int | str = "2GB",
     vae_tiling: bool = False,
     vae_dtype: torch.dtype | None = None,
+    progress: bool = False,
 ) -> Preview:
     """Plan ``target`` (a preset name such as ``"wan2.1-t2v-14b"``, or a local diffusers pipeline directory) for a
     ``frames`` x ``height`` x ``width`` video at ``budget`` of GPU memory, from configs alone.
@@ -221,7 +223,8 @@ def plan(
     ``host_budget``: host memory the packs may hold; the preview says which packs it holds (as enable would) and what
     is read from disk per run, timed at ``disk`` bytes per second (``"2GB"``: a PCIe 3.0 NVMe SSD).
     ``vae_tiling``: decode in tiles (``pipe.vae.enable_tiling()``); ``vae_dtype``: the VAE's dtype (default: bf16,
-    as ``tritoff run`` loads every component; Wan's own examples decode in fp32). Returns a :class:`Preview`
+    as ``tritoff run`` loads every component; Wan's own examples decode in fp32). ``progress``: a bar while each
+    component's call is traced on the meta device (seconds each for a 14B model). Returns a :class:`Preview`
     (``.text()``, ``.as_dict()``), feasible or not, with the smallest budget that fits.
     """
     from tritoff.engine import _groups_for, _sizes, shared_bytes
@@ -265,12 +268,15 @@ def plan(
     sizes = _sizes(components, group_lists, layouts, mode)
     chunks, fixed = shared_bytes(sizes, group_lists, layouts, components, True, False)
     reserves, calls, loops = {}, {}, {}
-    for name, module in components.items():
-        method, args, kwargs, per_call, looped = _call(family, name, module, frames, height, width)
-        twin = module if next(module.parameters()).is_meta else meta_twin(module)
-        reserves[name] = estimate(twin, args, kwargs, method) or int(0.1 * budget_bytes)
-        calls[name] = per_call * (steps if looped else 1)
-        loops[name] = looped
+    with tqdm(components, desc="tracing activations", unit="component", disable=not progress, leave=False) as bar:
+        for name in bar:
+            bar.set_postfix_str(name)
+            module = components[name]
+            method, args, kwargs, per_call, looped = _call(family, name, module, frames, height, width)
+            twin = module if next(module.parameters()).is_meta else meta_twin(module)
+            reserves[name] = estimate(twin, args, kwargs, method) or int(0.1 * budget_bytes)
+            calls[name] = per_call * (steps if looped else 1)
+            loops[name] = looped
     if "transformer_2" in components:  # Wan 2.2: the high-noise expert takes the first 87.5% of the steps
         high = round(steps * 0.875)
         calls["transformer"], calls["transformer_2"] = 2 * high, 2 * (steps - high)

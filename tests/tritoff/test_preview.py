@@ -121,6 +121,7 @@ def test_the_command_prints_json_with_the_promised_fields():
         text=True,
     )
     assert done.returncode == 0, done.stderr
+    assert "tracing activations" in done.stderr  # seconds per component at this size: the bar says what is running
     data = json.loads(done.stdout)
     # CogVideoX's VAE decodes 49 frames untiled with ~17 GiB of activations: 12 GB is too small, and it says so
     assert data["feasible"] is False and data["minimum_budget"] > data["budget"] and "vae needs" in data["reason"]
