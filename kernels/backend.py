@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -15,7 +16,12 @@ import torch
 def interpreting() -> bool:
     """True when Triton runs kernels on the CPU in its interpreter (TRITON_INTERPRET=1 before importing triton).
 
-    Read as Triton reads it: ``1``, ``true``, ``on``, ``yes`` or ``y`` in any case; anything else is off."""
+    Once the kernels are imported, whether Triton made them interpreted: it decided when decorating them, so the
+    variable changed later no longer counts. Before, the variable read as Triton reads it: ``1``, ``true``, ``on``,
+    ``yes`` or ``y`` in any case; anything else is off."""
+    upcast = sys.modules.get(f"{__package__}.upcast")
+    if upcast is not None and hasattr(upcast, "_INTERPRETED"):
+        return upcast._INTERPRETED
     return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes", "y")
 
 

@@ -1,7 +1,5 @@
 """``python -m tritoff``: the command line."""
 
-import sys
+from tritoff.cli import entry
 
-from tritoff.cli import main
-
-sys.exit(main())
+entry()

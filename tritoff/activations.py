@@ -12,8 +12,6 @@ On CUDA the engine also measures each component's first forward, and re-plans wh
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -39,11 +37,17 @@ class _FusedAttention(TorchFunctionMode):
 
 
 class _PeakBytes(TorchDispatchMode):
-    """Bytes of the storages created inside the mode that are alive, and their peak."""
+    """Bytes of the storages created inside the mode that are alive, and their peak.
+
+    Each storage it counts is held by a weak reference (the key: the storage's address, which the reference keeps from
+    being reused). A storage's death is noticed at the next allocation, when the peak can next rise. No Python runs as
+    tensors die, so a Ctrl-C cannot land in a finalizer, where Python would print it and carry on. :meth:`release`
+    drops the references.
+    """
 
     def __init__(self):
         super().__init__()
-        self.live: dict[int, int] = {}
+        self.live: dict[int, int] = {}  # storage key -> bytes
         self.now = 0
         self.peak = 0
 
@@ -72,27 +76,30 @@ class _PeakBytes(TorchDispatchMode):
         return out
 
     def _add(self, nbytes: int) -> None:
+        for key in [key for key in self.live if torch.UntypedStorage._expired(key)]:
+            self.now -= self.live.pop(key)
+            torch.UntypedStorage._free_weak_ref(key)
         self.now += nbytes
         self.peak = max(self.peak, self.now)
 
     def _track(self, t: torch.Tensor) -> None:
-        key = _storage(t)
-        if key in self.live:
+        storage = t.untyped_storage()
+        if storage._cdata in self.live:
             return
-        nbytes = t.untyped_storage().nbytes()
-        self.live[key] = nbytes
+        nbytes = storage.nbytes()
         self._add(nbytes)
-        weakref.finalize(t, self._free, key)
+        self.live[storage._weak_ref()] = nbytes  # the weak reference's value is the storage's key
 
-    def _free(self, key: int) -> None:
-        self.now -= self.live.pop(key, 0)
+    def release(self) -> None:
+        """Drop the weak references (the trace is over)."""
+        for key in self.live:
+            torch.UntypedStorage._free_weak_ref(key)
+        self.live = {}
 
 
 def _storage(t: torch.Tensor) -> int:
-    """A key for ``t``'s storage, shared by its views."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    return StorageWeakRef(t.untyped_storage()).cdata
+    """A key for ``t``'s storage, shared by its views: its address."""
+    return t.untyped_storage()._cdata
 
 
 def meta_twin(module: nn.Module) -> nn.Module | None:
@@ -131,9 +138,12 @@ def peak_bytes(twin: nn.Module, args=(), kwargs=None, method: str = "forward") -
     """Peak bytes of the tensors ``twin.method(*args, **kwargs)`` creates (run on the meta device)."""
     args, kwargs = tree_map(_to_meta, (tuple(args), dict(kwargs or {})))
     tracker = _PeakBytes()
-    with torch.no_grad(), _FusedAttention(), tracker:
-        out = getattr(twin, method)(*args, **kwargs)
-        del out
+    try:
+        with torch.no_grad(), _FusedAttention(), tracker:
+            out = getattr(twin, method)(*args, **kwargs)
+            del out
+    finally:
+        tracker.release()
     return tracker.peak
 
 

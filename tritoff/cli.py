@@ -663,7 +663,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return args.func(args)
+        code = args.func(args)
+        # a signal whose KeyboardInterrupt landed in a finalizer (Python prints it there and carries on) still ends
+        # the command as interrupted
+        return _interrupted_exit() if _interrupted else code
     except KeyboardInterrupt:
         return _interrupted_exit()
     except (CliError, ValueError, OSError) as err:
@@ -679,5 +682,15 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
 
 
+def entry() -> None:
+    """The ``tritoff`` console script: :func:`main`, then exit with its code. Once interrupted, a second Ctrl-C while
+    Python shuts down is ignored: it would print a traceback after "tritoff: interrupted"."""
+    code = main()
+    if code == EXIT_INTERRUPTED:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

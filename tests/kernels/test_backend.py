@@ -1,5 +1,9 @@
 """kernels/backend.py: TRITON_INTERPRET read as Triton reads it, and the eager launch path only for plain tensors."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -11,7 +15,23 @@ def test_triton_interpret_is_read_as_triton_reads_it(value, monkeypatch):
     from triton._C.libtriton import getenv_bool
 
     monkeypatch.setenv("TRITON_INTERPRET", value)
+    monkeypatch.delitem(sys.modules, "tritoff.kernels.upcast")  # as before the kernels are imported
     assert interpreting() == getenv_bool("TRITON_INTERPRET", False)
+
+
+@pytest.mark.parametrize("at_import,later", [("1", None), (None, "1")])
+def test_once_the_kernels_are_imported_the_variable_changed_later_does_not_count(at_import, later):
+    """Triton decided when it decorated the kernels: asking the variable again would pick kernels that cannot run."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if at_import is not None:
+        env["TRITON_INTERPRET"] = at_import
+    change = "os.environ.pop('TRITON_INTERPRET')" if later is None else f"os.environ['TRITON_INTERPRET'] = {later!r}"
+    script = (
+        f"import os, tritoff.kernels as k; {change}; "
+        f"assert k.interpreting() is {at_import is not None} and k.triton_runs_on('cpu') is {at_import is not None}"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_eager_only_when_every_tensor_is_plain_and_no_mode_is_active():

@@ -87,6 +87,15 @@ def test_tensors_that_die_are_subtracted_from_the_running_count():
     assert peak_bytes(Chain(), (torch.randn(16, 16),)) == 2 * 16 * 16 * FP32
 
 
+def test_a_storage_counts_until_the_last_tensor_on_it_dies():
+    class Matmul(nn.Module):
+        def forward(self, x, w):
+            y = x @ w  # mm, then _unsafe_view: a new tensor on the mm's storage, and the mm's tensor dies at once
+            return y * 2  # y's storage is still alive beside the result
+
+    assert peak_bytes(Matmul(), (torch.randn(2, 8, 16), torch.randn(16, 32))) == 2 * 2 * 8 * 32 * FP32
+
+
 @pytest.mark.parametrize(
     "factory,shape,expected",
     [
