@@ -163,16 +163,22 @@ def _issue_us(engine, group, device) -> float | None:
     None on the CPU, where the fill itself runs synchronously."""
     if device.type != "cuda":
         return None
+    comp = engine.manager.components[group.component]
+    return _cuda_host_us(lambda: comp.transfer.fill(group, comp.ring.buffers[0]), device)
+
+
+def _cuda_host_us(step, device) -> float:
+    """Host µs per call of ``step`` (which queues CUDA work) in a tight loop of 200, after 20 to warm up; the GPU is
+    idle before, and waited for after."""
     import torch
 
-    comp = engine.manager.components[group.component]
     torch.cuda.synchronize(device)
     for _ in range(20):
-        comp.transfer.fill(group, comp.ring.buffers[0])
+        step()
     torch.cuda.synchronize(device)
     start = time.perf_counter_ns()
     for _ in range(200):
-        comp.transfer.fill(group, comp.ring.buffers[0])
+        step()
     elapsed = time.perf_counter_ns() - start
     torch.cuda.synchronize(device)
     return elapsed / 200 / 1e3
@@ -204,18 +210,7 @@ def _issue_steps_us(engine, group, device) -> dict | None:
         "H2D copy issue": lambda: stage_chunk(chunk, group.pack.data, transfer.staging[0]),
         "upcast launch": lambda: group.fill_chunk(0, staged, dst),
     }
-    out = {}
-    for name, step in steps.items():
-        torch.cuda.synchronize(device)
-        for _ in range(20):
-            step()
-        torch.cuda.synchronize(device)
-        start = time.perf_counter_ns()
-        for _ in range(200):
-            step()
-        out[name] = (time.perf_counter_ns() - start) / 200 / 1e3
-    torch.cuda.synchronize(device)
-    return out
+    return {name: _cuda_host_us(step, device) for name, step in steps.items()}
 
 
 if __name__ == "__main__":
