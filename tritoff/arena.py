@@ -11,9 +11,10 @@ two (a 12 GiB model would pin 16 GiB).
 from __future__ import annotations
 
 import mmap
-import warnings
 
 import torch
+
+from tritoff.warn import warn
 
 PAGE = 4096
 
@@ -49,10 +50,9 @@ class HostArena:
 
         self.register_error = cuda_host.register(self.buffer.data_ptr(), self.nbytes)
         if self.register_error is not None:
-            warnings.warn(
+            warn(
                 f"page-locking {self.nbytes / 2**30:.2f} GiB of host memory failed ({self.register_error}); transfers "
-                "fall back to pageable memory and will be slower (page-locking needs that much free host memory).",
-                stacklevel=3,
+                "fall back to pageable memory and will be slower (page-locking needs that much free host memory)."
             )
             return
         self.registered = True

@@ -28,6 +28,7 @@ import xxhash
 
 from tritoff.arena import PAGE, HostArena
 from tritoff.pack import align
+from tritoff.warn import warn
 
 # the CPU reads synchronously (tests set this to run the read-ahead thread without a GPU)
 READ_AHEAD_ON_CPU = False
@@ -154,7 +155,7 @@ class PackFile:
             pass
 
 
-def spill_files(directory, sizes: dict[str, int], stacklevel: int = 2, warn_tmpfs: bool = True) -> dict[str, PackFile]:
+def spill_files(directory, sizes: dict[str, int], warn_tmpfs: bool = True) -> dict[str, PackFile]:
     """A private, already unlinked file per component of ``sizes`` (its bytes of packs beyond the host budget) in
     ``directory`` (default: ``~/.cache/tritoff``): they disappear when the process ends, however it ends. The
     directory and its free space (for all of them together) are checked first, with one-line errors."""
@@ -185,10 +186,7 @@ def spill_files(directory, sizes: dict[str, int], stacklevel: int = 2, warn_tmpf
             f"{format_bytes(free)} free: pass spill_dir= (--spill-dir) on a larger disk, or convert to a store"
         )
     if warn_tmpfs and _is_tmpfs(directory):
-        warnings.warn(
-            f"{directory} is a tmpfs (held in RAM): spilling packs there saves no memory; pass spill_dir= on a disk",
-            stacklevel=stacklevel + 1,
-        )
+        warn(f"{directory} is a tmpfs (held in RAM): spilling packs there saves no memory; pass spill_dir= on a disk")
     files = {}
     for name in sizes:
         owner = tempfile.TemporaryFile(dir=directory, prefix="tritoff-spill-")

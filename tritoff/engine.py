@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -37,6 +36,7 @@ from tritoff.planner import MODES, ComponentSize, GroupSize, PhasedPlan, Plan, c
 from tritoff.report import Report
 from tritoff.skip import SkipRules, skip_patterns
 from tritoff.storage import describe_storage, resolve_storage
+from tritoff.warn import warn
 
 ENGINE_ATTR = "_tritoff_engine"
 # every engine made by enable; those still their target's engine own their components' parameters
@@ -625,10 +625,10 @@ def enable(
         components, storage, granularity, skip, mode, budget, reserve, device, prefetch, transport, kernels, host_budget
     )
     if options.device.type == "cpu":
-        warnings.warn("no CUDA device: tritoff packs and upcasts weights but offloads nothing", stacklevel=2)
+        warn("no CUDA device: tritoff packs and upcasts weights but offloads nothing")
     if spill_dir is not None and (options.host_budget is None or store is not None):
         why = "every pack is held in memory" if options.host_budget is None else "the store's packs are read from it"
-        warnings.warn(f"spill_dir is used only with host_budget and without store ({why}): ignored", stacklevel=2)
+        warn(f"spill_dir is used only with host_budget and without store ({why}): ignored")
     if previous is not None:
         before = (previous.options.storage, previous.options.granularity, previous.options.skip)
         if before != (options.storage, options.granularity, options.skip):
@@ -686,7 +686,7 @@ def enable(
             pairs = zip(group_lists[name], layouts[name], strict=True)
             kept[name] = [lay for g, lay in pairs if in_ram is None or g.name in in_ram[name]]
         spilled = {n: sum(lay.nbytes for lay in layouts[n]) - sum(lay.nbytes for lay in kept[n]) for n in components}
-        spills = spill_files(spill_dir, spilled, stacklevel=2)
+        spills = spill_files(spill_dir, spilled)
     # everything that can fail is checked before a parameter changes: from here on the pipeline is modified
     if previous is not None and not reuse:
         # other groups (leaf <-> block), or a store: pack again from the weights, restored on the host
@@ -744,11 +744,10 @@ def enable(
                 params[n][pname].requires_grad_(flag)
             rounded = [n for n in [*packed, name] if n is not None and fmts[n].is_fp8]
             if rounded:
-                warnings.warn(
+                warn(
                     f"enable stopped while packing: the weights of {', '.join(dict.fromkeys(rounded))} packed so far "
                     "are back as their fp8 packs hold them (the originals were released as they were packed); "
-                    "reload the pipeline for the original weights",
-                    stacklevel=2,
+                    "reload the pipeline for the original weights"
                 )
             raise
     engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr, chunks, reserve is None)

@@ -22,7 +22,6 @@ import contextlib
 import functools
 import threading
 import time
-import warnings
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -39,6 +38,7 @@ from tritoff.planner import BudgetError, PhasedPlan, Plan
 from tritoff.residency import Residency
 from tritoff.slots import SlotRing, StallClock
 from tritoff.transfer import Transfer
+from tritoff.warn import warn
 
 
 @dataclass
@@ -197,10 +197,9 @@ class HookManager:
             new = self.replan(comp.name, needed)
         except BudgetError as err:
             comp.unplannable.add((key, needed))  # the budget is the same at the next call: say it once
-            warnings.warn(
+            warn(
                 f"{comp.name}: this call needs about {format_bytes(needed)} of activations, more than the budget "
-                f"leaves ({err}); it may run out of memory: raise the budget, or lower frames or resolution",
-                stacklevel=4,
+                f"leaves ({err}); it may run out of memory: raise the budget, or lower frames or resolution"
             )
             return
         self.apply_plan(comp, new)
@@ -259,10 +258,9 @@ class HookManager:
         self.activation_peaks[comp.name] = comp.measured = peak
         if peak > comp.plan.reserve:
             how = "the next call is planned around it" if self.auto_reserve else f"re-enable with reserve={peak}"
-            warnings.warn(
+            warn(
                 f"{comp.name}'s first forward used {format_bytes(peak)} for activations, more than its "
-                f"{format_bytes(comp.plan.reserve)} reserve: peak memory may exceed the budget; {how}",
-                stacklevel=2,
+                f"{format_bytes(comp.plan.reserve)} reserve: peak memory may exceed the budget; {how}"
             )
 
     def peak_bytes(self) -> int:
@@ -339,6 +337,8 @@ class HookManager:
                 comp.order = list(range(len(comp.blocks)))
         if comp.trace is not None:
             comp.trace.append(self.index[id(group)])
+        if not comp.active and group.tier not in ("fp8", "stream"):
+            group.check_homes()  # called on its own: its component's hook, which checks resident groups, did not run
         if group.tier in ("fp8", "stream"):
             if self.capturing():
                 raise RuntimeError(

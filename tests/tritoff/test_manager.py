@@ -483,6 +483,25 @@ def test_a_resident_parameter_replaced_after_enable_is_refused():
         _output(model, x)
 
 
+def test_a_resident_block_called_on_its_own_refuses_a_replaced_parameter():
+    """A resident block called directly (outside its component's forward, whose hook checks the resident groups) checks
+    its own parameters before it computes."""
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    model = _stack()
+    engine = _enable(model, "1GB")
+    assert engine.plan.tier_counts("model")["bf16"] == 5
+    _output(model, x)
+    block = model.blocks[2]
+    hidden = torch.randn(4, 64, dtype=torch.bfloat16)
+    expected = block(hidden)
+    own = block[0].weight
+    block[0].weight = nn.Parameter(torch.randn(64, 64, dtype=torch.bfloat16), requires_grad=False)
+    with pytest.raises(RuntimeError, match=r"^model\.blocks\.2\.0\.weight was replaced or deleted"):
+        block(hidden)
+    block[0].weight = own
+    assert torch.equal(block(hidden), expected)
+
+
 def test_a_deleted_parameter_is_refused_and_an_interrupted_bind_is_undone(monkeypatch):
     from tritoff.slots import SlotRing
 
@@ -553,6 +572,7 @@ def test_a_call_the_budget_cannot_plan_for_warns_once_per_input_shape():
         warnings.simplefilter("always")
         for ids in (short, short, short, long, long):
             model(input_ids=ids)
-    warned = [str(w.message) for w in seen if "of activations, more than the budget leaves" in str(w.message)]
-    assert len(warned) == 2, warned
-    assert all("the smallest that works is" in message for message in warned)
+    warned = [w for w in seen if "of activations, more than the budget leaves" in str(w.message)]
+    assert len(warned) == 2, [str(w.message) for w in warned]
+    assert all("the smallest that works is" in str(w.message) for w in warned)
+    assert all(w.filename == __file__ for w in warned)  # the caller's line, not a frame inside torch's module call

@@ -1,0 +1,20 @@
+"""Warnings attributed to the user's line: the first frame outside tritoff and the libraries it runs inside."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+# a warning raised in a hook is reached through module calls, accelerate's hook wrapper and torch's dynamo wrappers:
+# a fixed stacklevel lands in one of their frames, which tells the user nothing
+LIBRARIES = frozenset(
+    {"tritoff", "torch", "accelerate", "diffusers", "transformers", "peft", "contextlib", "functools"}
+)
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn(message)`` at the innermost frame that is not in :data:`LIBRARIES` (the user's call)."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in LIBRARIES:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)
