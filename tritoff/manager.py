@@ -292,8 +292,13 @@ class HookManager:
         self.release()
 
     def capturing(self) -> bool:
-        """Whether the compute stream is being captured into a CUDA graph."""
-        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        """Whether the compute stream (the engine device's current stream) is being captured into a CUDA graph."""
+        if self.device.type != "cuda":
+            return False
+        if torch.cuda.current_device() == self.device.index:
+            return torch.cuda.is_current_stream_capturing()
+        with torch.cuda.device(self.device):  # the check reads the current device's stream
+            return torch.cuda.is_current_stream_capturing()
 
     def _refuse_slot_tensor(self, group: GroupRuntime):
         slots = self.slot_storages()

@@ -263,6 +263,34 @@ def test_cuda_graph_capture_over_streamed_blocks_is_refused():
     assert "\n" not in str(info.value)
 
 
+def test_capture_is_checked_on_the_engines_device_not_the_current_one(monkeypatch):
+    """torch reports capture for the current device's stream: an engine on cuda:1 asks with cuda:1 current (CUDA
+    calls stubbed: one device, cuda:1, is capturing)."""
+    import contextlib
+    import types
+
+    from tritoff.manager import HookManager
+
+    current = [0]
+
+    @contextlib.contextmanager
+    def device(which):
+        before, current[0] = current[0], torch.device(which).index
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: current[0] == 1)
+    on = {i: types.SimpleNamespace(device=torch.device("cuda", i)) for i in (0, 1)}
+    assert HookManager.capturing(on[1]) and not HookManager.capturing(on[0])
+    current[0] = 1
+    assert HookManager.capturing(on[1]) and not HookManager.capturing(on[0]) and current[0] == 1
+    assert not HookManager.capturing(types.SimpleNamespace(device=torch.device("cpu")))
+
+
 class _Tied(Stack):
     """Block 3 reuses block 1's first weight; ``extra``, outside the blocks, reuses block 0's last one."""
 

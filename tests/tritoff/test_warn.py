@@ -35,4 +35,3 @@ def test_only_whole_top_level_names_are_libraries():
     user = _in_module("torchvision_user.app", _in_module("tritoff.engine", warn))
     record = _record(user, "here", DeprecationWarning)
     assert record.category is DeprecationWarning and record.filename == "<string>"  # the user's frame, from exec
-
