@@ -186,8 +186,9 @@ def _cuda_host_us(step, device) -> float:
 
 def _issue_steps_us(engine, group, device) -> dict | None:
     """On CUDA, host µs of each call a staged fill makes per chunk, each in a tight loop: what issuing a transfer is
-    made of (a stream switch happens twice per chunk, an event record twice, a wait once or twice). None on the CPU,
-    or for a group with no staging."""
+    made of (a stream switch happens twice per chunk, an event record twice, a wait once or twice), and the same switch
+    made with ``torch.cuda.set_stream`` (what the context manager would cost against it). None on the CPU, or for a
+    group with no staging."""
     if device.type != "cuda" or not group.chunks:
         return None
     import torch
@@ -203,8 +204,14 @@ def _issue_steps_us(engine, group, device) -> dict | None:
         with torch.cuda.stream(stream):
             pass
 
+    def set_stream():  # the same switch and back, without the context manager's device bookkeeping
+        compute = torch.cuda.current_stream(device)
+        torch.cuda.set_stream(stream)
+        torch.cuda.set_stream(compute)
+
     steps = {
         "stream switch": switch,
+        "stream switch (set_stream)": set_stream,
         "event record": lambda: event.record(stream),
         "stream wait": lambda: stream.wait_event(event),
         "H2D copy issue": lambda: stage_chunk(chunk, group.pack.data, transfer.staging[0]),
