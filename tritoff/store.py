@@ -552,14 +552,21 @@ def stored_dtypes(directory: str | Path, component: str) -> dict[str, torch.dtyp
 def check_weights(directory: str | Path, components: dict[str, nn.Module], packed: dict[str, PackedModel]) -> None:
     """Refuse a store made from other weights than ``components`` hold (same architecture, another checkpoint): per
     component, the smallest group holding a quantized weight (else any weight) is packed again from the model's own
-    weights and compared byte for byte with the stored pack. Components without weights (built on the meta device,
-    or left on placeholders by an engine) are not checked."""
+    weights and its values compared, bit for bit, with the stored pack's. Values, not bytes: weights a disable gave
+    back (dequantized from these packs) can pack into other bytes for the same values, with a row's scale halved and
+    its codes doubled. Components without weights (built on the meta device, or left on placeholders by an engine)
+    are not checked."""
     import torch
 
-    from tritoff.kernels.upcast import KIND_FP8
+    from tritoff.kernels.upcast import KIND_FP8, upcast_pack_reference
     from tritoff.onload import is_placeholder
     from tritoff.pack import write_pack
     from tritoff.packer import _quantizer, pack_bytes
+
+    def values(layout, data: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(layout.out_nbytes, dtype=torch.uint8)
+        upcast_pack_reference(data, out, layout.table(), layout.out_dtype, layout.storage)
+        return out
 
     for name in components:
         model = packed[name]
@@ -577,7 +584,8 @@ def check_weights(directory: str | Path, components: dict[str, nn.Module], packe
             write_pack(
                 pack.layout, data, {n: p.detach().cpu() for n, p in group.params}, _quantizer(torch.device("cpu"))
             )
-        if not torch.equal(data, pack_bytes(pack)):
+        stored = pack_bytes(pack)
+        if not torch.equal(data, stored) and not torch.equal(values(pack.layout, data), values(pack.layout, stored)):
             raise StoreError(
                 f"{directory} was made from other weights than this pipeline's {name} ({name}.{group.name} differs): "
                 "load the weights the store was converted from, or convert this pipeline into a new store"
