@@ -27,6 +27,7 @@ _LAZY = {
     "verify_store": "tritoff.store",
     "StoreError": "tritoff.store",
     "Preview": "tritoff.preview",
+    "TritoffWarning": "tritoff.warn",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -656,12 +656,56 @@ def _interrupted_exit() -> int:
     return EXIT_INTERRUPTED
 
 
+class _Stdout:
+    """``sys.stdout`` during a command: once its reader is gone (``tritoff run ... | head -1``), the rest of the
+    output is dropped and the command goes on, since what it writes to disk is its result."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self._drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self._drop()
+
+    def _drop(self) -> None:
+        # the descriptor itself goes to /dev/null: the interpreter's own flush at exit would fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self.stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    """tritoff's own warnings in one line, as its errors are; other libraries' as Python formats them."""
+    from tritoff.warn import TritoffWarning
+
+    if issubclass(category, TritoffWarning):
+        return f"tritoff: warning: {_one_line(message)}\n"
+    return _python_format_warning(message, category, filename, lineno, line)
+
+
+_python_format_warning = warnings.formatwarning
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tritoff`` console script."""
     global _interrupted
     _interrupted = False
     args = build_parser().parse_args(argv)
     previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stdout, format_warning = sys.stdout, warnings.formatwarning
+    sys.stdout, warnings.formatwarning = _Stdout(stdout), _format_warning
     try:
         code = args.func(args)
         # a signal whose KeyboardInterrupt landed in a finalizer (Python prints it there and carries on) still ends
@@ -680,6 +724,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        sys.stdout.flush()  # through the wrapper: a reader gone leaves nothing for the interpreter's flush at exit
+        sys.stdout, warnings.formatwarning = stdout, format_warning
 
 
 def entry() -> None:

@@ -138,7 +138,12 @@ def _load_directory(path: Path) -> tuple[str, dict[str, nn.Module], str]:
     index_file = path / "model_index.json"
     if not index_file.is_file():
         raise ValueError(f"{path} has no model_index.json: give a diffusers pipeline directory or a preset name")
-    index = json.loads(index_file.read_text())
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{index_file} cannot be read ({err}): give a diffusers pipeline directory") from None
+    if not isinstance(index, dict):
+        raise ValueError(f"{index_file} is not a pipeline index (a JSON object): give a diffusers pipeline directory")
     pipeline = index.get("_class_name", "")
     family = PIPELINE_FAMILIES.get(pipeline)
     if family is None:
@@ -152,8 +157,10 @@ def _load_directory(path: Path) -> tuple[str, dict[str, nn.Module], str]:
             continue
         module = __import__(library, fromlist=[class_name])
         cls = getattr(module, class_name, None)
-        if cls is None or not (path / name / "config.json").is_file():
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):  # a scheduler, a tokenizer: no weights
             continue
+        if not (path / name / "config.json").is_file():
+            raise ValueError(f"{path / name / 'config.json'} is missing: the plan needs every model's config")
         with torch.device("meta"):
             if library == "diffusers":
                 built = cls.from_config(cls.load_config(path / name))

@@ -520,6 +520,8 @@ def component_storages(index: dict) -> dict[str, str]:
 
 
 def _read_meta(path: Path) -> dict:
+    if not path.is_file():
+        raise StoreError(f"{path} is missing; {RECREATE}")
     try:
         with open(path, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))

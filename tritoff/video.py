@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -71,11 +72,23 @@ def check_writable(path: str | Path) -> Path:
         raise FileNotFoundError(f"cannot write {path}: directory {parent} does not exist")
     if path.is_dir():
         raise IsADirectoryError(f"cannot write {path}: it is a directory; give a file name ending in .mp4 or .gif")
-    if not os.access(parent, os.W_OK):
+    if not os.access(parent, os.W_OK) or not _can_create_in(parent):
         raise PermissionError(f"cannot write {path}: directory {parent} is not writable")
     if path.suffix.lower() == ".mp4":
         _mp4_writer()
     return path
+
+
+def _can_create_in(directory: Path) -> bool:
+    """Whether a file can be created in ``directory``: modes do not stop root, but a read-only or virtual file system
+    (``/sys``) does, which only trying tells."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".tritoff-probe.")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
 
 
 def _mp4_writer():

@@ -1,4 +1,5 @@
-"""Warnings attributed to the user's line: the first frame outside tritoff and the libraries it runs inside."""
+"""tritoff's warnings: their own category, attributed to the user's line (the first frame outside tritoff and the
+libraries it runs inside)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ LIBRARIES = frozenset(
 )
 
 
-def warn(message: str, category: type[Warning] = UserWarning) -> None:
+class TritoffWarning(UserWarning):
+    """What tritoff warns about (``warnings.filterwarnings("ignore", category=tritoff.TritoffWarning)`` silences it);
+    the command line prints it in one line."""
+
+
+def warn(message: str, category: type[Warning] = TritoffWarning) -> None:
     """``warnings.warn(message)`` at the innermost frame that is not in :data:`LIBRARIES` (the user's call)."""
     frame, level = sys._getframe(1), 2
     while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in LIBRARIES:

@@ -196,6 +196,29 @@ def test_info_shows_the_transport():
     assert [line for line in out.splitlines() if line.split()[:1] == ["transport"]]
 
 
+def test_a_reader_gone_from_stdout_costs_nothing():
+    """``tritoff ... | head -1``: the output the reader no longer takes is dropped, the command ends as it would."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tritoff", "info"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    child.stdout.close()
+    err = child.stderr.read()
+    assert child.wait() == 0 and err == ""
+
+
+def test_tritoffs_warnings_print_in_one_line_and_others_as_python_prints_them(capsys):
+    import warnings
+
+    from tritoff import cli
+    from tritoff.warn import TritoffWarning
+
+    assert cli._format_warning("a\nb", TritoffWarning, "x.py", 3) == "tritoff: warning: a b\n"
+    assert cli._format_warning("c", UserWarning, "x.py", 3, "") == "x.py:3: UserWarning: c\n"
+    before, stdout = warnings.formatwarning, sys.stdout
+    assert cli.main(["info"]) == 0 and "torch" in capsys.readouterr().out
+    assert warnings.formatwarning is before and sys.stdout is stdout  # a command leaves both as it found them
+
+
 @pytest.mark.parametrize(
     "mode,prefetch,advice",
     [
@@ -292,6 +315,11 @@ def test_a_store_is_refused_for_other_weights_corruption_and_mismatched_options(
         "differs from the index's); recreate the store with `tritoff convert`"
     )
     assert not list(tmp_path.glob("*.gif"))
+    (broken / "vae.safetensors").unlink()
+    code, out, err = tritoff(
+        "run", root / "pipe", *RUN, "--mode", "leaf", "--store", broken, "--out", tmp_path / "v.gif"
+    )
+    assert_one_line_error(code, out, err, f"{broken / 'vae.safetensors'} is missing; recreate the store with `tritoff")
     code, out, err = tritoff("convert", root / "pipe", store)
     assert_one_line_error(code, out, err, "already holds a store: pass --overwrite")
 

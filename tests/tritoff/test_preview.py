@@ -67,6 +67,25 @@ def test_a_directory_plans_from_its_configs_as_enable_packs(tmp_path):
     assert [ph.components[0] for ph in preview.phases] == ["text_encoder", "transformer", "vae"]
 
 
+def test_a_directory_missing_a_models_config_or_with_a_broken_index_is_refused(tmp_path):
+    """Not planned without the component (which would understate memory and say it fits)."""
+    wan().save_pretrained(tmp_path / "pipe")
+    (tmp_path / "pipe" / "transformer" / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"transformer/config\.json is missing: the plan needs every model's config"):
+        tritoff.plan(tmp_path / "pipe", "1GB", frames=5, height=16, width=16)
+    done = subprocess.run(
+        [sys.executable, "-m", "tritoff", "plan", str(tmp_path / "pipe"), "--frames", "5", "--height", "16"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "config.json is missing" in done.stderr
+    assert done.stdout == ""
+    for broken in ("{not json", "[1, 2]"):
+        (tmp_path / "pipe" / "model_index.json").write_text(broken)
+        with pytest.raises(ValueError, match=r"model_index\.json (cannot be read|is not a pipeline index)"):
+            tritoff.plan(tmp_path / "pipe", "1GB")
+
+
 def test_a_host_budget_smaller_than_the_packs_holds_what_enable_holds_and_reads_the_rest(tmp_path):
     from diffusers import WanPipeline
 

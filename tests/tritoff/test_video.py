@@ -175,6 +175,14 @@ def test_a_read_only_directory_is_refused_in_one_line(read_only_dir):
     assert str(info.value) == f"cannot write {read_only_dir}/out.gif: directory {read_only_dir} is not writable"
 
 
+def test_a_directory_no_file_can_be_created_in_is_refused_before_the_run():
+    """``/sys``: its modes let root write, but sysfs creates no file there; only writing the video would have told."""
+    if not Path("/sys").is_dir():
+        pytest.skip("no /sys")
+    with pytest.raises(PermissionError, match=r"^cannot write /sys/out\.gif: directory /sys is not writable$"):
+        check_writable("/sys/out.gif")
+
+
 def test_a_bare_file_name_is_checked_against_the_current_directory(tmp_path, read_only_dir, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert check_writable("clip.gif") == Path("clip.gif")

@@ -1,7 +1,7 @@
 import sys
 import warnings
 
-from tritoff.warn import warn
+from tritoff.warn import TritoffWarning, warn
 
 
 def _in_module(module_name: str, inner):
@@ -27,7 +27,7 @@ def test_a_warning_raised_in_library_frames_names_the_users_line():
         line = sys._getframe().f_lineno + 1
         module_call("careful")
     (record,) = seen
-    assert str(record.message) == "careful" and record.category is UserWarning
+    assert str(record.message) == "careful" and record.category is TritoffWarning
     assert (record.filename, record.lineno) == (__file__, line)
 
 
