@@ -46,7 +46,7 @@ def parse_size(value: int | float | str, *, what: str = "budget", total: int | N
         if number > 100:
             raise ValueError(f"invalid {what} {value!r}: a percentage must be at most 100%")
         if total is None:
-            raise ValueError(f"{what} {value!r} is a percentage, but there is no device memory to take it of")
+            raise ValueError(f"{what} {value!r} is a percentage, but there is no GPU memory to take it of; give bytes")
         return _whole_bytes(total * number / 100, value, what)
     return _whole_bytes(number * _UNITS[unit], value, what)
 
@@ -71,6 +71,8 @@ def parse_host_budget(value, what: str = "host_budget") -> int | None:
     ram = None
     if hasattr(os, "sysconf"):
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+        raise ValueError(f"invalid {what} {value!r}: give bytes, e.g. '8GB', or 0 to read every pack from disk")
     return parse_size(value, what=what, total=ram)
 
 

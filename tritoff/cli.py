@@ -121,15 +121,22 @@ def _check_budget(budget: str | None, what: str = "budget") -> None:
         parse_size(budget, what=what, total=2**50)  # syntax only: a percentage is resolved on the device later
 
 
+def _check_reserve(reserve: str | None) -> None:
+    from tritoff.budget import percentage
+
+    _check_budget(reserve, what="reserve")
+    if reserve is not None and (percentage(reserve) or 0) >= 1:
+        raise CliError(f"--reserve {reserve} leaves nothing of the budget for weights: use less than 100%")
+
+
 def _check_spill_dir(args) -> None:
     """``--spill-dir`` only where it is used (with ``--host-budget``, without ``--store``), and a directory that is or
     can be made writable."""
     if args.spill_dir is None:
         return
     if args.host_budget is None or args.store is not None:
-        raise CliError(
-            "--spill-dir is used only with --host-budget and without --store (a store's packs are read from the store)"
-        )
+        why = "without it every pack is held" if args.host_budget is None else "a store's packs are read from it"
+        raise CliError(f"--spill-dir is used only with --host-budget and without --store ({why})")
     path = Path(args.spill_dir).expanduser()
     if path.exists() and not path.is_dir():
         raise CliError(f"--spill-dir {args.spill_dir} is not a directory")
@@ -157,7 +164,11 @@ def _check_storage(storage: str | None, local: Path | None = None):
         parsed = parse_storage(storage)
         if isinstance(parsed, dict) and local is not None and (local / "model_index.json").is_file():
             index = _json(local / "model_index.json")
-            resolve_storage(parsed, {n: None for n, spec in index.items() if isinstance(spec, list) and spec[0]})
+            # models have a config.json; a scheduler or a tokenizer holds no weights to store
+            models = [
+                n for n, s in index.items() if isinstance(s, list) and s[0] and (local / n / "config.json").is_file()
+            ]
+            resolve_storage(parsed, dict.fromkeys(models))
         return parsed
     except ValueError as err:
         raise CliError(f"--storage {storage}: {err}" if "--storage" not in str(err) else str(err)) from None
@@ -326,7 +337,7 @@ def _cmd_run(args) -> int:
     from tritoff.video import check_writable
 
     _check_budget(args.budget)
-    _check_budget(args.reserve, what="reserve")
+    _check_reserve(args.reserve)
     if args.host_budget is not None:
         from tritoff.budget import parse_host_budget
 
@@ -468,7 +479,13 @@ def _cmd_plan(args) -> int:
         value = getattr(args, what)
         if value is not None and value.strip().endswith("%"):
             raise CliError(f"--{what.replace('_', '-')}: give bytes (e.g. 12GB), not a percentage")
-        if what != "host_budget":
+        if what in ("link", "disk"):
+            try:
+                _check_budget(value, what)
+            except ValueError:
+                example = "25GB" if what == "link" else "2GB"
+                raise CliError(f"--{what} {value}: give bytes per second, e.g. {example}") from None
+        elif what != "host_budget":
             _check_budget(value, what.replace("_", " "))
     from tritoff.budget import parse_host_budget
 
@@ -556,7 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--reserve",
         default=None,
-        help="GPU memory kept for activations, e.g. 2GB or 25%% of the budget (default: 10%% of the budget)",
+        help="GPU memory kept for activations, e.g. 2GB or 25%% of the budget (default: traced per phase)",
     )
     run.add_argument("--transport", default="auto", choices=TRANSPORTS, help="how streamed packs reach the GPU")
     run.add_argument("--steps", type=_at_least(1), default=30, help="denoising steps")
@@ -703,10 +720,10 @@ def main(argv: list[str] | None = None) -> int:
     global _interrupted
     _interrupted = False
     args = build_parser().parse_args(argv)
-    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGINT)}
-    stdout, format_warning = sys.stdout, warnings.formatwarning
-    sys.stdout, warnings.formatwarning = _Stdout(stdout), _format_warning
+    stdout, format_warning, previous = sys.stdout, warnings.formatwarning, {}
     try:
+        sys.stdout, warnings.formatwarning = _Stdout(stdout), _format_warning
+        previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGINT)}
         code = args.func(args)
         # a signal whose KeyboardInterrupt landed in a finalizer (Python prints it there and carries on) still ends
         # the command as interrupted

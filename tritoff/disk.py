@@ -170,6 +170,8 @@ def spill_files(directory, sizes: dict[str, int], warn_tmpfs: bool = True) -> di
     if directory is not None and not isinstance(directory, (str, os.PathLike)):
         raise ValueError(f"spill_dir must be a path, got {type(directory).__name__}")
     directory = Path(directory).expanduser() if directory is not None else default_spill_dir()
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"spill_dir {directory} is not a directory: pass a writable directory on a disk")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         if not os.access(directory, os.W_OK | os.X_OK):

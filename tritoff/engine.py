@@ -77,12 +77,12 @@ def _unwrap(module: nn.Module) -> nn.Module:
     return module._orig_mod if type(module).__name__ == "OptimizedModule" else module
 
 
-def _components(target) -> dict[str, nn.Module]:
+def _components(target, caller: str = "enable") -> dict[str, nn.Module]:
     if isinstance(target, nn.Module):
         return {"model": _unwrap(target)}
     components = getattr(target, "components", None)
     if not isinstance(components, dict):
-        raise TypeError(f"tritoff.enable needs a diffusers pipeline or an nn.Module, got {type(target).__name__}")
+        raise TypeError(f"tritoff.{caller} needs a diffusers pipeline or an nn.Module, got {type(target).__name__}")
     modules = {name: _unwrap(m) for name, m in components.items() if isinstance(m, nn.Module)}
     if not modules:
         raise ValueError("this pipeline has no model components to manage")
@@ -134,17 +134,30 @@ def _check_components(components: dict[str, nn.Module], previous) -> None:
                 )
 
 
-def _check_not_managed_elsewhere(components: dict[str, nn.Module], previous) -> None:
-    own = previous.manager if previous is not None else None
-    for name, component in components.items():
-        for module_name, module in component.named_modules():
+def _hooked_elsewhere(components: dict[str, nn.Module], own) -> str | None:
+    """The first module of ``components`` that an engine other than the one of manager ``own`` hooked, named as that
+    engine names it (``transformer.blocks.0``, not ``model.blocks.0`` for a component passed on its own)."""
+    for component in components.values():
+        for module in component.modules():
             hook = getattr(module, "_hf_hook", None)
             if isinstance(hook, (ComponentHook, GroupHook)) and hook.manager is not own:
-                where = f"{name}.{module_name}" if module_name else name
-                raise ValueError(
-                    f"{where} is already managed by tritoff through another pipeline or module (shared components "
-                    "cannot be packed twice); call tritoff.disable on that one first"
-                )
+                for engine in list(_ENGINES):
+                    if engine.manager is hook.manager:
+                        for name, theirs in engine.components.items():
+                            for module_name, candidate in theirs.named_modules():
+                                if candidate is module:
+                                    return f"{name}.{module_name}" if module_name else name
+                return type(module).__name__
+    return None
+
+
+def _check_not_managed_elsewhere(components: dict[str, nn.Module], previous) -> None:
+    where = _hooked_elsewhere(components, previous.manager if previous is not None else None)
+    if where is not None:
+        raise ValueError(
+            f"{where} is already managed by tritoff through another pipeline or module (shared components cannot be "
+            "packed twice); call tritoff.disable on that one first"
+        )
     # a shared module without a hook of its own (inside another engine's rest group): its parameters tell
     mine = {id(p): f"{name}.{pname}" for name, c in components.items() for pname, p in named_parameters(c)}
     for engine in list(_ENGINES):
@@ -204,8 +217,10 @@ def _resolve(
     if reserve is None:
         fraction = 0.1
     else:
-        reserve_bytes = parse_size(reserve, what="reserve", total=budget_bytes)
+        # a percentage is checked for syntax only: of a budget too small it is less than a byte, which the planner
+        # then refuses naming the smallest budget that works
         fraction = percentage(reserve)
+        reserve_bytes = parse_size(reserve, what="reserve", total=budget_bytes if fraction is None else 2**50)
         if fraction is not None and fraction >= 1:
             raise ValueError(f"reserve {reserve!r} leaves nothing of the budget for weights: use less than 100%")
     # a fraction of the budget is computed as the planner computes it when it names the smallest budget that works
@@ -552,7 +567,7 @@ def enable(
     budget: int | str | None = None,
     *,
     device: str | torch.device | None = None,
-    granularity: str = "row",
+    granularity: str | None = None,
     skip: str | tuple[str, ...] | list[str] = (),
     prefetch: int = 2,
     transport: str = "auto",
@@ -570,7 +585,9 @@ def enable(
     fits, else the planner splits large components), ``"model"``, ``"group"`` or ``"leaf"``. ``budget``: bytes,
     ``"12GB"``, ``"12GiB"`` or ``"80%"`` (default: the device's free memory less 5%, at least 512 MiB).
     ``prefetch``: groups in flight ahead of the running one. ``transport``: ``"staged"`` (copy engine then HBM upcast;
-    what ``"auto"`` picks) or ``"zero_copy"``. ``reserve``: memory kept for activations (default 10% of the budget).
+    what ``"auto"`` picks) or ``"zero_copy"``. ``reserve``: memory kept for activations (default: traced per phase
+    from its call's shapes, 10% of the budget until then). ``granularity``: fp8 scales per ``"row"`` (default),
+    ``"tensor"``, or ``"none"``.
     ``skip``: extra regexes of module names to keep unquantized. ``kernels``: ``"auto"``, ``"triton"`` or
     ``"reference"`` (PyTorch).
     ``storage``: a format for the text encoders, image encoders and denoisers (default ``"fp8_e4m3"``; VAEs keep
@@ -588,6 +605,9 @@ def enable(
     share. A failed enable leaves ``target`` as it was. Enabling an enabled pipeline re-plans it, reusing its packs when
     storage, granularity and skip are unchanged (a component replaced since is refused: disable first).
     """
+    for flag, value in (("verify", verify), ("progress", progress)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{flag} must be True or False, got {value!r}")
     components = _components(target)
     previous: Engine | None = getattr(target, ENGINE_ATTR, None)
     _check_components(components, previous)
@@ -618,9 +638,16 @@ def enable(
                         f"storage for {name} is {wanted[name]} but the store at {store} holds {held[name]}; drop "
                         "storage= (the store's applies)"
                     )
+        if granularity is not None and granularity != index["granularity"]:
+            raise ValueError(
+                f"granularity={granularity!r} but the store at {store} was packed with {index['granularity']!r}; drop "
+                "granularity= (the store's applies)"
+            )
         storage, granularity, skip = held, index["granularity"], tuple(index["skip"])
         if (mode == "leaf") != (index["grouping"] == "leaf"):
             raise ValueError(f"the store at {store} was made with {index['grouping']} groups; use a matching mode")
+    if granularity is None:  # row scales, or what the enabled engine packed with
+        granularity = previous.options.granularity if previous is not None else "row"
     options = _resolve(
         components, storage, granularity, skip, mode, budget, reserve, device, prefetch, transport, kernels, host_budget
     )
@@ -879,12 +906,23 @@ def _release(engine: Engine) -> None:
 def disable(target, device: str | torch.device | None = None) -> None:
     """Remove every tritoff hook; leave ordinary modules holding the dequantized weights on ``device``.
 
-    ``device`` defaults to the device tritoff computed on. Does nothing if tritoff is not enabled on ``target``.
+    ``device`` defaults to the device tritoff computed on. Does nothing if tritoff is not enabled on ``target``; a
+    component of a pipeline tritoff is enabled on, or what is neither a pipeline nor a module, is refused.
     Raises ``ValueError`` for a device tritoff cannot use, before anything changes; if the weights do not fit on
     ``device`` (``torch.OutOfMemoryError``) or the call is interrupted, tritoff stays enabled, as it was.
     """
     engine: Engine | None = getattr(target, ENGINE_ATTR, None)
     if engine is None:
+        # refused: what is neither a pipeline nor a module, and a component of a pipeline tritoff is enabled on
+        components = getattr(target, "components", None)
+        if isinstance(components, dict) and not any(isinstance(m, nn.Module) for m in components.values()):
+            return  # a pipeline without models: nothing tritoff could have enabled
+        where = _hooked_elsewhere(_components(target, "disable"), None)
+        if where is not None:
+            raise ValueError(
+                f"tritoff is enabled on the pipeline or module holding {where}, not on this one; call tritoff.disable "
+                "on that one"
+            )
         return
     from tritoff import lora
 

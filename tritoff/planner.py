@@ -208,7 +208,7 @@ def _advice(mode: str, depth: int) -> str:
     if depth > 1:
         tips.append("lower prefetch (one ring slot less)")
     if mode != "leaf":
-        tips.append("use mode='leaf' (one layer per group)")
+        tips.append("try mode='leaf' (one layer per group)")
     return ", ".join(tips[:-1]) + (" or " if len(tips) > 1 else "") + tips[-1]
 
 

@@ -167,4 +167,4 @@ class Report:
                 "  worst quantized layers (SNR): "
                 + ", ".join(f"{name} {snr:.1f} dB" for name, snr in d["worst_layers_snr_db"].items())
             )
-        return "\n".join(lines)
+        return "\n".join(line.rstrip() for line in lines)

@@ -57,7 +57,7 @@ def test_a_bad_size_is_refused_in_one_line_that_says_what_to_give(value, message
 
 
 def test_a_percentage_needs_memory_to_take_it_of():
-    with pytest.raises(ValueError, match="is a percentage, but there is no device memory"):
+    with pytest.raises(ValueError, match="is a percentage, but there is no GPU memory to take it of; give bytes"):
         parse_size("80%")
 
 

@@ -102,6 +102,11 @@ BAD = [
     (["run", "{pipe}", "--prompt", "x", "--budget", "-1"], "invalid budget"),
     (["run", "{pipe}", "--prompt", "x", "--budget", "150%"], "at most 100%"),
     (["run", "{pipe}", "--prompt", "x", "--reserve", "abc"], "invalid reserve 'abc'"),
+    (["run", "{pipe}", "--prompt", "x", "--storage", "tokenizer=bf16"], "text_encoder, transformer, vae"),
+    (
+        ["run", "{pipe}", "--prompt", "x", "--reserve", "100%"],
+        "--reserve 100% leaves nothing of the budget for weights",
+    ),
     (["run", "{pipe}", "--prompt", "x", "--storage", "int3"], "unknown storage 'int3'"),
     (["run", "{pipe}", "--prompt", "x", "--mode", "layer"], "invalid choice: 'layer'"),
     (["run", "{pipe}", "--prompt", "x", "--transport", "fast"], "invalid choice: 'fast'"),

@@ -235,6 +235,9 @@ def test_the_minimum_budget_named_works_and_one_byte_less_does_not(mode, reserve
     with pytest.raises(BudgetError) as info:
         _enable(stack(), budget=minimum - 1, **options)
     assert info.value.minimum == minimum
+    with pytest.raises(BudgetError) as info:  # a percentage of a budget of one byte is less than a byte
+        _enable(stack(), budget=1, **options)
+    assert info.value.minimum == minimum
 
 
 def test_report_and_stats():
@@ -306,9 +309,13 @@ def test_teardown_releases_every_device_buffer():
 def test_a_module_shared_with_an_enabled_pipeline_is_refused():
     pipe = wan()
     _enable(pipe, mode="group", budget="4MB")
-    with pytest.raises(ValueError, match="already managed by tritoff") as info:
-        _enable(pipe.transformer, mode="group", budget="4MB")
+    with pytest.raises(ValueError, match="^transformer is already managed by tritoff") as info:
+        _enable(pipe.transformer, mode="group", budget="4MB")  # named as the pipeline names it
     assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="^tritoff is enabled on the pipeline or module holding transformer, not on"):
+        tritoff.disable(pipe.transformer)  # it would do nothing: the pipeline stays enabled
+    with pytest.raises(TypeError, match="^tritoff.disable needs a diffusers pipeline or an nn.Module, got str"):
+        tritoff.disable("pipe")
     other = wan()
     other.register_modules(text_encoder=pipe.text_encoder)  # two pipelines sharing one text encoder
     before = {n: p.detach().clone() for n, p in other.transformer.named_parameters()}
@@ -317,6 +324,19 @@ def test_a_module_shared_with_an_enabled_pipeline_is_refused():
     assert not hasattr(other, "_tritoff_engine")
     assert all(torch.equal(p, before[n]) for n, p in other.transformer.named_parameters())  # untouched
     run(pipe)  # the first pipeline still works
+
+
+def test_flags_must_be_booleans_and_a_granularity_other_than_the_stores_is_refused(tmp_path):
+    pipe = wan()
+    for flag in ("verify", "progress"):
+        with pytest.raises(ValueError, match=f"^{flag} must be True or False, got 'no'$"):
+            tritoff.enable(pipe, **{flag: "no"})
+    assert not hasattr(pipe, "_tritoff_engine")
+    _enable(pipe, mode="group", budget="4MB", granularity="tensor").save(tmp_path / "store")
+    with pytest.raises(ValueError, match="^granularity='row' but the store at .* was packed with 'tensor'; drop"):
+        _enable(wan(), mode="group", store=tmp_path / "store", granularity="row")
+    engine = _enable(pipe, mode="group", budget="8MB")  # a re-plan keeps the engine's granularity
+    assert engine.options.granularity == "tensor"
 
 
 @pytest.mark.parametrize("mode", ["group", "auto"])
