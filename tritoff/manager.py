@@ -41,6 +41,11 @@ from tritoff.transfer import Transfer
 from tritoff.warn import warn
 
 
+class CaptureRefused(RuntimeError):
+    """A CUDA graph capture of streamed blocks, refused before the hook changed anything: the call that raised it
+    needs no recovery (which would queue work on the capturing stream, itself an error there)."""
+
+
 @dataclass
 class ComponentStats:
     """Counters of one component."""
@@ -208,6 +213,8 @@ class HookManager:
     def component_pre(self, comp: ComponentRuntime, args, kwargs):
         """Before a component's forward (or encode/decode): plan its activations, enter its phase, start prefetching
         its first blocks."""
+        if any(g.tier in ("fp8", "stream") for g in comp.blocks):
+            self._refuse_capture(comp.blocks[0])
         if torch.is_grad_enabled():
             for g in comp.unit:
                 _check_frozen(g)
@@ -300,6 +307,13 @@ class HookManager:
         with torch.cuda.device(self.device):  # the check reads the current device's stream
             return torch.cuda.is_current_stream_capturing()
 
+    def _refuse_capture(self, group: GroupRuntime) -> None:
+        if self.capturing():
+            raise CaptureRefused(
+                f"{group.component}.{group.name} streams through reused GPU slots, which a CUDA graph cannot capture; "
+                "capture without tritoff, or with a budget that keeps every block resident"
+            )
+
     def _refuse_slot_tensor(self, group: GroupRuntime):
         slots = self.slot_storages()
 
@@ -334,6 +348,8 @@ class HookManager:
         """Before a block's forward: make sure it is loaded (or loading), wait for it on the GPU, bind, prefetch."""
         start = time.perf_counter_ns() - self.transfer_ns
         comp = self.components[group.component]
+        if group.tier in ("fp8", "stream"):
+            self._refuse_capture(group)  # first: a block called on its own would otherwise load its phase
         if torch.is_grad_enabled():
             _check_frozen(group)
         if not comp.loaded:  # a block called on its own, outside its component's forward
@@ -345,11 +361,6 @@ class HookManager:
         if not comp.active and group.tier not in ("fp8", "stream"):
             group.check_homes()  # called on its own: its component's hook, which checks resident groups, did not run
         if group.tier in ("fp8", "stream"):
-            if self.capturing():
-                raise RuntimeError(
-                    f"{group.component}.{group.name} streams through reused GPU slots, which a CUDA graph cannot "
-                    "capture; capture without tritoff, or with a budget that keeps every block resident"
-                )
             if torch.is_grad_enabled():
                 # slot views must never be saved for a backward pass: the slot is overwritten by a later block
                 hooks = saved_tensors_hooks(self._refuse_slot_tensor(group), _unpack_saved)
@@ -544,6 +555,8 @@ def guard_forward(module: torch.nn.Module, manager: HookManager) -> None:
         with manager.lock:
             try:
                 return hooked(*args, **kwargs)
+            except CaptureRefused:
+                raise
             except BaseException:
                 manager.recover()
                 raise

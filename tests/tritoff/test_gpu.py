@@ -558,3 +558,26 @@ def test_the_default_budget_leaves_headroom_and_runs():
     assert engine.options.budget <= default_budget(free) < free - 500 * 2**20
     with torch.no_grad():
         assert torch.equal(model(x), expected)
+
+
+def test_cuda_graph_capture_over_streamed_blocks_is_refused_and_the_engine_goes_on():
+    """Under torch.cuda.graph() the first hook refuses before it queues anything (recovery would queue work on the
+    capturing stream, an error there); the engine then runs as before."""
+
+    def heavy():
+        torch.manual_seed(0)
+        return realistic_init(Heavy(n=4, width=256)).to(torch.bfloat16).eval()
+
+    model, reference = heavy(), dequantize_in_place(heavy()).cuda()
+    x = torch.randn(8, 256, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(tritoff.BudgetError) as info:
+        tritoff.enable(model, mode="group", budget=1, reserve=2**16, progress=False)
+    engine = tritoff.enable(model, mode="group", budget=info.value.minimum, reserve=2**16, progress=False)
+    assert engine.plan.tier_counts("model")["stream"] > 0
+    with torch.no_grad():
+        expected = model(x)
+        assert torch.equal(expected, reference(x))
+        with pytest.raises(RuntimeError, match="which a CUDA graph cannot capture"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                model(x)
+        assert torch.equal(model(x), expected)

@@ -257,10 +257,21 @@ def test_cuda_graph_capture_over_streamed_blocks_is_refused():
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     model = _stack()
     engine = _enable(model, _minimum(_stack()))
-    engine.manager.capturing = lambda: True  # what torch.cuda.graph() makes the current stream report
-    with torch.no_grad(), pytest.raises(RuntimeError, match="a CUDA graph cannot capture") as info:
-        model(x)
-    assert "\n" not in str(info.value)
+    with torch.no_grad():
+        expected = model(x)
+    manager = engine.manager
+    recovered = []
+    manager.recover = lambda: recovered.append(True)  # it would queue work on the capturing stream
+    manager.capturing = lambda: True  # what torch.cuda.graph() makes the current stream report
+    inflight = list(manager.inflight)
+    for call in (lambda: model(x), lambda: model.blocks[2](torch.randn(4, 64, dtype=torch.bfloat16))):
+        with torch.no_grad(), pytest.raises(RuntimeError, match="a CUDA graph cannot capture") as info:
+            call()  # refused by the component's hook first, or by a streamed block called on its own
+        assert "\n" not in str(info.value) and not recovered  # refused before anything changed
+        assert list(manager.inflight) == inflight and manager.components["model"].active == 0
+    del manager.capturing, manager.recover
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
 
 
 def test_capture_is_checked_on_the_engines_device_not_the_current_one(monkeypatch):
