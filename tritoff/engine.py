@@ -664,7 +664,8 @@ def enable(
                 f"skip={before[2]} and the original weights were released; reload the pipeline to change them"
             )
     # re-planning keeps the packs; switching to or from leaf groups re-packs, which is exact: quantizing a
-    # dequantized pow2-scaled row gives back the same scale and codes
+    # dequantized pow2-scaled row gives back the same values (its scale may halve and its codes double, where the
+    # row's largest value had rounded up to a power of two times the format's largest)
     reuse = previous is not None and (previous.options.mode == "leaf") == (options.mode == "leaf") and store is None
     if previous is not None and options.host_budget != previous.options.host_budget:
         raise ValueError(

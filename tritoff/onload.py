@@ -30,13 +30,22 @@ def placeholder(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     """A tensor of ``shape`` that costs nothing: a zero-stride view of one shared scalar.
 
     Code that reads a parameter's shape, dtype or device (diffusers and peft do when loading adapters) sees the real
-    ones; writing into it raises (its elements overlap), so an in-place update never lands on it silently."""
+    ones; writing into it raises (its elements overlap), and a fill, which overlap does not stop, is refused at the
+    next forward (:meth:`GroupRuntime.check_writes`), so an in-place update never lands on it silently."""
     device = torch.device(device)
     key = (dtype, device)
     if key not in _SCALARS:
         fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
         _SCALARS[key] = torch.full((), fill, dtype=dtype, device=device)
     return _SCALARS[key].expand(tuple(shape))
+
+
+def reset_placeholders() -> None:
+    """Give the scalars behind every placeholder their value back (an in-place ``fill_`` or ``zero_``, which overlap
+    does not stop, wrote into one)."""
+    with torch.no_grad():
+        for (dtype, _), scalar in _SCALARS.items():
+            scalar.fill_(float("nan") if dtype.is_floating_point or dtype.is_complex else 0)
 
 
 def is_placeholder(tensor: torch.Tensor) -> bool:
@@ -119,6 +128,9 @@ class GroupRuntime:
         self._build_tables()
         # shapes from the layout: the parameters themselves were emptied when their group was packed
         self.placeholders = [placeholder(e.shape, e.dtype, device) for e in self.layout.entries]
+        # each parameter's count of in-place writes: one made after enable (nn.init, fill_) landed on a placeholder
+        # or a resident buffer, not in the packs, and is refused at the next forward
+        self.versions = [p._version for p in params]
         # (owner's parameter dict, key, the group's own parameter), flat: a tied parameter has one per place
         self.homes = [(owner, key, param) for param, places in zip(params, homes, strict=True) for owner, key in places]
         self._home_index = tuple(i for i, places in enumerate(homes) for _ in places)
@@ -182,6 +194,7 @@ class GroupRuntime:
 
     def bind_slot(self, slot_params: list[torch.nn.Parameter]) -> None:
         """Put ``slot_params`` (from :meth:`slot_parameters`) in the modules for one forward."""
+        self.check_writes()
         self._bound = slot_params  # first: whatever interrupts the loop part way, release() undoes what it stored
         for (owner, key, param), bound in zip(self.homes, slot_params, strict=True):
             if owner.get(key) is not param:
@@ -199,10 +212,24 @@ class GroupRuntime:
 
     def check_homes(self) -> None:
         """Refuse a parameter replaced after enable (``module.weight = ...``, ``load_state_dict(assign=True)``, ``del
-        module.weight``): the module would compute with it while tritoff holds the weight."""
+        module.weight``), or written in place (:meth:`check_writes`): the module would compute with it while tritoff
+        holds the weight."""
         for owner, key, param in self.homes:
             if owner.get(key) is not param:
                 raise self._replaced(owner, key)
+        self.check_writes()
+
+    def check_writes(self) -> None:
+        """Refuse a parameter written in place after enable (``fill_``, ``nn.init.constant_``): the write landed on
+        its placeholder (whose scalar is put back) or its resident buffer, never in the packs it is loaded from."""
+        if [p._version for p in self.params] != self.versions:
+            index = next(i for i, p in enumerate(self.params) if p._version != self.versions[i])
+            reset_placeholders()
+            raise RuntimeError(
+                f"{self.component}.{self.layout.entries[index].name} was written in place after tritoff.enable; its "
+                "weights live in tritoff's packs, which the write did not change: call tritoff.disable first, change "
+                "it, then enable again"
+            )
 
     def _replaced(self, owner: dict, key: str) -> RuntimeError:
         place = next(i for i, (o, k, _) in enumerate(self.homes) if o is owner and k == key)

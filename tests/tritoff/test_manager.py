@@ -541,6 +541,27 @@ def test_a_resident_block_called_on_its_own_refuses_a_replaced_parameter():
     assert torch.equal(block(hidden), expected)
 
 
+@pytest.mark.parametrize("budget", ["streamed", "resident"])
+def test_a_parameter_written_in_place_after_enable_is_refused(budget):
+    """``nn.init`` or ``fill_`` on a managed weight writes its placeholder's shared scalar (overlap stops most in-place
+    writes, not fills) or a resident buffer, never the packs: the next forward refuses it, the scalar is put back,
+    and disable gives the packed weights back."""
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    expected = _output(dequantize_in_place(_stack()), x)
+    model = _stack()
+    engine = _enable(model, _minimum(_stack()) if budget == "streamed" else "1GB")
+    assert engine.plan.tier_counts("model")["stream" if budget == "streamed" else "bf16"] == 5
+    assert torch.equal(_output(model, x), expected)
+    with torch.no_grad():
+        nn.init.constant_(model.blocks[2][0].weight, 1.0)
+    with pytest.raises(RuntimeError, match=r"^model\.blocks\.2\.0\.weight was written in place after tritoff"):
+        _output(model, x)
+    if budget == "streamed":
+        assert model.blocks[2][2].weight.isnan().all()  # the scalar its placeholder shares holds NaN again
+    tritoff.disable(model)
+    assert torch.equal(_output(model, x), expected)
+
+
 def test_a_deleted_parameter_is_refused_and_an_interrupted_bind_is_undone(monkeypatch):
     from tritoff.slots import SlotRing
 
