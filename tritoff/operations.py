@@ -79,6 +79,8 @@ def install(target, components: dict, device: torch.device, blocks=()) -> None:
         for sub_name, sub in module.named_modules():  # any submodule may be moved or cast on its own
             if "_apply" not in sub.__dict__:
                 sub._apply = _guarded_apply(sub, f"{name}.{sub_name}" if sub_name else name, device)
+        # or copied or pickled on its own: its copy would hold placeholders (and could not pickle the guard above)
+        refuse(list(module.modules()), {"__reduce_ex__": REFUSED["__reduce_ex__"]})
         inside = {id(m) for m in module.modules()}
         if "compile" not in module.__dict__ and any(id(b) in inside for b in blocks):
             module.compile = _compile_around_hooks(module, name)

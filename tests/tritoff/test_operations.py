@@ -72,6 +72,9 @@ def test_copying_or_pickling_an_enabled_component_is_refused(enabled):
         lambda: pickle.dumps(pipe.text_encoder),
         lambda: torch.save(pipe.transformer, io.BytesIO()),
         lambda: copy.deepcopy(pipe),  # through its components
+        lambda: pickle.dumps(pipe.transformer.blocks[1]),  # a block, a layer: their copies would hold placeholders
+        lambda: torch.save(pipe.transformer.blocks[0].ffn, io.BytesIO()),
+        lambda: copy.deepcopy(pipe.transformer.proj_out),
     ):
         with pytest.raises(RuntimeError, match=r"^copying or pickling .*: the weights live in tritoff's packs"):
             attempt()
@@ -84,7 +87,8 @@ def test_disable_gives_the_operations_back():
     tritoff.disable(pipe)
     shadowed = ("to", "_apply", "enable_model_cpu_offload", "remove_all_hooks", "fuse_qkv_projections", "compile")
     shadowed += ("__reduce_ex__",)
-    for obj in (pipe, *[m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]):
+    modules = [m for c in pipe.components.values() if isinstance(c, torch.nn.Module) for m in c.modules()]
+    for obj in (pipe, *modules):
         assert not any(name in vars(obj) for name in shadowed), obj
     assert not any("compile" in vars(b) for b in pipe.transformer.blocks)
     pipe.to(torch.float32)
