@@ -15,6 +15,8 @@ methods; :func:`remove` gives the originals back):
 - ``save_pretrained``: refused, since it would write placeholders as weights; ``Engine.save`` writes the packs;
 - copying and pickling (``copy.deepcopy``, ``pickle``, ``torch.save`` of a module, all through ``__reduce_ex__``):
   refused, since the copy would hold placeholders and share the original's hooks;
+- ``component.load_state_dict(...)`` naming a managed weight: refused, since it would write into placeholders (or,
+  with ``assign=True``, replace weights tritoff holds); one naming only other tensors (peft's adapter weights) works;
 - ``block.compile(...)`` on a streamed or fp8-resident block (what diffusers' ``compile_repeated_blocks`` calls):
   compiles the block's own forward, inside tritoff's hooks rather than around them, so ``fullgraph=True`` works and
   binding the block's weights to a slot is never traced. ``component.compile(fullgraph=True)`` on a component
@@ -81,6 +83,8 @@ def install(target, components: dict, device: torch.device, blocks=()) -> None:
                 sub._apply = _guarded_apply(sub, f"{name}.{sub_name}" if sub_name else name, device)
         # or copied or pickled on its own: its copy would hold placeholders (and could not pickle the guard above)
         refuse(list(module.modules()), {"__reduce_ex__": REFUSED["__reduce_ex__"]})
+        if "load_state_dict" not in module.__dict__:
+            module.load_state_dict = _guarded_load_state_dict(module, name)
         inside = {id(m) for m in module.modules()}
         if "compile" not in module.__dict__ and any(id(b) in inside for b in blocks):
             module.compile = _compile_around_hooks(module, name)
@@ -93,7 +97,7 @@ def remove(target, components: dict, blocks=(), also=()) -> None:
     ``also`` that :func:`refuse` shadowed."""
     subs = [sub for module in components.values() for sub in module.modules()]
     for obj in (target, *components.values(), *blocks, *subs):
-        for name in (*REFUSED, "_apply", "to", "compile", *also):
+        for name in (*REFUSED, "_apply", "to", "compile", "load_state_dict", *also):
             if getattr(obj.__dict__.get(name), "_tritoff", False):
                 delattr(obj, name)
 
@@ -183,6 +187,30 @@ def _guarded_apply(module: torch.nn.Module, component: str, device: torch.device
 
     _apply._tritoff = True
     return _apply
+
+
+def _guarded_load_state_dict(module: torch.nn.Module, component: str):
+    """``module.load_state_dict``, refusing a state dict that names a weight tritoff manages (adapter weights pass)."""
+    from tritoff.adapters import named_parameters
+
+    original = module.load_state_dict
+
+    @functools.wraps(original)
+    def load_state_dict(state_dict, *args, **kwargs):
+        # every name of a managed weight: before adapters, and as the module names it now (tied, in a tuner layer)
+        own = dict(named_parameters(module))
+        ids = {id(p) for p in own.values()}
+        managed = {*own, *(n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in ids)}
+        hit = next((key for key in state_dict if key in managed), None)
+        if hit is not None:
+            raise RuntimeError(
+                f"load_state_dict naming {component}.{hit}: the weights live in tritoff's packs, not in the modules; "
+                f"{DISABLE_FIRST}, load the weights, then enable again"
+            )
+        return original(state_dict, *args, **kwargs)
+
+    load_state_dict._tritoff = True
+    return load_state_dict
 
 
 def _guarded_to(pipe, components: dict, device: torch.device):

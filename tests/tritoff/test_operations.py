@@ -81,12 +81,22 @@ def test_copying_or_pickling_an_enabled_component_is_refused(enabled):
     assert torch.equal(run(pipe, LATENTS), before)
 
 
+def test_loading_a_state_dict_into_managed_weights_is_refused_and_adapter_weights_load(enabled):
+    pipe, before = enabled
+    state = {"blocks.0.ffn.net.0.proj.weight": torch.zeros(1)}
+    for kwargs in ({}, {"assign": True}, {"strict": False}):
+        with pytest.raises(RuntimeError, match=r"^load_state_dict naming transformer\.blocks\.0\.ffn\.net\.0\.proj\.w"):
+            pipe.transformer.load_state_dict(state, **kwargs)
+    assert pipe.transformer.load_state_dict({}, strict=False) is not None  # nothing managed named: torch's own
+    assert torch.equal(run(pipe, LATENTS), before)
+
+
 def test_disable_gives_the_operations_back():
     pipe = wan()
     tritoff.enable(pipe, mode="group", budget="4MB", progress=False, kernels="reference")
     tritoff.disable(pipe)
     shadowed = ("to", "_apply", "enable_model_cpu_offload", "remove_all_hooks", "fuse_qkv_projections", "compile")
-    shadowed += ("__reduce_ex__",)
+    shadowed += ("__reduce_ex__", "load_state_dict")
     modules = [m for c in pipe.components.values() if isinstance(c, torch.nn.Module) for m in c.modules()]
     for obj in (pipe, *modules):
         assert not any(name in vars(obj) for name in shadowed), obj
