@@ -673,9 +673,10 @@ def _interrupted_exit() -> int:
     return EXIT_INTERRUPTED
 
 
-class _Stdout:
-    """``sys.stdout`` during a command: once its reader is gone (``tritoff run ... | head -1``), the rest of the
-    output is dropped and the command goes on, since what it writes to disk is its result."""
+class _Output:
+    """``sys.stdout`` or ``sys.stderr`` during a command: once its reader is gone (``tritoff run ... | head -1``,
+    ``2>&1 | head -1``), the rest of what goes there is dropped and the command goes on, since what it writes to disk
+    is its result."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -720,9 +721,9 @@ def main(argv: list[str] | None = None) -> int:
     global _interrupted
     _interrupted = False
     args = build_parser().parse_args(argv)
-    stdout, format_warning, previous = sys.stdout, warnings.formatwarning, {}
+    stdout, stderr, format_warning, previous = sys.stdout, sys.stderr, warnings.formatwarning, {}
     try:
-        sys.stdout, warnings.formatwarning = _Stdout(stdout), _format_warning
+        sys.stdout, sys.stderr, warnings.formatwarning = _Output(stdout), _Output(stderr), _format_warning
         previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGINT)}
         code = args.func(args)
         # a signal whose KeyboardInterrupt landed in a finalizer (Python prints it there and carries on) still ends
@@ -730,6 +731,9 @@ def main(argv: list[str] | None = None) -> int:
         return _interrupted_exit() if _interrupted else code
     except KeyboardInterrupt:
         return _interrupted_exit()
+    except Warning as err:  # a warning made an error (python -W error)
+        print(f"tritoff: error: {_one_line(err)} (a warning, made an error by -W error)", file=sys.stderr)
+        return 1
     except (CliError, ValueError, OSError) as err:
         if _interrupted:
             return _interrupted_exit()
@@ -741,8 +745,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        sys.stdout.flush()  # through the wrapper: a reader gone leaves nothing for the interpreter's flush at exit
-        sys.stdout, warnings.formatwarning = stdout, format_warning
+        sys.stdout.flush()  # through the wrappers: a reader gone leaves nothing for the interpreter's flush at exit
+        sys.stderr.flush()
+        sys.stdout, sys.stderr, warnings.formatwarning = stdout, stderr, format_warning
 
 
 def entry() -> None:

@@ -201,14 +201,36 @@ def test_info_shows_the_transport():
     assert [line for line in out.splitlines() if line.split()[:1] == ["transport"]]
 
 
-def test_a_reader_gone_from_stdout_costs_nothing():
-    """``tritoff ... | head -1``: the output the reader no longer takes is dropped, the command ends as it would."""
+def test_a_reader_gone_from_stdout_or_stderr_costs_nothing():
+    """``tritoff ... | head -1``, ``2>&1 | head -1``: the output the reader no longer takes is dropped, the command
+    ends as it would."""
     child = subprocess.Popen(
         [sys.executable, "-m", "tritoff", "info"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     child.stdout.close()
     err = child.stderr.read()
     assert child.wait() == 0 and err == ""
+    child = subprocess.Popen(  # an error printed to a closed stderr: still exit 2, and no traceback printed anywhere
+        [sys.executable, "-m", "tritoff", "plan", "no-such-model"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    child.stderr.close()
+    out = child.stdout.read()
+    assert child.wait() == 2 and out == b""
+
+
+def test_a_warning_made_an_error_is_one_line(monkeypatch, capsys):
+    """``python -W error``: a warning tritoff raises ends the command in one line, not a traceback."""
+    import warnings
+
+    from tritoff import cli
+    from tritoff.warn import warn
+
+    monkeypatch.setattr(cli, "_cmd_info", lambda args: warn("spilling to a tmpfs saves no memory") or 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cli.main(["info"]) == 1
+    expected = "tritoff: error: spilling to a tmpfs saves no memory (a warning, made an error by -W error)\n"
+    assert capsys.readouterr().err == expected
 
 
 def test_tritoffs_warnings_print_in_one_line_and_others_as_python_prints_them(capsys):
