@@ -155,8 +155,15 @@ def _load_directory(path: Path) -> tuple[str, dict[str, nn.Module], str]:
         library, class_name = spec if isinstance(spec, list) and len(spec) == 2 else (None, None)
         if name.startswith("_") or library not in ("diffusers", "transformers"):
             continue
+        if not isinstance(class_name, str):
+            raise ValueError(f"{index_file} names no class for {name} ({spec!r}): give a diffusers pipeline directory")
         module = __import__(library, fromlist=[class_name])
         cls = getattr(module, class_name, None)
+        if cls is None:
+            raise ValueError(
+                f"{index_file}: {name} is a {library}.{class_name}, which {library} {module.__version__} does not "
+                f"have: upgrade {library}"
+            )
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):  # a scheduler, a tokenizer: no weights
             continue
         if not (path / name / "config.json").is_file():
