@@ -21,7 +21,7 @@ from tritoff.groups import REST, Group, block_groups, is_block, is_host, leaf_gr
 from tritoff.host_lookup import HostLookupHook, host_views
 from tritoff.host_plan import hold_plan
 from tritoff.manager import ComponentHook, ComponentRuntime, GroupHook, HookManager, guard_forward
-from tritoff.onload import GroupRuntime, parameter_homes, placeholder, table_bytes
+from tritoff.onload import GroupRuntime, parameter_homes, placeholder, reset_placeholders, table_bytes
 from tritoff.packer import (
     PackedModel,
     hold_packs,
@@ -949,6 +949,7 @@ def disable(target, device: str | torch.device | None = None) -> None:
         raise
     lora.detach(engine, unwrap=True)
     delattr(target, ENGINE_ATTR)
+    reset_placeholders()  # a fill into one of this engine's placeholders no forward refused
 
 
 __all__ = ["Engine", "disable", "enable", "format_bytes"]

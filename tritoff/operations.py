@@ -15,8 +15,9 @@ methods; :func:`remove` gives the originals back):
 - ``save_pretrained``: refused, since it would write placeholders as weights; ``Engine.save`` writes the packs;
 - copying and pickling (``copy.deepcopy``, ``pickle``, ``torch.save`` of a module, all through ``__reduce_ex__``):
   refused, since the copy would hold placeholders and share the original's hooks;
-- ``component.load_state_dict(...)`` naming a managed weight: refused, since it would write into placeholders (or,
-  with ``assign=True``, replace weights tritoff holds); one naming only other tensors (peft's adapter weights) works;
+- ``load_state_dict(...)`` of a component or any of its submodules naming a managed weight: refused, since it would
+  write into placeholders (or, with ``assign=True``, replace weights tritoff holds); one naming only other tensors
+  (peft's adapter weights) works;
 - ``block.compile(...)`` on a streamed or fp8-resident block (what diffusers' ``compile_repeated_blocks`` calls):
   compiles the block's own forward, inside tritoff's hooks rather than around them, so ``fullgraph=True`` works and
   binding the block's weights to a slot is never traced. ``component.compile(fullgraph=True)`` on a component
@@ -78,13 +79,14 @@ def install(target, components: dict, device: torch.device, blocks=()) -> None:
         install_block(block)
     refuse((target, *components.values()), REFUSED)
     for name, module in components.items():
-        for sub_name, sub in module.named_modules():  # any submodule may be moved or cast on its own
+        for sub_name, sub in module.named_modules():  # any submodule may be moved, cast or loaded on its own
+            where = f"{name}.{sub_name}" if sub_name else name
             if "_apply" not in sub.__dict__:
-                sub._apply = _guarded_apply(sub, f"{name}.{sub_name}" if sub_name else name, device)
-        # or copied or pickled on its own: its copy would hold placeholders (and could not pickle the guard above)
+                sub._apply = _guarded_apply(sub, where, device)
+            if "load_state_dict" not in sub.__dict__:
+                sub.load_state_dict = _guarded_load_state_dict(sub, where)
+        # or copied or pickled on its own: its copy would hold placeholders (and could not pickle the guards above)
         refuse(list(module.modules()), {"__reduce_ex__": REFUSED["__reduce_ex__"]})
-        if "load_state_dict" not in module.__dict__:
-            module.load_state_dict = _guarded_load_state_dict(module, name)
         inside = {id(m) for m in module.modules()}
         if "compile" not in module.__dict__ and any(id(b) in inside for b in blocks):
             module.compile = _compile_around_hooks(module, name)

@@ -514,12 +514,14 @@ def test_a_resident_parameter_replaced_after_enable_is_refused():
     with pytest.raises(RuntimeError, match=r"^model\.head\.weight was replaced or deleted after tritoff\.enable"):
         _output(model, x)
     model.head.weight = own
-    model.blocks[3][0].load_state_dict(
-        {"weight": torch.randn(64, 64, dtype=torch.bfloat16), "bias": torch.randn(64, dtype=torch.bfloat16)},
-        assign=True,
-    )
-    with pytest.raises(RuntimeError, match=r"^model\.blocks\.3\.0\.weight was replaced"):
-        _output(model, x)
+    weight = model.blocks[3][0].weight
+    with pytest.raises(RuntimeError, match=r"^load_state_dict naming model\.blocks\.3\.0\.weight: the weights live"):
+        model.blocks[3][0].load_state_dict(
+            {"weight": torch.randn(64, 64, dtype=torch.bfloat16), "bias": torch.randn(64, dtype=torch.bfloat16)},
+            assign=True,
+        )  # refused before it replaces anything
+    assert model.blocks[3][0].weight is weight
+    _output(model, x)
 
 
 def test_a_resident_block_called_on_its_own_refuses_a_replaced_parameter():
@@ -560,6 +562,19 @@ def test_a_parameter_written_in_place_after_enable_is_refused(budget):
         assert model.blocks[2][2].weight.isnan().all()  # the scalar its placeholder shares holds NaN again
     tritoff.disable(model)
     assert torch.equal(_output(model, x), expected)
+
+
+def test_disable_puts_back_a_placeholder_scalar_a_fill_wrote_and_no_forward_refused():
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    other, model = _stack(), _stack()
+    _enable(other, _minimum(_stack()))
+    _enable(model, _minimum(_stack()))
+    with torch.no_grad():
+        model.blocks[0][0].weight.fill_(1.0)  # the scalar behind every bf16 placeholder, in both engines
+    assert not other.blocks[0][0].weight.isnan().any()
+    tritoff.disable(model)
+    assert other.blocks[0][0].weight.isnan().all()
+    assert torch.equal(_output(model, x), _output(dequantize_in_place(_stack()), x))
 
 
 def test_a_deleted_parameter_is_refused_and_an_interrupted_bind_is_undone(monkeypatch):

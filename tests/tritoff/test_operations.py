@@ -87,6 +87,8 @@ def test_loading_a_state_dict_into_managed_weights_is_refused_and_adapter_weight
     for kwargs in ({}, {"assign": True}, {"strict": False}):
         with pytest.raises(RuntimeError, match=r"^load_state_dict naming transformer\.blocks\.0\.ffn\.net\.0\.proj\.w"):
             pipe.transformer.load_state_dict(state, **kwargs)
+    with pytest.raises(RuntimeError, match=r"^load_state_dict naming transformer\.blocks\.1\.attn1\.to_q\.weight"):
+        pipe.transformer.blocks[1].load_state_dict({"attn1.to_q.weight": torch.zeros(1)}, strict=False)
     assert pipe.transformer.load_state_dict({}, strict=False) is not None  # nothing managed named: torch's own
     assert torch.equal(run(pipe, LATENTS), before)
 
