@@ -240,6 +240,10 @@ def plan(
             b += 1
         return b
 
+    def reserve_at(b: int) -> int:
+        """The reserve at budget ``b``, as the parts of a named budget add up to it."""
+        return reserve if reserve_fraction is None else int(b * reserve_fraction)
+
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
     staging = 2 * max(chunk_capacity(c, staged) for c in components)
@@ -260,7 +264,8 @@ def plan(
             raise BudgetError(
                 f"budget {format_bytes(budget)} is too small for {', '.join(modes)} moving whole{why}: it needs "
                 f"{format_bytes(units)} plus staging {format_bytes(staging)}, buffers and tables {format_bytes(fixed)} "
-                f"and a {format_bytes(reserve)} activation reserve; use a budget of at least {format_bytes(need)}"
+                f"and a {format_bytes(reserve_at(need))} activation reserve; use a budget of at least "
+                f"{format_bytes(need)}"
                 + (", or mode='group'" if mode == "model" and any(c.blocks for c in components) else ""),
                 need,
             )
@@ -275,14 +280,15 @@ def plan(
         if resident_need is not None and resident_need < smallest(minimum):
             raise BudgetError(
                 f"budget {format_bytes(budget)} is too small: the smallest that works is "
-                f"{format_bytes(resident_need)} (everything resident, activation reserve {format_bytes(reserve)})",
+                f"{format_bytes(resident_need)} (everything resident, activation reserve "
+                f"{format_bytes(reserve_at(resident_need))})",
                 resident_need,
             )
         raise BudgetError(
             f"budget {format_bytes(budget)} is too small: the smallest that works is {format_bytes(smallest(minimum))} "
             f"({slots} ring slots of {format_bytes(slot_bytes)}, staging {format_bytes(staging)}, units "
             f"{format_bytes(units)}, buffers and tables {format_bytes(fixed)}, activation reserve "
-            f"{format_bytes(reserve)}); {_advice(mode, depth)}",
+            f"{format_bytes(reserve_at(smallest(minimum)))}); {_advice(mode, depth)}",
             smallest(minimum),
         )
     spare = budget - minimum

@@ -149,11 +149,15 @@ def _header_hash(path: Path, data_offset: int) -> str:
         return xxhash.xxh3_128_hexdigest(f.read(data_offset))
 
 
+def _require_file(path: Path) -> None:
+    if not path.is_file():
+        raise StoreError(f"{path} is {'not a file' if path.exists() else 'missing'}; {RECREATE}")
+
+
 def _verify_file(path: Path, info: dict, progress=None, full: bool = False) -> None:
     """Refuse ``path`` unless its size and hash are the ones the index records. A format-4 file is checked by its
     header's hash unless ``full``: its packs carry their own hashes, checked when each is read."""
-    if not path.is_file():
-        raise StoreError(f"{path} is missing; {RECREATE}")
+    _require_file(path)
     size = path.stat().st_size
     if size != info["size"]:
         raise StoreError(f"{path} is truncated or altered ({size} bytes, the index records {info['size']}); {RECREATE}")
@@ -520,8 +524,7 @@ def component_storages(index: dict) -> dict[str, str]:
 
 
 def _read_meta(path: Path) -> dict:
-    if not path.is_file():
-        raise StoreError(f"{path} is missing; {RECREATE}")
+    _require_file(path)
     try:
         with open(path, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))

@@ -238,6 +238,10 @@ def test_the_minimum_budget_named_works_and_one_byte_less_does_not(mode, reserve
     with pytest.raises(BudgetError) as info:  # a percentage of a budget of one byte is less than a byte
         _enable(stack(), budget=1, **options)
     assert info.value.minimum == minimum
+    if reserve == "25%":  # the breakdown's parts add up to the budget it names: the reserve is 25% of that one
+        from tritoff.budget import format_bytes
+
+        assert format_bytes(int(minimum * 0.25)) in str(info.value)
 
 
 def test_report_and_stats():

@@ -103,8 +103,12 @@ def test_truncated_missing_and_other_version_are_refused(copy, tmp_path):
     with pytest.raises(StoreError, match="truncated"):
         _enable(wan(), store=copy)
     (copy / "transformer.safetensors").unlink()
-    with pytest.raises(StoreError, match="missing"):
+    with pytest.raises(StoreError, match="transformer.safetensors is missing; recreate the store"):
         _enable(wan(), store=copy)
+    (copy / "transformer.safetensors").mkdir()
+    with pytest.raises(StoreError, match="transformer.safetensors is not a file; recreate the store"):
+        _enable(wan(), store=copy)
+    (copy / "transformer.safetensors").rmdir()
     index = json.loads((copy / INDEX).read_text())
     index["store_version"] = 1
     (copy / INDEX).write_text(json.dumps(index))
