@@ -679,7 +679,9 @@ class _Output:
     is its result."""
 
     def __init__(self, stream):
-        self.stream = stream
+        # a stream Python left as None (the process started with it closed: 2>&-) writes to /dev/null
+        self.owned = stream is None
+        self.stream = open(os.devnull, "w") if stream is None else stream  # noqa: SIM115 (closed by close())
 
     def write(self, text: str) -> int:
         try:
@@ -693,6 +695,12 @@ class _Output:
             self.stream.flush()
         except BrokenPipeError:
             self._drop()
+
+    def close(self) -> None:
+        """Flush, and close the /dev/null this wrapper opened in place of a missing stream."""
+        self.flush()
+        if self.owned:
+            self.stream.close()
 
     def _drop(self) -> None:
         # the descriptor itself goes to /dev/null: the interpreter's own flush at exit would fail again
@@ -745,8 +753,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        sys.stdout.flush()  # through the wrappers: a reader gone leaves nothing for the interpreter's flush at exit
-        sys.stderr.flush()
+        for output in (sys.stdout, sys.stderr):
+            if isinstance(output, _Output):  # through the wrappers: a reader gone leaves nothing for the exit's flush
+                output.close()
         sys.stdout, sys.stderr, warnings.formatwarning = stdout, stderr, format_warning
 
 

@@ -152,11 +152,17 @@ def _load_directory(path: Path) -> tuple[str, dict[str, nn.Module], str]:
         )
     components = {}
     for name, spec in index.items():
-        library, class_name = spec if isinstance(spec, list) and len(spec) == 2 else (None, None)
-        if name.startswith("_") or library not in ("diffusers", "transformers"):
-            continue
-        if not isinstance(class_name, str):
-            raise ValueError(f"{index_file} names no class for {name} ({spec!r}): give a diffusers pipeline directory")
+        if name.startswith("_") or not isinstance(spec, list) or spec == [None, None]:
+            continue  # a pipeline option (boundary_ratio), or an optional component left out
+        if len(spec) != 2 or not all(isinstance(part, str) and part for part in spec):
+            raise ValueError(
+                f"{index_file}: {name} is {spec!r}, not [library, class]: give a diffusers pipeline directory"
+            )
+        library, class_name = spec
+        if library not in ("diffusers", "transformers"):
+            raise ValueError(
+                f"{index_file}: {name} comes from {library}; tritoff plan builds diffusers and transformers models"
+            )
         module = __import__(library, fromlist=[class_name])
         cls = getattr(module, class_name, None)
         if cls is None:

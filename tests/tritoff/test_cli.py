@@ -216,6 +216,11 @@ def test_a_reader_gone_from_stdout_or_stderr_costs_nothing():
     child.stderr.close()
     out = child.stdout.read()
     assert child.wait() == 2 and out == b""
+    child = subprocess.Popen(  # started with stderr closed (2>&-): Python's sys.stderr is None
+        [sys.executable, "-m", "tritoff", "info"], stdout=subprocess.PIPE, preexec_fn=lambda: os.close(2)
+    )
+    out = child.stdout.read()
+    assert child.wait() == 0 and b"torch" in out
 
 
 def test_a_warning_made_an_error_is_one_line(monkeypatch, capsys):

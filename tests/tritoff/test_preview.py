@@ -90,9 +90,14 @@ def test_a_directory_missing_a_models_config_or_with_a_broken_index_is_refused(t
         ValueError, match=r"transformer is a diffusers\.WanTransformer3DModelX, which diffusers .* does"
     ):
         tritoff.plan(tmp_path / "pipe", "1GB")  # a class of a newer diffusers: not planned without it
-    (tmp_path / "pipe" / "model_index.json").write_text(json.dumps({**index, "transformer": ["diffusers", None]}))
-    with pytest.raises(ValueError, match=r"names no class for transformer \(\['diffusers', None\]\)"):
-        tritoff.plan(tmp_path / "pipe", "1GB")
+    for spec, message in [
+        (["diffusers", None], r"transformer is \['diffusers', None\], not \[library, class\]"),
+        (["diffusers", "WanTransformer3DModel", "x"], r"transformer is \['diffusers', .*, 'x'\], not \[library, cl"),
+        (["Diffusers", "WanTransformer3DModel"], r"transformer comes from Diffusers; tritoff plan builds diffusers"),
+    ]:
+        (tmp_path / "pipe" / "model_index.json").write_text(json.dumps({**index, "transformer": spec}))
+        with pytest.raises(ValueError, match=message):
+            tritoff.plan(tmp_path / "pipe", "1GB")
 
 
 def test_a_host_budget_smaller_than_the_packs_holds_what_enable_holds_and_reads_the_rest(tmp_path):
