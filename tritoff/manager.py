@@ -213,8 +213,9 @@ class HookManager:
     def component_pre(self, comp: ComponentRuntime, args, kwargs):
         """Before a component's forward (or encode/decode): plan its activations, enter its phase, start prefetching
         its first blocks."""
-        if any(g.tier in ("fp8", "stream") for g in comp.blocks):
-            self._refuse_capture(comp.blocks[0])
+        streamed = next((g for g in comp.blocks if g.tier in ("fp8", "stream")), None)
+        if streamed is not None:
+            self._refuse_capture(streamed)  # named by a block that streams, not one that may be resident
         if torch.is_grad_enabled():
             for g in comp.unit:
                 _check_frozen(g)

@@ -196,10 +196,16 @@ def read_entry(layout: PackLayout, data: torch.Tensor, e: PackEntry) -> torch.Te
     return (codes * scales[:, None]).to(e.dtype).view(e.shape)
 
 
-def unpack_reference(layout: PackLayout, data: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Dequantize a pack with plain PyTorch into fresh tensors (the oracle the kernels are compared with)."""
+def dequantize_bytes(layout: PackLayout, data: torch.Tensor) -> torch.Tensor:
+    """The pack ``data`` dequantized with plain PyTorch into one zero-filled buffer of ``layout.out_nbytes`` (the
+    gaps between tensors stay zero, so two buffers compare bit for bit)."""
     from tritoff.kernels.upcast import upcast_pack_reference
 
-    out = torch.empty(layout.out_nbytes, dtype=torch.uint8)
+    out = torch.zeros(layout.out_nbytes, dtype=torch.uint8)
     upcast_pack_reference(data, out, layout.table(), layout.out_dtype, layout.storage)
-    return {name: t.clone() for name, t in layout.views(out).items()}
+    return out
+
+
+def unpack_reference(layout: PackLayout, data: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Dequantize a pack with plain PyTorch into fresh tensors (the oracle the kernels are compared with)."""
+    return {name: t.clone() for name, t in layout.views(dequantize_bytes(layout, data)).items()}

@@ -17,7 +17,7 @@ from tritoff.arena import PAGE, HostArena, locks
 from tritoff.disk import PackFile
 from tritoff.formats import StorageFormat, check_granularity, get_format
 from tritoff.groups import Group, block_groups
-from tritoff.pack import PackLayout, TensorSpec, align, write_pack
+from tritoff.pack import PackLayout, TensorSpec, align, dequantize_bytes, write_pack
 from tritoff.skip import SkipRules
 
 
@@ -96,10 +96,7 @@ def release_params(group: Group) -> None:
 def dequantized(pack: Pack, device: torch.device) -> dict[str, torch.Tensor]:
     """The pack's tensors dequantized exactly (with the reference), each in a storage of its own on ``device``, by
     name: views of one shared buffer of mixed dtypes would not survive ``torch.save`` or pickling."""
-    from tritoff.kernels.upcast import upcast_pack_reference
-
-    out = torch.empty(pack.layout.out_nbytes, dtype=torch.uint8)
-    upcast_pack_reference(pack_bytes(pack), out, pack.layout.table(), pack.layout.out_dtype, pack.layout.storage)
+    out = dequantize_bytes(pack.layout, pack_bytes(pack))
     return {name: tensor.to(device, copy=True) for name, tensor in pack.layout.views(out).items()}
 
 

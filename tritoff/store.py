@@ -563,15 +563,10 @@ def check_weights(directory: str | Path, components: dict[str, nn.Module], packe
     are not checked."""
     import torch
 
-    from tritoff.kernels.upcast import KIND_FP8, upcast_pack_reference
+    from tritoff.kernels.upcast import KIND_FP8
     from tritoff.onload import is_placeholder
-    from tritoff.pack import write_pack
+    from tritoff.pack import dequantize_bytes, write_pack
     from tritoff.packer import _quantizer, pack_bytes
-
-    def values(layout, data: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(layout.out_nbytes, dtype=torch.uint8)
-        upcast_pack_reference(data, out, layout.table(), layout.out_dtype, layout.storage)
-        return out
 
     for name in components:
         model = packed[name]
@@ -590,7 +585,10 @@ def check_weights(directory: str | Path, components: dict[str, nn.Module], packe
                 pack.layout, data, {n: p.detach().cpu() for n, p in group.params}, _quantizer(torch.device("cpu"))
             )
         stored = pack_bytes(pack)
-        if not torch.equal(data, stored) and not torch.equal(values(pack.layout, data), values(pack.layout, stored)):
+        same = torch.equal(data, stored) or torch.equal(
+            dequantize_bytes(pack.layout, data), dequantize_bytes(pack.layout, stored)
+        )
+        if not same:
             raise StoreError(
                 f"{directory} was made from other weights than this pipeline's {name} ({name}.{group.name} differs): "
                 "load the weights the store was converted from, or convert this pipeline into a new store"
