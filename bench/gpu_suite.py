@@ -148,12 +148,16 @@ class Suite:
         where = subprocess.run(
             [sys.executable, "-c", probe], env=self.env, capture_output=True, text=True, cwd=self.tmp
         ).stdout.split()
-        ours = len(where) == 2 and [Path(w).parent for w in where] == [REPO / "tritoff", REPO / "kernels"]
+        ours = len(where) == 2 and [Path(w).resolve().parent for w in where] == [REPO / "tritoff", REPO / "kernels"]
         if not ours:  # tritoff.kernels maps to kernels/ only through an install
             self.say("installing tritoff from this checkout (pip install --no-deps --no-build-isolation -e .)")
-            self.run_quiet(
-                [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(REPO)]
-            )
+            cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(REPO)]
+            if not self.run_quiet(cmd, fatal=False):
+                # a build backend that cannot make editable installs (setuptools < 64, no wheel) must not cost the
+                # part: a finder gives the layout an install gives
+                self.say(f"the editable install failed (see the log): a finder in {SITE} maps tritoff to this checkout")
+                make_checkout_importable(SITE)
+                self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), self.env.get("PYTHONPATH")]))
         self.record["install_s"] = time.time() - started
         versions = subprocess.run(
             [sys.executable, "-c", f"import sys, json; sys.path.insert(0, {str(BENCH)!r}); "
@@ -167,12 +171,14 @@ class Suite:
         keys = ("device", "driver", "python", "torch", "triton", "transformers", "diffusers", "accelerate")
         self.say(" | ".join(f"{k} {env.get(k)}" for k in keys) + f" | setup {self.record['install_s']:.0f} s")
 
-    def run_quiet(self, cmd: list[str]) -> None:
+    def run_quiet(self, cmd: list[str], fatal: bool = True) -> bool:
+        """Run ``cmd``, its output to the log; on failure end the part (``fatal``) or return False."""
         done = subprocess.run(cmd, env=self.env, capture_output=True, text=True, cwd=REPO)
         self.log.write(done.stdout + done.stderr)
-        if done.returncode:
+        if done.returncode and fatal:
             self.say(done.stdout[-3000:] + done.stderr[-3000:])
             raise SystemExit(f"failed: {' '.join(cmd)}")
+        return done.returncode == 0
 
     # steps --------------------------------------------------------------------------------------------------------
     def step(self, name: str, cmd: list[str], until: float, quiet: bool = False) -> dict:
@@ -285,6 +291,33 @@ class Suite:
         bad = [s for s in self.record["steps"] if s.get("rc") not in (0, None) or s.get("timed_out")]
         failed_tests = [n for t in self.record.get("tests", {}).values() for n in t.get("failed", [])]
         return 1 if bad or failed_tests else 0
+
+
+SITECUSTOMIZE = """\
+import importlib.util
+import sys
+
+WHERE = {where!r}
+
+
+class TritoffCheckout:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name in WHERE:
+            init = WHERE[name] + "/__init__.py"
+            return importlib.util.spec_from_file_location(name, init, submodule_search_locations=[WHERE[name]])
+
+
+sys.meta_path.append(TritoffCheckout)
+"""
+
+
+def make_checkout_importable(site: Path) -> None:
+    """Make this checkout importable without a build backend, as an editable install does: a ``sitecustomize`` in
+    ``site`` (imported at the start of every Python with ``site`` on PYTHONPATH) adds a finder that maps ``tritoff``
+    to tritoff/ and ``tritoff.kernels`` to kernels/, and puts no top-level ``kernels`` on the path."""
+    where = {"tritoff": str(REPO / "tritoff"), "tritoff.kernels": str(REPO / "kernels")}
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(where=where))
 
 
 def _installed(name: str) -> str | None:

@@ -77,3 +77,29 @@ def test_the_suite_runs_from_any_directory(tmp_path, where):
         timeout=300,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("cwd", ["repository", "elsewhere"])
+def test_the_gpu_suites_fallback_without_a_build_backend_provides_tritoff_kernels(tmp_path, cwd):
+    # bench/gpu_suite.py falls back to this when `pip install -e .` fails on the GPU machine; run from the repository
+    # (as pytest's rootdir puts it first on the path), tritoff/ is found there and must still get kernels/
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from gpu_suite import make_checkout_importable
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    site = tmp_path / "site"
+    site.mkdir()
+    make_checkout_importable(site)
+    venv.EnvBuilder(with_pip=False).create(tmp_path / "env")  # no tritoff installed in it
+    # from the repository, its own kernels/ is on the path as the current directory, as with any install
+    probe = subprocess.run(
+        [str(tmp_path / "env" / "bin" / "python"), "-c", PROBE.rpartition(";")[0] if cwd == "repository" else PROBE],
+        cwd=ROOT if cwd == "repository" else tmp_path,
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.startswith("kernels") and "upcast.py" in probe.stdout

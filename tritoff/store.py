@@ -498,6 +498,8 @@ def _check_structure(index, path: Path) -> None:
 def read_index(directory: str | Path) -> dict:
     """The store's index, checked for its format version, its structure and its own hash."""
     path = Path(directory) / INDEX
+    if path.exists() and not path.is_file():
+        raise StoreError(f"{path} is not a file; {RECREATE}")
     if not path.is_file():
         raise StoreError(f"{directory} is not a tritoff store (no {INDEX}); create one with `tritoff convert`")
     try:

@@ -116,6 +116,9 @@ def test_truncated_missing_and_other_version_are_refused(copy, tmp_path):
         _enable(wan(), store=copy)
     with pytest.raises(StoreError, match="not a tritoff store"):
         _enable(wan(), store=tmp_path)
+    (tmp_path / INDEX).mkdir()
+    with pytest.raises(StoreError, match=f"{INDEX} is not a file; recreate the store"):
+        _enable(wan(), store=tmp_path)
 
 
 def test_storage_other_than_the_stores_is_refused(saved):
