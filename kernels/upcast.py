@@ -297,6 +297,25 @@ def upcast_pack_zero_copy(
     return _run(host, dst, table, n_programs, out_dtype, fmt, native, BLOCK_ZERO_COPY, programs)
 
 
+# elements the reference dequantizes at once: float32 copies of a whole weight (Wan-14B's largest has 70.8M elements)
+# would take hundreds of MB beside the buffers a budget counts
+REFERENCE_PIECE = 1 << 22
+
+
+def row_pieces(rows: int, row_len: int, piece: int | None = None):
+    """``(row slice, column slice)`` pieces covering a ``rows x row_len`` matrix of scaled rows in order, each of at
+    most ``piece`` elements (default :data:`REFERENCE_PIECE`): whole rows when they are shorter, else parts of one."""
+    piece = REFERENCE_PIECE if piece is None else piece
+    if row_len >= piece:
+        for r in range(rows):
+            for c in range(0, row_len, piece):
+                yield slice(r, r + 1), slice(c, c + piece)
+    elif row_len:
+        step = piece // row_len
+        for r in range(0, rows, step):
+            yield slice(r, r + step), slice(0, row_len)
+
+
 def upcast_pack_reference(
     src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, out_dtype: torch.dtype, fmt: StorageFormat
 ) -> torch.Tensor:
@@ -306,8 +325,9 @@ def upcast_pack_reference(
         if kind == KIND_COPY:
             dst[dst_off : dst_off + 4 * numel].copy_(src[src_off : src_off + 4 * numel])
             continue
-        out = dst[dst_off : dst_off + numel * out_size].view(out_dtype)
-        x = src[src_off : src_off + numel].view(fmt.dtype).to(torch.float32).view(-1, row_len)
+        out = dst[dst_off : dst_off + numel * out_size].view(out_dtype).view(-1, row_len)
+        x = src[src_off : src_off + numel].view(fmt.dtype).view(-1, row_len)
         scales = src[scale_off : scale_off + 4 * (numel // row_len)].view(torch.float32)
-        out.copy_((x * scales[:, None]).flatten())
+        for r, c in row_pieces(*x.shape):
+            out[r, c].copy_(x[r, c].to(torch.float32) * scales[r, None])
     return dst

@@ -61,6 +61,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # `-m on_device`: the tests that run on the GPU when there is one, through the fixture below
+        parametrized = getattr(item, "callspec", None) is not None and "device" in item.callspec.params
+        if "device" in getattr(item, "fixturenames", ()) and not parametrized:
+            item.add_marker(pytest.mark.on_device)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -761,6 +761,8 @@ def enable(
                     quantize_on=quantize_device(options.device),
                 )
                 snr.update({f"{name}.{k}": v for k, v in stats.items()})
+            if quantize_device(options.device).type == "cuda":
+                torch.cuda.empty_cache()  # quantizing's scratch: give it back before the budget's buffers are made
         except BaseException:
             # a full spill disk, Ctrl-C: components packed so far get their weights back from their packs (the one
             # being packed did so itself), and their flags

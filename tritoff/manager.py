@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 from tritoff.activations import MARGIN, estimate, meta_twin
 from tritoff.budget import format_bytes
 from tritoff.onload import GroupRuntime
-from tritoff.planner import BudgetError, PhasedPlan, Plan
+from tritoff.planner import BudgetError, PhasedPlan, Plan, fit_together
 from tritoff.residency import Residency
 from tritoff.slots import SlotRing, StallClock
 from tritoff.transfer import Transfer
@@ -42,8 +42,9 @@ from tritoff.warn import warn
 
 
 class CaptureRefused(RuntimeError):
-    """A CUDA graph capture of streamed blocks, refused before the hook changed anything: the call that raised it
-    needs no recovery (which would queue work on the capturing stream, itself an error there)."""
+    """A CUDA graph capture of memory tritoff reuses or frees (streamed blocks, a phase not uploaded yet or evicted
+    later, a re-plan), refused before the hook changed anything: the call that raised it needs no recovery (which
+    would queue work on the capturing stream, itself an error there)."""
 
 
 @dataclass
@@ -198,6 +199,11 @@ class HookManager:
             needed = max(needed or 0, int(comp.measured * MARGIN))
         if needed is None or needed == comp.plan.reserve or (key, needed) in comp.unplannable:
             return
+        if self.capturing():
+            raise CaptureRefused(
+                f"{comp.name} is re-planned for these input shapes, which a CUDA graph cannot capture; run one call "
+                "with them before capturing"
+            )
         try:
             new = self.replan(comp.name, needed)
         except BudgetError as err:
@@ -213,17 +219,16 @@ class HookManager:
     def component_pre(self, comp: ComponentRuntime, args, kwargs):
         """Before a component's forward (or encode/decode): plan its activations, enter its phase, start prefetching
         its first blocks."""
-        streamed = next((g for g in comp.blocks if g.tier in ("fp8", "stream")), None)
-        if streamed is not None:
-            self._refuse_capture(streamed)  # named by a block that streams, not one that may be resident
+        # named by a block that streams, not one that may be resident
+        self._refuse_capture(comp, next((g for g in comp.blocks if g.tier in ("fp8", "stream")), None))
         if torch.is_grad_enabled():
             for g in comp.unit:
                 _check_frozen(g)
         for g in comp.groups:  # a streamed block checks its own when it binds
             if g.tier not in ("fp8", "stream"):
                 g.check_homes()
+        self._plan_activations(comp, args, kwargs)  # may refuse a capture: before anything is counted or changed
         comp.stats.calls += 1
-        self._plan_activations(comp, args, kwargs)
         if comp.blocks:  # encode/decode run pre_forward only (diffusers' apply_forward_hook): never marked active
             comp.active += 1
         self.enter(comp)
@@ -308,11 +313,28 @@ class HookManager:
         with torch.cuda.device(self.device):  # the check reads the current device's stream
             return torch.cuda.is_current_stream_capturing()
 
-    def _refuse_capture(self, group: GroupRuntime) -> None:
-        if self.capturing():
+    def _refuse_capture(self, comp: ComponentRuntime, streamed: GroupRuntime | None = None) -> None:
+        """Under a CUDA graph capture, refuse (before anything changes) a call whose replays would read GPU memory
+        tritoff reuses or frees: a ``streamed`` block's slots, a phase not uploaded yet, or one evicted later."""
+        if not self.capturing():
+            return
+        if streamed is not None:
             raise CaptureRefused(
-                f"{group.component}.{group.name} streams through reused GPU slots, which a CUDA graph cannot capture; "
-                "capture without tritoff, or with a budget that keeps every block resident"
+                f"{streamed.component}.{streamed.name} streams through reused GPU slots, which a CUDA graph cannot "
+                "capture; capture without tritoff, or with a budget that keeps every block resident"
+            )
+        phases = [c.plan for c in self.components.values()]
+        reserves = {c.name: c.plan.reserve for c in self.components.values()}
+        if not fit_together(phases, self.residency.fixed, reserves, self.residency.budget):
+            raise CaptureRefused(
+                f"{comp.name} leaves the GPU whenever another component needs the room (the components do not fit "
+                "the budget together), and a CUDA graph would then read freed memory; capture with a budget that "
+                "fits every component, or without tritoff"
+            )
+        if not comp.loaded:
+            raise CaptureRefused(
+                f"{comp.name} is not on the GPU yet and a CUDA graph cannot capture its upload; run one call before "
+                "capturing (the usual warm-up)"
             )
 
     def _refuse_slot_tensor(self, group: GroupRuntime):
@@ -350,7 +372,9 @@ class HookManager:
         start = time.perf_counter_ns() - self.transfer_ns
         comp = self.components[group.component]
         if group.tier in ("fp8", "stream"):
-            self._refuse_capture(group)  # first: a block called on its own would otherwise load its phase
+            self._refuse_capture(comp, group)  # first: a block called on its own would otherwise load its phase
+        elif not comp.active:  # a resident block called on its own: its component's hook did not check
+            self._refuse_capture(comp)
         if torch.is_grad_enabled():
             _check_frozen(group)
         if not comp.loaded:  # a block called on its own, outside its component's forward

@@ -20,6 +20,7 @@ from tritoff.kernels.upcast import (
     PAD,
     TABLE_COLUMNS,
     chunk_starts,
+    row_pieces,
 )
 
 ALIGN = 256
@@ -176,14 +177,23 @@ def write_entry(
             raise ValueError(f"{e.name} contains NaN or Inf: fix or skip this weight before quantizing it")
         codes, scales = quantizer(t, layout.storage, layout.granularity)
         if snr is not None:
-            from tritoff.snr import snr_db
+            from tritoff.snr import CHUNK, snr_db_of_chunks
 
-            rows = codes.reshape(len(scales), -1).view(layout.storage.dtype).float() * scales[:, None]
-            snr[e.name] = snr_db(t.reshape(rows.shape).to(rows.device).float(), rows)
+            pieces = _dequantized_chunks(t, codes, scales, layout.storage.dtype, CHUNK)
+            snr[e.name] = snr_db_of_chunks(pieces)
         payload.copy_(codes.reshape(-1).cpu())
         data[e.scale_offset : e.scale_offset + 4 * e.num_scales].view(torch.float32).copy_(scales.cpu())
     else:
         payload.copy_(t.detach().to(e.dtype).reshape(-1).contiguous().view(torch.uint8).cpu())
+
+
+def _dequantized_chunks(t: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, piece: int):
+    """``(t, dequantized codes)`` in pieces of at most ``piece`` elements (:func:`row_pieces`), so measuring a
+    weight's SNR never holds a float copy of the whole weight."""
+    rows = codes.reshape(len(scales), -1).view(dtype)
+    ref = t.reshape(rows.shape)
+    for r, c in row_pieces(*rows.shape, piece=piece):
+        yield ref[r, c], rows[r, c].float() * scales[r, None]
 
 
 def read_entry(layout: PackLayout, data: torch.Tensor, e: PackEntry) -> torch.Tensor:

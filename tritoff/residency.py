@@ -99,6 +99,9 @@ def _free(comp, transfer: Transfer, ring: SlotRing | None) -> None:
     """Free the device memory of ``comp``'s phase (loaded, or part way through loading) once the compute stream has
     waited for every transfer queued into it (prefetched slots nobody consumed, uploads of an interrupted load)."""
     transfer.compute_waits()
+    # and the stream the buffers were allocated on, whose next allocations reuse their memory (the caller may run
+    # under another stream)
+    transfer.compute_waits(transfer.home_stream)
     for g in comp.groups:
         g.drop_device_state(keep_tables=True)
     if ring is not None:

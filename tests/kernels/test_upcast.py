@@ -4,10 +4,12 @@ import pytest
 import torch
 
 from tritoff.formats import get_format
+from tritoff.kernels import upcast as upcast_module
 from tritoff.kernels.quantize import quantize_reference
 from tritoff.kernels.upcast import (
     BLOCK,
     BLOCK_ZERO_COPY,
+    row_pieces,
     upcast_pack,
     upcast_pack_reference,
     upcast_pack_zero_copy,
@@ -230,3 +232,30 @@ def test_the_interpreter_refuses_out_of_bounds_accesses():
     short = torch.empty(layout.entries[-1].out_offset, dtype=torch.uint8)
     with pytest.raises(Exception, match="outside its arguments"):
         upcast_pack(data, short, layout.table(), layout.n_programs(), layout.out_dtype, E4M3)
+
+
+@pytest.mark.parametrize("rows,row_len,piece", [(7, 5, 12), (3, 10, 4), (4, 6, 6), (2, 0, 4), (0, 5, 4)])
+def test_row_pieces_cover_the_matrix_once_in_order(rows, row_len, piece):
+    seen = []
+    for r, c in row_pieces(rows, row_len, piece):
+        cells = [(i, j) for i in range(rows)[r] for j in range(row_len)[c]]
+        assert 0 < len(cells) <= piece
+        seen += cells
+    assert seen == [(i, j) for i in range(rows) for j in range(row_len)]
+
+
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+@pytest.mark.parametrize("piece", [5, 100, 1 << 22])  # parts of rows, whole rows, whole tensors
+def test_reference_dequantizes_in_pieces_exactly(monkeypatch, granularity, piece):
+    # the reference dequantizes a bounded number of elements at a time (on a GPU its temporaries are outside the
+    # budget): the pieces give the bytes the kernel gives
+    layout, data, _ = _build(MIXED, E4M3, granularity)
+    whole = upcast_pack_reference(data, poisoned(layout.out_nbytes, "cpu"), layout.table(), layout.out_dtype, E4M3)
+    monkeypatch.setattr(upcast_module, "REFERENCE_PIECE", piece)
+    pieces = upcast_pack_reference(data, poisoned(layout.out_nbytes, "cpu"), layout.table(), layout.out_dtype, E4M3)
+    assert torch.equal(pieces, whole)
+    out = poisoned(layout.out_nbytes, "cpu")
+    upcast_pack(data, out, layout.table(BLOCK), layout.n_programs(BLOCK), layout.out_dtype, E4M3, native=False)
+    kernel = layout.views(out)  # the kernel also writes zeros into padding, which no tensor views
+    for name, tensor in layout.views(pieces).items():
+        assert torch.equal(tensor, kernel[name]), name

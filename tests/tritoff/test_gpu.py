@@ -71,6 +71,25 @@ def test_budget_holds_and_transfers_hide_behind_compute():
     assert total["compute_wait_s"] < 0.1 * transfer_s, (total["compute_wait_s"], transfer_s)
 
 
+def test_enable_quantizes_on_the_gpu_in_bounded_scratch():
+    # packing quantizes each weight on the GPU and measures its SNR there: float copies of a whole weight (Wan-14B's
+    # largest has 70.8M elements) would take gigabytes beside the budget, where an 8 GB GPU has none to spare
+    from tritoff.snr import CHUNK
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8192, 8192), nn.Linear(8192, 8192)).to(torch.bfloat16).eval()  # on the host
+    budget, weight = 300 * 2**20, 8192 * 8192
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    engine = tritoff.enable(model, mode="group", budget=budget, progress=False)
+    assert engine.options.device.type == "cuda" and min(engine.snr.values()) > 25
+    # one weight's bf16 copy and its codes (3 bytes per element), and one piece of the SNR in float64 (4 buffers)
+    assert torch.cuda.max_memory_allocated() - base <= budget + 3 * weight + 4 * 8 * CHUNK
+    assert torch.cuda.memory_reserved() - reserved <= budget + 64 * 2**20  # the scratch was given back
+
+
 def test_registered_arena_and_real_fp8_kernels():
     from tritoff.formats import get_format
     from tritoff.kernels import native_fp8, quantize, quantize_reference
@@ -286,9 +305,11 @@ def test_memory_returns_to_baseline_after_enable_reenable_and_disable():
 
     from tritoff.onload import placeholder
 
-    # what stays allocated for the process once made, whichever test ran first: cuBLAS's workspace (its first matmul)
-    # and the scalar behind weight placeholders
-    torch.ones(64, 64, dtype=torch.bfloat16, device="cuda") @ torch.ones(64, 64, dtype=torch.bfloat16, device="cuda")
+    # what stays allocated for the process once made, whichever test ran first: cuBLAS's workspaces (its first
+    # matmul, and cuBLASLt's, which a Linear with a bias goes through) and the scalar behind weight placeholders
+    a = torch.ones(64, 64, dtype=torch.bfloat16, device="cuda")
+    a @ a
+    torch.nn.functional.linear(a, a, a[0])
     placeholder((1,), torch.bfloat16, torch.device("cuda", torch.cuda.current_device()))
     gc.collect()
     torch.cuda.synchronize()
@@ -581,3 +602,27 @@ def test_cuda_graph_capture_over_streamed_blocks_is_refused_and_the_engine_goes_
             with torch.cuda.graph(torch.cuda.CUDAGraph()):
                 model(x)
         assert torch.equal(model(x), expected)
+
+
+def test_a_cuda_graph_captures_a_resident_model_after_its_first_call():
+    """Every block resident and loaded: a capture (after the usual warm-up call) replays the engine's output; before
+    the warm-up, it is refused in one line."""
+    torch.manual_seed(0)
+    model = realistic_init(Heavy(n=4, width=256)).to(torch.bfloat16).eval()
+    x = torch.randn(8, 256, dtype=torch.bfloat16, device="cuda")
+    engine = tritoff.enable(model, mode="group", budget="1GB", reserve=2**20, progress=False)
+    assert engine.plan.tier_counts("model")["bf16"] == len(model.blocks)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="model is not on the GPU yet"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                model(x)
+        expected = model(x)  # the warm-up: uploads the blocks
+        with torch.cuda.graph(graph):
+            out = model(x)
+    graph.replay()
+    assert torch.equal(out, expected)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    with torch.no_grad():
+        assert torch.equal(out, model(x)) and not torch.equal(out, expected)

@@ -9,7 +9,7 @@ from tritoff.onload import is_placeholder
 from tritoff.planner import BudgetError
 from tritoff.tiny import realistic_init, tiny_umt5
 
-from .helpers import dequantize_in_place
+from .helpers import dequantize_in_place, run, wan
 
 pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
 
@@ -272,6 +272,60 @@ def test_cuda_graph_capture_over_streamed_blocks_is_refused():
     del manager.capturing, manager.recover
     with torch.no_grad():
         assert torch.equal(model(x), expected)
+
+
+def _capturing(engine, on: bool) -> None:
+    """Make ``engine`` see a CUDA graph capture (what torch.cuda.graph() makes the current stream report), or not."""
+    if on:
+        engine.manager.capturing = lambda: True
+    else:
+        del engine.manager.capturing
+
+
+def test_capture_of_a_resident_component_waits_for_its_first_call():
+    # a graph captured over the first call would replay its upload every time, into memory tritoff may have moved
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    model = _stack()
+    engine = _enable(model, 10**8)
+    assert engine.plan.tier_counts("model")["bf16"] == len(model.blocks)
+    _capturing(engine, True)
+    for call in (lambda: model(x), lambda: model.blocks[1](torch.randn(4, 64, dtype=torch.bfloat16))):
+        with pytest.raises(RuntimeError, match="model is not on the GPU yet .* run one call before capturing"):
+            call()
+    assert not engine.manager.components["model"].loaded
+    assert engine.stats["components"]["model"]["calls"] == 0  # refused before anything was counted
+    _capturing(engine, False)
+    expected = _output(model, x)
+    _capturing(engine, True)
+    assert torch.equal(_output(model, x), expected)  # loaded, every block resident: the capture goes on
+
+
+def test_capture_is_refused_where_the_components_do_not_fit_together():
+    # a phase evicted when another component runs would leave a graph reading freed memory
+    probe = tritoff.enable(wan(), mode="model", budget="50MB", reserve=10_000, progress=False, kernels="reference")
+    budget = probe.plan.phases["transformer"].planned_bytes + probe.plan.phases["vae"].need_bytes // 2
+    pipe = wan()
+    engine = tritoff.enable(pipe, mode="model", budget=budget, reserve=10_000, progress=False, kernels="reference")
+    assert not engine.manager.phased.together
+    run(pipe, num_inference_steps=1)
+    _capturing(engine, True)
+    with pytest.raises(RuntimeError, match="do not fit the budget together"):
+        run(pipe, num_inference_steps=1)
+
+
+def test_capture_of_a_call_that_would_be_re_planned_is_refused():
+    pipe = wan()
+    engine = tritoff.enable(pipe, mode="group", budget="8MB", progress=False, kernels="reference")  # auto reserve
+    expected = run(pipe)
+    _capturing(engine, True)
+    assert torch.equal(run(pipe), expected)  # shapes already planned for: captured as they are
+    replans = engine.stats["components"]["transformer"]["replans"]
+    with pytest.raises(RuntimeError, match="transformer is re-planned for these input shapes"):
+        run(pipe, height=32, width=32)
+    assert engine.stats["components"]["transformer"]["replans"] == replans
+    _capturing(engine, False)
+    run(pipe, height=32, width=32)
+    assert engine.stats["components"]["transformer"]["replans"] > replans
 
 
 def test_capture_is_checked_on_the_engines_device_not_the_current_one(monkeypatch):
