@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
@@ -15,8 +16,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def environment() -> dict:
     """Device name, driver and library versions, and the date: stored with every result."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **_machine()}
+
+
+@functools.cache
+def _machine() -> dict:
+    """What does not change while a process runs (read once: results are rewritten after every measurement, and
+    nvidia-smi takes a while)."""
     env = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -150,6 +150,10 @@ class Cap:
     def peak(self):
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
 
+    def peak_reserved(self):
+        """The allocator's peak of reserved memory (what the cap limits: allocated plus its cached blocks)."""
+        return torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else None
+
 
 def free_memory(device) -> None:
     """Collect garbage and hand cached GPU memory (and PyTorch's cached pinned host memory) back."""
@@ -171,12 +175,14 @@ def host_rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def time_forwards(module, inputs, device, reps: int) -> tuple[list[float], torch.Tensor]:
+def time_forwards(module, inputs, device, reps: int, before=None) -> tuple[list[float], torch.Tensor]:
     """Seconds of ``reps + 1`` forwards, the first being the warm-up (compilation, tracing, first onloads), and the
-    last forward's output (fp32, on the host)."""
+    last forward's output (fp32, on the host). ``before()``, when given, runs before each forward, untimed."""
     times = []
     with torch.no_grad():
         for _ in range(reps + 1):
+            if before is not None:
+                before()
             sync(device)
             start = time.perf_counter()
             out = module(**inputs)
@@ -293,17 +299,31 @@ def _error_note(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0][:200]}"
 
 
+def drop_spill_pages(engine) -> None:
+    """Evict the packs' files from the page cache, so every forward reads them from the disk: a machine with RAM to
+    spare would otherwise serve a spill file written moments before from memory. Written pages are flushed first
+    (the kernel keeps dirty pages)."""
+    for fd in {p.file.fd for packed in engine.packed.values() for p in packed.packs if p.on_disk}:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def measure(model, table: Table, kind: str, device, budget: int | None, engine=None, h2d=None, reference=None) -> dict:
     """Time ``table.reps`` forwards after a warm-up under ``budget``; errors become the row's note.
 
     ``reference``: shape -> the resident row's output, which this row's output is compared with (and which the
-    resident row fills in)."""
+    resident row fills in). A row reading packs from disk starts every forward with them out of the page cache."""
     row = {"row": table.label(kind), "kind": kind}
     start = time.perf_counter()
+    cold = engine is not None and kind == "tritoff-disk" and hasattr(os, "posix_fadvise")
+    if cold:
+        row["page_cache"] = "cold: the spill file's pages are dropped before every forward"
     try:
         with Cap(budget, device) as cap:
-            times, out = time_forwards(model, table.inputs, device, table.reps)
+            before = (lambda: drop_spill_pages(engine)) if cold else None
+            times, out = time_forwards(model, table.inputs, device, table.reps, before)
             peak = cap.peak()
+            row["peak_reserved_bytes"] = cap.peak_reserved()
         if reference is not None:
             if kind == "resident":
                 reference[table.frames_hw] = out
@@ -354,12 +374,7 @@ def measure(model, table: Table, kind: str, device, budget: int | None, engine=N
 
 def transformer_tables(args, device) -> tuple[list[Table], float | None, list[str]]:
     """Measure every requested row kind for every table; returns the tables, the H2D rate and the row kinds."""
-    config = (
-        (WAN_SMOKE if args.model == "wan" else COGVIDEOX_SMOKE)
-        if args.smoke
-        else (WAN_14B if args.model == "wan" else COGVIDEOX_5B)
-    )
-    cls = transformer_class(args.model)
+    cls, config = transformer_class(args.model), transformer_config(args)
     tables = []
     for shape, budget_text in args.configs:
         frames_hw = SMOKE_SHAPES[shape] if args.smoke else SHAPES[(args.model, shape)]
@@ -500,6 +515,14 @@ def transformer_tables(args, device) -> tuple[list[Table], float | None, list[st
                     packed.arena.close()
             del engine
         else:
+            if kind == "diffusers-model-offload" and device.type == "cuda":
+                need = weight_bytes(cls, config)
+                over = [t for t in tables if need > t.budget]
+                for t in over:  # building, pinning and filling the GPU until it runs out would only cost minutes
+                    skipped(t, kind, f"model offload moves the whole model ({gib(need)} GiB of weights) past the cap")
+                if len(over) == len(tables):
+                    save()
+                    continue
             model, info = built()
             setup_start = time.perf_counter()
             try:
@@ -514,12 +537,29 @@ def transformer_tables(args, device) -> tuple[list[Table], float | None, list[st
                 continue
             clock.spent("build", info["build_s"] + info["setup_s"])
             for t in tables:  # the same offloaded model under every table's cap, starting offloaded each time
-                reset()
-                run(kind, t, model, t.budget, setup=info)
+                if kind not in t.rows:
+                    reset()
+                    run(kind, t, model, t.budget, setup=info)
         del model
         free_memory(device)
     save()
     return tables, h2d, kinds
+
+
+def transformer_config(args) -> dict:
+    """The transformer's configuration: full size, or small for --smoke."""
+    if args.model == "wan":
+        return WAN_SMOKE if args.smoke else WAN_14B
+    return COGVIDEOX_SMOKE if args.smoke else COGVIDEOX_5B
+
+
+def weight_bytes(cls, config: dict) -> int:
+    """Bytes of ``cls(**config)``'s parameters in bf16, from shapes alone (built on the meta device)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = cls(**config)
+    return sum(p.numel() for p in model.parameters()) * 2
 
 
 def packed_size(model) -> int:
@@ -583,7 +623,7 @@ def build_pipeline(args, device):
     encoder = build(UMT5EncoderModel, {"config": UMT5Config(**t5)}, device=device)
     tokenizer = tiny_tokenizer(min(t5["vocab_size"], 32000))
     if args.model == "wan":
-        transformer = build(transformer_class("wan"), WAN_SMOKE if args.smoke else WAN_14B, device=device)
+        transformer = build(transformer_class("wan"), transformer_config(args), device=device)
         vae = build(AutoencoderKLWan, WAN_VAE_TINY if args.smoke else {}, dtype=torch.float32, device=device)
         pipe = WanPipeline(
             tokenizer=tokenizer,
@@ -593,9 +633,7 @@ def build_pipeline(args, device):
             scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
         )
     else:
-        transformer = build(
-            transformer_class("cogvideox"), COGVIDEOX_SMOKE if args.smoke else COGVIDEOX_5B, device=device
-        )
+        transformer = build(transformer_class("cogvideox"), transformer_config(args), device=device)
         vae = build(AutoencoderKLCogVideoX, COGVIDEOX_VAE_TINY if args.smoke else {}, device=device)
         pipe = CogVideoXPipeline(
             tokenizer=tokenizer,
@@ -707,6 +745,13 @@ def pipeline_rows(args, device) -> dict:
             data["rows"].append(row)
             write_result(name, data, smoke=args.smoke, out=args.out)
             continue
+        if kind == "diffusers-model-offload" and device.type == "cuda":
+            need = weight_bytes(transformer_class(args.model), transformer_config(args))
+            if need > budget:  # building, pinning and filling the GPU until it runs out would only cost minutes
+                row["note"] = f"not run: model offload moves the whole transformer ({gib(need)} GiB) past the cap"
+                data["rows"].append(row)
+                write_result(name, data, smoke=args.smoke, out=args.out)
+                continue
         start = time.perf_counter()
         row["host_rss_baseline_bytes"] = host_rss()
         pipe, engine = None, None
@@ -725,6 +770,7 @@ def pipeline_rows(args, device) -> dict:
             with Cap(cap_budget, device) as cap:
                 row.update(run_pipeline(args, pipe, device, frames_hw))
                 peak = cap.peak()
+                row["peak_reserved_bytes"] = cap.peak_reserved()
             if kind == "resident" and peak is not None:  # every stage's activations, the weights all resident
                 activations = row["activation_peak_bytes"] = peak - cap.base
             if engine is not None:

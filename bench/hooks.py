@@ -84,8 +84,8 @@ def main() -> None:
             {
                 "hook_us_per_group": engine.stats["components"]["model"]["hook_us_per_group"],
                 "swap_us_per_group": _swap_us(group, device),
-                "issue_us_per_group": _issue_us(engine, group, device),
-                "issue_steps_us": _issue_steps(engine, group, device),
+                "issue_us_per_group": _diagnostic(_issue_us, engine, group, device),
+                "issue_steps_us": _diagnostic(_issue_steps_us, engine, group, device),
                 "tensors_per_group": len(group.params),
                 "tiers": tiers,
                 "budget_bytes": minimum,
@@ -94,7 +94,7 @@ def main() -> None:
         tritoff.disable(model, device="cpu")
     hook = statistics.median(r["hook_us_per_group"] for r in runs)
     swap = statistics.median(r["swap_us_per_group"] for r in runs)
-    issues = [r["issue_us_per_group"] for r in runs if r["issue_us_per_group"] is not None]
+    issues = [r["issue_us_per_group"] for r in runs if isinstance(r["issue_us_per_group"], float)]
     issue = statistics.median(issues) if issues else None
     result = {
         "config": {**config, "forwards": args.forwards, "device": str(device), "kernels": kernels},
@@ -135,10 +135,10 @@ def main() -> None:
     print(f"wrote {path}")
 
 
-def _issue_steps(engine, group, device) -> dict | None:
-    """:func:`_issue_steps_us`, or the error it raised: a diagnostic, whose failure must not cost the measurement."""
+def _diagnostic(measure, *args):
+    """``measure(*args)``, or the error it raised: a diagnostic, whose failure must not cost the measurement."""
     try:
-        return _issue_steps_us(engine, group, device)
+        return measure(*args)
     except Exception as err:
         return {"error": f"{type(err).__name__}: {err}"}
 

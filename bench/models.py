@@ -13,7 +13,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from tritoff.presets import COGVIDEOX_5B, UMT5_XXL, WAN_14B  # noqa: F401  (the benchmarks' full-size shapes)
+from tritoff.presets import (  # noqa: F401  (the benchmarks' full-size shapes)
+    COGVIDEOX_5B,
+    UMT5_XXL,
+    WAN_14B,
+    fp32_modules,
+    tie_weights,
+)
 from tritoff.tiny import COGVIDEOX_TINY, WAN_TINY
 
 # small but not tiny: what --smoke runs on the CPU
@@ -39,18 +45,20 @@ def build(
 
     Parameters start on the meta device (buffers such as RoPE tables are computed for real); each is drawn on the GPU
     when there is one, then cast and moved to ``device``: Linear/Conv weights N(0, 1/sqrt(fan_in)), 1-D weights 1,
-    embeddings N(0, 1), the rest N(0, 0.02). ``_keep_in_fp32_modules`` stay fp32, as ``from_pretrained`` leaves them.
-    Tied parameters stay tied. Buffers are left where the model computed them (tritoff and diffusers' offloading move
-    them); ``device="cuda"`` moves them too.
+    embeddings N(0, 1), the rest N(0, 0.02). Modules ``from_pretrained`` keeps in fp32 stay fp32
+    (:func:`tritoff.presets.fp32_modules`). Tables transformers ties are tied, and tied parameters stay tied. Buffers
+    are left where the model computed them (tritoff and diffusers' offloading move them); ``device="cuda"`` moves
+    them too.
     """
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
         model = cls(**config)
+    tie_weights(model)  # built on meta, UMT5's input embeddings are a second 1 GB table until tied
     work = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = torch.device(device) if device is not None else torch.device("cpu")
     gen = torch.Generator(work).manual_seed(seed)
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    keep = fp32_modules(model, dtype)  # transformers keeps UMT5's `wo` in fp32 only for fp16 loads
     made: dict[int, nn.Parameter] = {}  # id of a meta parameter -> its materialized twin (keeps ties)
     for module_name, module in model.named_modules():
         for name, param in list(module._parameters.items()):

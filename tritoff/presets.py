@@ -70,20 +70,11 @@ PRESETS = {
 
 def as_loaded(module, dtype):
     """Cast ``module``'s floating parameters as ``from_pretrained(torch_dtype=dtype)`` does: the modules its class
-    keeps in fp32 (diffusers' ``_keep_in_fp32_modules``; transformers' strict list, and its plain list for fp16) stay
-    fp32, and tied weights are tied. Returns ``module`` in eval mode."""
+    keeps in fp32 (:func:`fp32_modules`) stay fp32, and tied weights are tied. Returns ``module`` in eval mode."""
     import torch
 
-    tied = getattr(module, "_tied_weights_keys", None)
-    if isinstance(tied, dict):  # transformers ties shared tables (T5's input embeddings) when loading
-        params = dict(module.named_parameters(remove_duplicate=False))
-        for target, source in tied.items():
-            if target in params and source in params and not target.startswith("lm_head"):
-                owner, _, leaf = target.rpartition(".")
-                setattr(module.get_submodule(owner), leaf, params[source])
-    keep = set(getattr(module, "_keep_in_fp32_modules_strict", None) or [])
-    if type(module).__module__.startswith("diffusers") or dtype == torch.float16:
-        keep |= set(getattr(module, "_keep_in_fp32_modules", None) or [])
+    tie_weights(module)
+    keep = fp32_modules(module, dtype)
     cast: dict[int, torch.nn.Parameter] = {}  # a tied parameter stays one parameter
     for name, sub in module.named_modules(remove_duplicate=False):
         for pname, param in list(sub._parameters.items()):
@@ -94,6 +85,28 @@ def as_loaded(module, dtype):
                     cast[id(param)] = torch.nn.Parameter(param.to(wanted), requires_grad=param.requires_grad)
                 sub._parameters[pname] = cast[id(param)]
     return module.eval()
+
+
+def tie_weights(module) -> None:
+    """Tie the tables transformers ties when loading (T5's input embeddings to ``shared``): one parameter, not two."""
+    tied = getattr(module, "_tied_weights_keys", None)
+    if isinstance(tied, dict):
+        params = dict(module.named_parameters(remove_duplicate=False))
+        for target, source in tied.items():
+            if target in params and source in params and not target.startswith("lm_head"):
+                owner, _, leaf = target.rpartition(".")
+                setattr(module.get_submodule(owner), leaf, params[source])
+
+
+def fp32_modules(module, dtype) -> set[str]:
+    """Names of the modules ``from_pretrained(torch_dtype=dtype)`` keeps in fp32: diffusers'
+    ``_keep_in_fp32_modules``; transformers' strict list, and its plain list only for fp16."""
+    import torch
+
+    keep = set(getattr(module, "_keep_in_fp32_modules_strict", None) or [])
+    if type(module).__module__.startswith("diffusers") or dtype == torch.float16:
+        keep |= set(getattr(module, "_keep_in_fp32_modules", None) or [])
+    return keep
 
 
 def build_preset(name: str) -> tuple[str, dict]:
