@@ -762,7 +762,8 @@ def enable(
                 )
                 snr.update({f"{name}.{k}": v for k, v in stats.items()})
             if quantize_device(options.device).type == "cuda":
-                torch.cuda.empty_cache()  # quantizing's scratch: give it back before the budget's buffers are made
+                with torch.cuda.device(quantize_device(options.device)):  # empty_cache acts on the current device
+                    torch.cuda.empty_cache()  # quantizing's scratch: give it back before the budget's buffers are made
         except BaseException:
             # a full spill disk, Ctrl-C: components packed so far get their weights back from their packs (the one
             # being packed did so itself), and their flags
