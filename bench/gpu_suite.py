@@ -144,12 +144,7 @@ class Suite:
             if str(SITE) not in self.env.get("PYTHONPATH", ""):
                 self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), self.env.get("PYTHONPATH")]))
         self.record["wheels_installed"] = missing
-        probe = "import tritoff, tritoff.kernels; print(tritoff.__file__); print(tritoff.kernels.__file__)"
-        where = subprocess.run(
-            [sys.executable, "-c", probe], env=self.env, capture_output=True, text=True, cwd=self.tmp
-        ).stdout.split()
-        ours = len(where) == 2 and [Path(w).resolve().parent for w in where] == [REPO / "tritoff", REPO / "kernels"]
-        if not ours:  # tritoff.kernels maps to kernels/ only through an install
+        if not self.imports_this_checkout():  # tritoff.kernels maps to kernels/ only through an install
             self.say("installing tritoff from this checkout (pip install --no-deps --no-build-isolation -e .)")
             cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(REPO)]
             if not self.run_quiet(cmd, fatal=False):
@@ -158,6 +153,8 @@ class Suite:
                 self.say(f"the editable install failed (see the log): a finder in {SITE} maps tritoff to this checkout")
                 make_checkout_importable(SITE)
                 self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), self.env.get("PYTHONPATH")]))
+            if not self.imports_this_checkout():
+                raise SystemExit(f"tritoff still imports from elsewhere than {REPO}: the part would test other code")
         self.record["install_s"] = time.time() - started
         versions = subprocess.run(
             [sys.executable, "-c", f"import sys, json; sys.path.insert(0, {str(BENCH)!r}); "
@@ -170,6 +167,14 @@ class Suite:
         self.record["environment"] = env = json.loads(versions.stdout.strip().splitlines()[-1])
         keys = ("device", "driver", "python", "torch", "triton", "transformers", "diffusers", "accelerate")
         self.say(" | ".join(f"{k} {env.get(k)}" for k in keys) + f" | setup {self.record['install_s']:.0f} s")
+
+    def imports_this_checkout(self) -> bool:
+        """Whether the steps' Python imports tritoff and tritoff.kernels from this checkout."""
+        probe = "import tritoff, tritoff.kernels; print(tritoff.__file__); print(tritoff.kernels.__file__)"
+        where = subprocess.run(
+            [sys.executable, "-c", probe], env=self.env, capture_output=True, text=True, cwd=self.tmp
+        ).stdout.split()
+        return len(where) == 2 and [Path(w).resolve().parent for w in where] == [REPO / "tritoff", REPO / "kernels"]
 
     def run_quiet(self, cmd: list[str], fatal: bool = True) -> bool:
         """Run ``cmd``, its output to the log; on failure end the part (``fatal``) or return False."""
@@ -293,7 +298,9 @@ class Suite:
 
 
 SITECUSTOMIZE = """\
+import importlib.machinery
 import importlib.util
+import os
 import sys
 
 WHERE = {where!r}
@@ -303,20 +310,28 @@ class TritoffCheckout:
     @staticmethod
     def find_spec(name, path=None, target=None):
         if name in WHERE:
-            init = WHERE[name] + "/__init__.py"
+            init = os.path.join(WHERE[name], "__init__.py")
             return importlib.util.spec_from_file_location(name, init, submodule_search_locations=[WHERE[name]])
 
 
-sys.meta_path.append(TritoffCheckout)
+sys.meta_path.insert(0, TritoffCheckout)  # before any installed tritoff
+
+# the sitecustomize this one shadows (a distribution's) still runs
+_here = os.path.dirname(os.path.abspath(__file__))
+_path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+_next = importlib.machinery.PathFinder.find_spec("sitecustomize", _path)
+if _next is not None and _next.loader is not None:
+    _next.loader.exec_module(importlib.util.module_from_spec(_next))
 """
 
 
 def make_checkout_importable(site: Path) -> None:
     """Make this checkout importable without a build backend, as an editable install does: a ``sitecustomize`` in
-    ``site`` (imported at the start of every Python with ``site`` on PYTHONPATH) adds a finder that maps ``tritoff``
-    to tritoff/ and ``tritoff.kernels`` to kernels/, and puts no top-level ``kernels`` on the path."""
+    ``site`` (imported at the start of every Python with ``site`` on PYTHONPATH) puts first a finder that maps
+    ``tritoff`` to tritoff/ and ``tritoff.kernels`` to kernels/, and puts no top-level ``kernels`` on the path."""
     where = {"tritoff": str(REPO / "tritoff"), "tritoff.kernels": str(REPO / "kernels")}
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(where=where))
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(where=where), encoding="utf-8")
 
 
 def _installed(name: str) -> str | None:

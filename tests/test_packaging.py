@@ -79,17 +79,21 @@ def test_the_suite_runs_from_any_directory(tmp_path, where):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
 
 
+def _gpu_suite():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_suite
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return gpu_suite
+
+
 @pytest.mark.parametrize("cwd", ["repository", "elsewhere"])
 def test_the_gpu_suites_fallback_without_a_build_backend_provides_tritoff_kernels(tmp_path, cwd):
     # bench/gpu_suite.py falls back to this when `pip install -e .` fails on the GPU machine; run from the repository
     # (as pytest's rootdir puts it first on the path), tritoff/ is found there and must still get kernels/
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        from gpu_suite import make_checkout_importable
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    site = tmp_path / "site"
-    site.mkdir()
+    make_checkout_importable = _gpu_suite().make_checkout_importable
+    site = tmp_path / "not-yet" / "site"  # made by the fallback when no wheel was installed there
     make_checkout_importable(site)
     venv.EnvBuilder(with_pip=False).create(tmp_path / "env")  # no tritoff installed in it
     # from the repository, its own kernels/ is on the path as the current directory, as with any install
@@ -103,3 +107,27 @@ def test_the_gpu_suites_fallback_without_a_build_backend_provides_tritoff_kernel
     )
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.startswith("kernels") and "upcast.py" in probe.stdout
+
+
+def test_the_fallback_finder_wins_over_another_tritoff_and_keeps_a_shadowed_sitecustomize(tmp_path):
+    make_checkout_importable = _gpu_suite().make_checkout_importable
+    site, other = tmp_path / "site", tmp_path / "other"
+    make_checkout_importable(site)
+    (other / "tritoff").mkdir(parents=True)  # an old install of tritoff, after the suite's site on the path
+    (other / "tritoff" / "__init__.py").write_text("raise ImportError('the other tritoff')\n")
+    (other / "sitecustomize.py").write_text("import builtins\nbuiltins.OTHER_SITECUSTOMIZE = True\n")
+    venv.EnvBuilder(with_pip=False).create(tmp_path / "env")
+    probe = subprocess.run(
+        [
+            str(tmp_path / "env" / "bin" / "python"),
+            "-c",
+            PROBE + ";import builtins; print(builtins.OTHER_SITECUSTOMIZE)",
+        ],
+        cwd=tmp_path,
+        env={"PYTHONPATH": f"{site}:{other}", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.startswith("kernels") and probe.stdout.split()[-1] == "True"

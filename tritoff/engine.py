@@ -761,9 +761,6 @@ def enable(
                     quantize_on=quantize_device(options.device),
                 )
                 snr.update({f"{name}.{k}": v for k, v in stats.items()})
-            if quantize_device(options.device).type == "cuda":
-                with torch.cuda.device(quantize_device(options.device)):  # empty_cache acts on the current device
-                    torch.cuda.empty_cache()  # quantizing's scratch: give it back before the budget's buffers are made
         except BaseException:
             # a full spill disk, Ctrl-C: components packed so far get their weights back from their packs (the one
             # being packed did so itself), and their flags
@@ -781,6 +778,10 @@ def enable(
                     "reload the pipeline for the original weights"
                 )
             raise
+        finally:
+            if quantize_device(options.device).type == "cuda":
+                with torch.cuda.device(quantize_device(options.device)):  # empty_cache acts on the current device
+                    torch.cuda.empty_cache()  # quantizing's scratch: give it back before the budget's buffers are made
     engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr, chunks, reserve is None)
     engine.fingerprints = fingerprints
     engine.requires_grad = requires_grad

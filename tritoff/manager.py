@@ -176,10 +176,15 @@ class HookManager:
         self.residency.leave(comp)
 
     def apply_plan(self, comp: ComponentRuntime, new: Plan) -> None:
-        """Give ``comp`` a new phase plan (its tiers change; it is evicted first if loaded)."""
-        self.leave(comp)
+        """Give ``comp`` a new phase plan: evicted first if loaded, unless only its activation reserve changes (the
+        same buffers stay, and other phases leave if the larger reserve needs their room)."""
+        same = comp.loaded and _holdings(comp.plan) == _holdings(new)
+        if not same:
+            self.leave(comp)
         comp.plan = new
         self.phased.phases[comp.name] = new
+        if same:
+            self.residency.make_room(comp, list(self.components.values()))
         tiers = new.tiers.get(comp.name, {})
         for g in comp.blocks:
             g.tier = "bf16" if new.modes[comp.name] == "resident" else tiers.get(g.name, "pool")
@@ -200,9 +205,11 @@ class HookManager:
         if needed is None or needed == comp.plan.reserve or (key, needed) in comp.unplannable:
             return
         if self.capturing():
+            if needed <= comp.plan.reserve:
+                return  # the plan has room for this call: a smaller reserve waits for a call outside the capture
             raise CaptureRefused(
-                f"{comp.name} is re-planned for these input shapes, which a CUDA graph cannot capture; run one call "
-                "with them before capturing"
+                f"{comp.name} needs a larger activation reserve for these input shapes, which a CUDA graph cannot "
+                "capture (the phase is planned again); run one call with them before capturing"
             )
         try:
             new = self.replan(comp.name, needed)
@@ -291,6 +298,13 @@ class HookManager:
         """
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
+        if self.capturing():
+            # an error inside a capture (which tritoff let start: every block resident, nothing in flight): only the
+            # host's bookkeeping is reset, since freeing or waiting on the capturing stream is itself an error there
+            for comp in self.components.values():
+                comp.trace, comp.active = None, 0
+                self._activation_base.pop(comp.name, None)
+            return
         inflight = {id(g) for g in self.inflight}
         self._invalidate()
         self.cursor = None
@@ -322,6 +336,12 @@ class HookManager:
             raise CaptureRefused(
                 f"{streamed.component}.{streamed.name} streams through reused GPU slots, which a CUDA graph cannot "
                 "capture; capture without tritoff, or with a budget that keeps every block resident"
+            )
+        if comp.host:
+            group, _ = comp.host[0]
+            raise CaptureRefused(
+                f"{comp.name}.{group.name} is looked up in host memory (its ids go to the CPU at every call), which a "
+                "CUDA graph cannot capture; capture without tritoff"
             )
         phases = [c.plan for c in self.components.values()]
         reserves = {c.name: c.plan.reserve for c in self.components.values()}
@@ -567,6 +587,19 @@ class GroupHook(_TritoffHook):
 
 def _unpack_saved(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _holdings(plan: Plan) -> tuple:
+    """What a phase allocates under ``plan``: plans equal in these differ only in their activation reserve."""
+    return (
+        plan.modes,
+        plan.tiers,
+        plan.ring_slots,
+        plan.slot_bytes,
+        plan.staging_bytes,
+        plan.pool_bytes,
+        plan.resident_bytes,
+    )
 
 
 def guard_forward(module: torch.nn.Module, manager: HookManager) -> None:

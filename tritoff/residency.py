@@ -40,13 +40,18 @@ class Residency:
         comp.last_used = self.clock
         if comp.loaded:
             return
+        self.make_room(comp, components)
+        self.load(comp)
+
+    def make_room(self, comp, components) -> None:
+        """Evict other inactive phases, least recently used first, until ``comp``'s phase and its activation reserve
+        fit beside the rest."""
         room = self.budget - self.fixed - comp.plan.reserve - comp.plan.need_bytes
-        while self.held(components) > room:
+        while self.held(c for c in components if c is not comp) > room:
             victims = [c for c in components if c.loaded and not c.active and c is not comp]
             if not victims:
                 break  # a component called inside another's forward: both stay (the plan cannot cover this)
             self.leave(min(victims, key=lambda c: c.last_used))
-        self.load(comp)
 
     def load(self, comp) -> None:
         """Allocate ``comp``'s phase and upload what its plan keeps resident. A failure part way (out of memory,
@@ -98,10 +103,7 @@ class Residency:
 def _free(comp, transfer: Transfer, ring: SlotRing | None) -> None:
     """Free the device memory of ``comp``'s phase (loaded, or part way through loading) once the compute stream has
     waited for every transfer queued into it (prefetched slots nobody consumed, uploads of an interrupted load)."""
-    transfer.compute_waits()
-    # and the stream the buffers were allocated on, whose next allocations reuse their memory (the caller may run
-    # under another stream)
-    transfer.compute_waits(transfer.home_stream)
+    transfer.before_free()
     for g in comp.groups:
         g.drop_device_state(keep_tables=True)
     if ring is not None:

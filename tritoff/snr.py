@@ -14,9 +14,10 @@ CHUNK = 1 << 22
 
 def snr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     """10 log10(sum ref^2 / sum (ref - approx)^2) in dB, computed in float64; inf when they are equal."""
+    if reference.shape != approx.shape:
+        shapes = f"{tuple(reference.shape)} and {tuple(approx.shape)}"
+        raise ValueError(f"snr_db compares tensors of one shape, got {shapes}")
     ref, app = reference.detach().reshape(-1), approx.detach().reshape(-1)
-    if ref.shape != app.shape:
-        raise ValueError(f"snr_db: shapes {tuple(reference.shape)} and {tuple(approx.shape)} hold other counts")
     return snr_db_of_chunks((ref[i : i + CHUNK], app[i : i + CHUNK]) for i in range(0, ref.numel(), CHUNK))
 
 
@@ -25,7 +26,8 @@ def snr_db_of_chunks(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> floa
     device, so no step holds more than one pair in float64."""
     signal = err = 0.0
     for ref, approx in pairs:
-        ref = ref.detach().to(approx.device, torch.float64)
+        # moved in its own dtype, widened where approx is (a copy to another device widens first: 4x the bytes)
+        ref = ref.detach().to(approx.device).to(torch.float64)
         err += (ref - approx.detach().to(torch.float64)).pow(2).sum().item()
         signal += ref.pow(2).sum().item()
     if err == 0:

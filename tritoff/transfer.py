@@ -150,6 +150,16 @@ class Transfer:
             compute.wait_stream(self.copy_stream)
             compute.wait_stream(self.upcast_stream)
 
+    def before_free(self) -> None:
+        """Before memory allocated on the home stream is freed: the current (compute) stream and the home stream wait
+        for every copy and fill issued so far, and the home stream, whose next allocations may reuse the memory,
+        also for the current stream's kernels, which may still read it (a caller running under another stream)."""
+        if self.cuda:
+            self.compute_waits()
+            if self.home_stream != torch.cuda.current_stream(self.device):
+                self.compute_waits(self.home_stream)
+                self.home_stream.wait_stream(torch.cuda.current_stream(self.device))
+
     def wait_for_compute(self) -> None:
         """Make both transfer streams wait for the compute stream's work so far: memory just allocated on the
         compute stream may have been freed by kernels still queued there."""

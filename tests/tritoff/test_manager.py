@@ -313,19 +313,53 @@ def test_capture_is_refused_where_the_components_do_not_fit_together():
         run(pipe, num_inference_steps=1)
 
 
-def test_capture_of_a_call_that_would_be_re_planned_is_refused():
+def test_capture_of_a_call_needing_a_larger_reserve_is_refused():
     pipe = wan()
     engine = tritoff.enable(pipe, mode="group", budget="8MB", progress=False, kernels="reference")  # auto reserve
     expected = run(pipe)
     _capturing(engine, True)
     assert torch.equal(run(pipe), expected)  # shapes already planned for: captured as they are
-    replans = engine.stats["components"]["transformer"]["replans"]
-    with pytest.raises(RuntimeError, match="transformer is re-planned for these input shapes"):
+    transformer = engine.stats["components"]["transformer"]
+    with pytest.raises(RuntimeError, match="transformer needs a larger activation reserve for these input shapes"):
         run(pipe, height=32, width=32)
-    assert engine.stats["components"]["transformer"]["replans"] == replans
+    assert engine.stats["components"]["transformer"]["replans"] == transformer["replans"]
     _capturing(engine, False)
-    run(pipe, height=32, width=32)
-    assert engine.stats["components"]["transformer"]["replans"] > replans
+    large = run(pipe, height=32, width=32)
+    after = engine.stats["components"]["transformer"]
+    assert after["replans"] > transformer["replans"]
+    # every block resident: only the reserve changed, so the phase kept its buffers (nothing evicted or uploaded)
+    assert after["evictions"] == transformer["evictions"] and after["pool_loads"] == transformer["pool_loads"]
+    # both shapes now fit the reserve: capturing either re-plans nothing (the smaller reserve waits)
+    _capturing(engine, True)
+    assert torch.equal(run(pipe), expected) and torch.equal(run(pipe, height=32, width=32), large)
+    assert engine.stats["components"]["transformer"]["replans"] == after["replans"]
+
+
+def test_a_failed_call_under_capture_resets_only_the_hosts_bookkeeping():
+    # freeing memory or waiting on the capturing stream would itself be an error there: nothing is evicted
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    model = _stack()
+    engine = _enable(model, 10**8)
+    expected = _output(model, x)
+    _capturing(engine, True)
+    with pytest.raises(RuntimeError):
+        _output(model, torch.randn(4, 17, dtype=torch.bfloat16))  # a shape error inside the component
+    comp = engine.manager.components["model"]
+    assert comp.loaded and comp.active == 0 and engine.stats["components"]["model"]["evictions"] == 0
+    assert torch.equal(_output(model, x), expected)
+
+
+def test_capture_over_a_table_looked_up_in_host_memory_is_refused(monkeypatch):
+    from tritoff import groups
+
+    monkeypatch.setattr(groups, "HOST_EMBEDDING_BYTES", 8 * 1024)  # the tiny UMT5's table becomes a host group
+    pipe = wan()
+    engine = tritoff.enable(pipe, mode="group", budget="1GB", progress=False, kernels="reference")
+    assert engine.manager.components["text_encoder"].host
+    run(pipe)
+    _capturing(engine, True)
+    with pytest.raises(RuntimeError, match=r"text_encoder\..* is looked up in host memory"):
+        run(pipe)
 
 
 def test_capture_is_checked_on_the_engines_device_not_the_current_one(monkeypatch):

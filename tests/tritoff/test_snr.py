@@ -32,8 +32,9 @@ def test_equal_zero_and_mismatched_inputs():
     assert snr_db(x, x.clone()) == math.inf
     assert snr_db(torch.zeros(4), torch.ones(4)) == -math.inf
     assert snr_db_of_chunks([]) == math.inf
-    with pytest.raises(ValueError, match="hold other counts"):
-        snr_db(x, torch.randn(4, 3))
+    for other in (torch.randn(4, 3), torch.randn(3, 5), torch.randn(15)):  # other counts, or only other shapes
+        with pytest.raises(ValueError, match=r"snr_db compares tensors of one shape, got \(5, 3\) and"):
+            snr_db(x, other)
 
 
 @pytest.mark.parametrize("granularity", ["row", "tensor"])
