@@ -147,12 +147,15 @@ class Suite:
         if not self.imports_this_checkout():  # tritoff.kernels maps to kernels/ only through an install
             self.say("installing tritoff from this checkout (pip install --no-deps --no-build-isolation -e .)")
             cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(REPO)]
-            if not self.run_quiet(cmd, fatal=False):
-                # a build backend that cannot make editable installs (setuptools < 64, no wheel) must not cost the
-                # part: a finder gives the layout an install gives
-                self.say(f"the editable install failed (see the log): a finder in {SITE} maps tritoff to this checkout")
+            installed = self.run_quiet(cmd, fatal=False)
+            if not installed or not self.imports_this_checkout():
+                # a build backend that cannot make editable installs (setuptools < 64, no wheel), or a finder another
+                # checkout left in the site directory, must not cost the part: a finder for this one
+                why = "failed (see the log)" if not installed else "is shadowed"
+                self.say(f"the editable install {why}: a finder in {SITE} maps tritoff to this checkout")
                 make_checkout_importable(SITE)
-                self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), self.env.get("PYTHONPATH")]))
+                if str(SITE) not in self.env.get("PYTHONPATH", ""):
+                    self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), self.env.get("PYTHONPATH")]))
             if not self.imports_this_checkout():
                 raise SystemExit(f"tritoff still imports from elsewhere than {REPO}: the part would test other code")
         self.record["install_s"] = time.time() - started
@@ -170,11 +173,15 @@ class Suite:
 
     def imports_this_checkout(self) -> bool:
         """Whether the steps' Python imports tritoff and tritoff.kernels from this checkout."""
-        probe = "import tritoff, tritoff.kernels; print(tritoff.__file__); print(tritoff.kernels.__file__)"
-        where = subprocess.run(
+        probe = "import json, tritoff, tritoff.kernels; print(json.dumps([tritoff.__file__, tritoff.kernels.__file__]))"
+        out = subprocess.run(
             [sys.executable, "-c", probe], env=self.env, capture_output=True, text=True, cwd=self.tmp
-        ).stdout.split()
-        return len(where) == 2 and [Path(w).resolve().parent for w in where] == [REPO / "tritoff", REPO / "kernels"]
+        ).stdout.splitlines()
+        try:  # the last line: a sitecustomize may print before it
+            where = json.loads(out[-1]) if out else []
+        except json.JSONDecodeError:
+            return False
+        return [Path(w).resolve().parent for w in where] == [REPO / "tritoff", REPO / "kernels"]
 
     def run_quiet(self, cmd: list[str], fatal: bool = True) -> bool:
         """Run ``cmd``, its output to the log; on failure end the part (``fatal``) or return False."""
@@ -314,14 +321,17 @@ class TritoffCheckout:
             return importlib.util.spec_from_file_location(name, init, submodule_search_locations=[WHERE[name]])
 
 
-sys.meta_path.insert(0, TritoffCheckout)  # before any installed tritoff
-
-# the sitecustomize this one shadows (a distribution's) still runs
-_here = os.path.dirname(os.path.abspath(__file__))
-_path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
-_next = importlib.machinery.PathFinder.find_spec("sitecustomize", _path)
-if _next is not None and _next.loader is not None:
-    _next.loader.exec_module(importlib.util.module_from_spec(_next))
+if not getattr(sys, "_tritoff_checkout_finder", False):  # the first on the path wins; a chained one stands aside
+    sys._tritoff_checkout_finder = True
+    # the sitecustomize this one shadows (a distribution's) still runs: the next one on the path after this directory
+    _here = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
+    _real = [os.path.realpath(p or os.curdir) for p in sys.path]
+    _i = _real.index(_here) + 1 if _here in _real else len(_real)
+    _after = [p for p, r in zip(sys.path[_i:], _real[_i:]) if r != _here]
+    _next = importlib.machinery.PathFinder.find_spec("sitecustomize", _after)
+    if _next is not None and _next.loader is not None:
+        _next.loader.exec_module(importlib.util.module_from_spec(_next))
+    sys.meta_path.insert(0, TritoffCheckout)  # before any installed tritoff
 """
 
 

@@ -131,3 +131,26 @@ def test_the_fallback_finder_wins_over_another_tritoff_and_keeps_a_shadowed_site
     )
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.startswith("kernels") and probe.stdout.split()[-1] == "True"
+
+
+def test_two_suite_sites_on_the_path_chain_once_and_the_first_wins(tmp_path):
+    # two checkouts' sites (or one linked twice): each used to chain to the other until the recursion limit
+    gpu_suite = _gpu_suite()
+    first, second = tmp_path / "first", tmp_path / "second"
+    gpu_suite.make_checkout_importable(first)
+    (second).mkdir()
+    (second / "sitecustomize.py").write_text(
+        gpu_suite.SITECUSTOMIZE.format(where={"tritoff": str(tmp_path / "elsewhere")}), encoding="utf-8"
+    )
+    (tmp_path / "linked").symlink_to(first)
+    venv.EnvBuilder(with_pip=False).create(tmp_path / "env")
+    probe = subprocess.run(
+        [str(tmp_path / "env" / "bin" / "python"), "-c", PROBE],
+        cwd=tmp_path,
+        env={"PYTHONPATH": f"{first}:{tmp_path / 'linked'}:{second}", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert probe.returncode == 0 and not probe.stderr, probe.stderr
+    assert probe.stdout.startswith("kernels")

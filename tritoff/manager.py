@@ -163,10 +163,13 @@ class HookManager:
 
     # phases -----------------------------------------------------------------------------------------------------
     def enter(self, comp: ComponentRuntime) -> None:
-        """Make ``comp``'s phase resident (uploading what its plan keeps there)."""
+        """Make ``comp``'s phase resident (uploading what its plan keeps there); loads queued for phases evicted to
+        make room (here or earlier) are forgotten."""
+        evicted = lambda g: self.components[g.component].loaded is False  # noqa: E731
         if not comp.loaded:
-            self._forget_inflight(lambda g: self.components[g.component].loaded is False)
+            self._forget_inflight(evicted)  # before its ring is made again: none may point into the old one
         self.residency.enter(comp, list(self.components.values()))
+        self._forget_inflight(evicted)
 
     def leave(self, comp: ComponentRuntime) -> None:
         """Evict ``comp``'s phase."""

@@ -35,13 +35,14 @@ class Residency:
         return sum(c.plan.need_bytes for c in components if c.loaded)
 
     def enter(self, comp, components) -> None:
-        """Make ``comp``'s phase resident, evicting least recently used inactive phases while room is short."""
+        """Make ``comp``'s phase resident, evicting least recently used inactive phases while room is short: also
+        when it is loaded already, since it may have been admitted beside the others with a smaller reserve than its
+        call needs now."""
         self.clock += 1
         comp.last_used = self.clock
-        if comp.loaded:
-            return
         self.make_room(comp, components)
-        self.load(comp)
+        if not comp.loaded:
+            self.load(comp)
 
     def make_room(self, comp, components) -> None:
         """Evict other inactive phases, least recently used first, until ``comp``'s phase and its activation reserve

@@ -9,7 +9,7 @@ from tritoff.onload import is_placeholder
 from tritoff.planner import BudgetError
 from tritoff.tiny import realistic_init, tiny_umt5
 
-from .helpers import dequantize_in_place, run, wan
+from .helpers import dequantize_in_place, dequantized_pipeline, run, wan
 
 pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
 
@@ -739,3 +739,24 @@ def test_a_call_the_budget_cannot_plan_for_warns_once_per_input_shape():
     assert len(warned) == 2, [str(w.message) for w in warned]
     assert all("the smallest that works is" in str(w.message) for w in warned)
     assert all(w.filename == __file__ for w in warned)  # the caller's line, not a frame inside torch's module call
+
+
+@pytest.mark.parametrize("budget", ["4.5MB", "5MB", "5.7MB"])
+def test_a_loaded_phase_entered_with_a_larger_reserve_makes_room_for_it(budget):
+    # the VAE, still loaded from the last call, decodes a larger video: its reserve grew while the other phases
+    # were admitted beside it, so entering it must evict them until everything fits the budget again
+    pipe = wan()
+    engine = tritoff.enable(pipe, mode="group", budget=budget, progress=False, kernels="reference")  # auto reserve
+    manager, within = engine.manager, []
+    enter = manager.enter
+
+    def checked(comp):
+        enter(comp)
+        held = manager.residency.held(manager.components.values())
+        within.append(held + manager.residency.fixed + comp.plan.reserve <= manager.residency.budget)
+
+    manager.enter = checked
+    expected = run(dequantized_pipeline(wan), height=48, width=48)
+    run(pipe)
+    assert torch.equal(run(pipe, height=48, width=48), expected)
+    assert within and all(within)
