@@ -117,7 +117,7 @@ class Suite:
         if SITE.is_dir():  # a warm machine keeps what an earlier call installed
             sys.path.insert(0, str(SITE))
             importlib.invalidate_caches()
-            self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), self.env.get("PYTHONPATH")]))
+            self.put_site_on_path()
         other = {n: v for n, v in pins.items() if _installed(n) != v}
         self.record["wheels_pinned"] = pins
         wheels_dir = Path(self.args.wheels) if self.args.wheels else REPO / ".whl"
@@ -141,8 +141,7 @@ class Suite:
                 [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
                 + ["--no-cache-dir", "--upgrade", "--target", str(SITE), *wheels]
             )
-            if str(SITE) not in self.env.get("PYTHONPATH", ""):
-                self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), self.env.get("PYTHONPATH")]))
+            self.put_site_on_path()
         self.record["wheels_installed"] = missing
         if not self.imports_this_checkout():  # tritoff.kernels maps to kernels/ only through an install
             self.say("installing tritoff from this checkout (pip install --no-deps --no-build-isolation -e .)")
@@ -154,8 +153,7 @@ class Suite:
                 why = "failed (see the log)" if not installed else "is shadowed"
                 self.say(f"the editable install {why}: a finder in {SITE} maps tritoff to this checkout")
                 make_checkout_importable(SITE)
-                if str(SITE) not in self.env.get("PYTHONPATH", ""):
-                    self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), self.env.get("PYTHONPATH")]))
+                self.put_site_on_path()
             if not self.imports_this_checkout():
                 raise SystemExit(f"tritoff still imports from elsewhere than {REPO}: the part would test other code")
         self.record["install_s"] = time.time() - started
@@ -170,6 +168,11 @@ class Suite:
         self.record["environment"] = env = json.loads(versions.stdout.strip().splitlines()[-1])
         keys = ("device", "driver", "python", "torch", "triton", "transformers", "diffusers", "accelerate")
         self.say(" | ".join(f"{k} {env.get(k)}" for k in keys) + f" | setup {self.record['install_s']:.0f} s")
+
+    def put_site_on_path(self) -> None:
+        """Put the site directory (carried wheels, the fallback finder) first on the steps' PYTHONPATH, once."""
+        if str(SITE) not in self.env.get("PYTHONPATH", ""):
+            self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), self.env.get("PYTHONPATH")]))
 
     def imports_this_checkout(self) -> bool:
         """Whether the steps' Python imports tritoff and tritoff.kernels from this checkout."""

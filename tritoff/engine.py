@@ -741,6 +741,7 @@ def enable(
         requires_grad = _freeze(components)
         packed, snr = {}, {}
         name = None
+        quantize_on = quantize_device(options.device)
         try:
             for name, module in components.items():
                 stats: dict[str, float] = {}
@@ -758,7 +759,7 @@ def enable(
                     arena=arenas[name],
                     held=in_ram and in_ram[name],
                     spill=spills.get(name),
-                    quantize_on=quantize_device(options.device),
+                    quantize_on=quantize_on,
                 )
                 snr.update({f"{name}.{k}": v for k, v in stats.items()})
         except BaseException:
@@ -779,8 +780,8 @@ def enable(
                 )
             raise
         finally:
-            if quantize_device(options.device).type == "cuda":
-                with torch.cuda.device(quantize_device(options.device)):  # empty_cache acts on the current device
+            if quantize_on.type == "cuda":
+                with torch.cuda.device(quantize_on):  # empty_cache acts on the current device
                     torch.cuda.empty_cache()  # quantizing's scratch: give it back before the budget's buffers are made
     engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr, chunks, reserve is None)
     engine.fingerprints = fingerprints

@@ -133,7 +133,7 @@ class HookManager:
         self.components = {c.name: c for c in components}
         self.phased = phased
         self.disk = disk  # the DiskRing of packs served from disk (None: every pack is in host memory)
-        self.residency = Residency(device, phased.budget, phased.fixed_bytes, disk)
+        self.residency = Residency(device, phased.budget, phased.fixed_bytes, disk, evict=self.leave)
         self.depth = depth
         self.replan = replan
         self.auto_reserve = auto_reserve
@@ -163,13 +163,10 @@ class HookManager:
 
     # phases -----------------------------------------------------------------------------------------------------
     def enter(self, comp: ComponentRuntime) -> None:
-        """Make ``comp``'s phase resident (uploading what its plan keeps there); loads queued for phases evicted to
-        make room (here or earlier) are forgotten."""
-        evicted = lambda g: self.components[g.component].loaded is False  # noqa: E731
+        """Make ``comp``'s phase resident (uploading what its plan keeps there)."""
         if not comp.loaded:
-            self._forget_inflight(evicted)  # before its ring is made again: none may point into the old one
+            self._forget_inflight(lambda g: self.components[g.component].loaded is False)
         self.residency.enter(comp, list(self.components.values()))
-        self._forget_inflight(evicted)
 
     def leave(self, comp: ComponentRuntime) -> None:
         """Evict ``comp``'s phase."""

@@ -20,11 +20,13 @@ from tritoff.transfer import Transfer
 
 
 class Residency:
-    """Loads and evicts phases within ``budget`` bytes (``fixed``: bytes every phase shares)."""
+    """Loads and evicts phases within ``budget`` bytes (``fixed``: bytes every phase shares). ``evict(comp)`` evicts a
+    phase to make room (default :meth:`leave`; the hook manager's also forgets loads queued for it)."""
 
-    def __init__(self, device: torch.device, budget: int, fixed: int, disk=None):
+    def __init__(self, device: torch.device, budget: int, fixed: int, disk=None, evict=None):
         self.device = device
         self.disk = disk  # the ring packs served from disk are read into
+        self.evict = evict or self.leave
         self.budget = budget
         self.fixed = fixed
         self.clock = 0
@@ -52,7 +54,7 @@ class Residency:
             victims = [c for c in components if c.loaded and not c.active and c is not comp]
             if not victims:
                 break  # a component called inside another's forward: both stay (the plan cannot cover this)
-            self.leave(min(victims, key=lambda c: c.last_used))
+            self.evict(min(victims, key=lambda c: c.last_used))
 
     def load(self, comp) -> None:
         """Allocate ``comp``'s phase and upload what its plan keeps resident. A failure part way (out of memory,
