@@ -87,6 +87,7 @@ LABELS = {
 
 
 def transformer_class(model: str):
+    """The diffusers transformer class of ``model`` (``wan`` or ``cogvideox``)."""
     from diffusers import CogVideoXTransformer3DModel, WanTransformer3DModel
 
     return WanTransformer3DModel if model == "wan" else CogVideoXTransformer3DModel
@@ -148,6 +149,7 @@ class Cap:
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
 
     def peak(self):
+        """The allocator's peak of allocated memory (None on the CPU)."""
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
 
     def peak_reserved(self):
@@ -167,11 +169,13 @@ def free_memory(device) -> None:
 
 
 def sync(device) -> None:
+    """Wait for the GPU's queued work (nothing on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def host_rss() -> int:
+    """This process's resident host memory, in bytes."""
     return psutil.Process().memory_info().rss
 
 
@@ -249,14 +253,17 @@ class Table:
 
     @property
     def name(self) -> str:
+        """The JSON file's stem: model, shape, and the budget and tag when not the defaults."""
         default = self.budget_text in (DEFAULT_BUDGET, SMOKE_BUDGET)
         budget = "" if default else f"-{self.budget_text}"
         return f"e2e-{self.model}-{self.shape}{budget}" + (f"-{self.tag}" if self.tag else "")
 
     def label(self, kind: str) -> str:
+        """The printed name of a row of ``kind``."""
         return LABELS[kind].format(b=self.budget_text, h=f"{HOST_FRACTION:.0%}")
 
     def data(self, h2d, kinds) -> dict:
+        """The table as JSON: its rows in ``kinds`` order, with ratios to the resident row filled in."""
         rows = [self.rows[k] for k in kinds if k in self.rows]
         for row in rows:
             base_kind = "resident-compile" if row["kind"].endswith("-compile") else "resident"
@@ -286,11 +293,13 @@ class Clock:
         self.cost: dict[str, float] = {}
 
     def allows(self, key: str, extra: float = 0.0) -> bool:
+        """Whether a measurement costing what ``key`` cost before, plus ``extra`` seconds, ends before the deadline."""
         if self.deadline is None:
             return True
         return time.time() + self.cost.get(key, 0.0) + extra < self.deadline
 
     def spent(self, key: str, seconds: float) -> None:
+        """Record that ``key`` took ``seconds`` (the largest cost seen is kept)."""
         self.cost[key] = max(self.cost.get(key, 0.0), seconds)
 
 
@@ -811,10 +820,12 @@ def gib(value) -> str:
 
 
 def seconds(value, digits: int = 3) -> str:
+    """``value`` in seconds for a table cell, or ``-``."""
     return f"{value:.{digits}f}" if isinstance(value, (int, float)) else "-"
 
 
 def print_transformer_table(table: dict) -> None:
+    """Print a transformer table (from :meth:`Table.data`) as markdown."""
     f, h, w = table["shape"]
     print(f"\n{table['model']} transformer, {f}x{h}x{w}, cap {gib(table['budget_bytes'])} GiB, H2D {table['h2d_GBps']}")
     rows = []
@@ -856,6 +867,7 @@ def print_transformer_table(table: dict) -> None:
 
 
 def print_pipeline_table(data: dict) -> None:
+    """Print a pipeline table as markdown."""
     f, h, w = data["shape"]
     cap = gib(data["budget_bytes"])
     print(f"\n{data['model']} pipeline, {f}x{h}x{w}, {data['steps']} steps with CFG, cap {cap} GiB")

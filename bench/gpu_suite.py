@@ -66,6 +66,7 @@ ESTIMATES = {
 
 
 def parse_args(argv=None):
+    """The command line: the part, ``--smoke``, ``--out``, ``--wheels`` and ``--budget``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=sorted(ESTIMATES))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: rehearse the part")
@@ -97,11 +98,13 @@ class Suite:
 
     # output -------------------------------------------------------------------------------------------------------
     def say(self, text: str = "") -> None:
+        """Print ``text`` and append it to the part's log."""
         print(text, flush=True)
         self.log.write(text + "\n")
         self.log.flush()
 
     def left(self) -> float:
+        """Seconds left before the part's deadline."""
         return self.deadline - time.time()
 
     # setup --------------------------------------------------------------------------------------------------------
@@ -248,17 +251,20 @@ class Suite:
         return entry
 
     def pytest(self, name: str, args: list[str], until: float, quiet: bool = False) -> None:
+        """Run pytest with ``args`` as step ``name``, its junit XML summarised into the record."""
         xml = self.out / f"tests-{name}{self.suffix}.xml"
         cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", f"--junitxml={xml}", *args]
         entry = self.step(f"pytest {name}", cmd, until, quiet)
         self.record.setdefault("tests", {})[name] = _junit(xml) if xml.exists() else {"note": entry.get("note")}
 
     def python(self, name: str, script: str, args: list[str], until: float) -> dict:
+        """Run ``bench/<script>`` as step ``name``, told to start nothing after ``until`` (and the part's deadline)."""
         deadline = min(until, self.deadline) - 5
         return self.step(name, [sys.executable, str(BENCH / script), *args, "--deadline", f"{deadline:.0f}"], until)
 
     # parts --------------------------------------------------------------------------------------------------------
     def part1(self) -> None:
+        """GPU tests, opcheck, kernel and hook benchmarks, then the kernels against their references."""
         now = time.time()
         timeout = ["--timeout=300"] if _has("pytest_timeout") else []
         self.pytest("gpu", ["-m", "gpu", "-v", *timeout, "tests"], now + 150)
@@ -273,11 +279,13 @@ class Suite:
         self.pytest("rest", rest, self.deadline - 10, quiet=True)
 
     def part2(self) -> None:
+        """Wan-14B transformer tables: video and 1 frame at 12 GB, video at 8 GB."""
         configs = "video@5MB,image@5MB,video@4.5MB" if self.smoke else "video@12GB,image@12GB,video@8GB"
         args = ["--model", "wan", "--configs", configs, "--reps", "2", "--out", str(self.out)]
         self.python("e2e wan", "e2e.py", [*(["--smoke"] if self.smoke else []), *args], self.deadline)
 
     def part3(self) -> None:
+        """CogVideoX-5B transformer table, then the whole Wan pipeline at 12 GB."""
         smoke = ["--smoke"] if self.smoke else []
         cog = ["--model", "cogvideox", "--configs", "video@5MB" if self.smoke else "video@12GB", "--reps", "3"]
         self.python("e2e cogvideox", "e2e.py", [*smoke, *cog, "--out", str(self.out)], time.time() + 0.35 * self.left())
@@ -285,6 +293,7 @@ class Suite:
         self.python("e2e wan pipeline", "e2e.py", [*smoke, *pipe, "--out", str(self.out)], self.deadline)
 
     def part4(self) -> None:
+        """Wan-14B video at 12 GB with and without regional compile."""
         smoke = ["--smoke"] if self.smoke else []
         rows = "resident,resident-compile,tritoff-group,tritoff-group-compile"
         args = ["--model", "wan", "--configs", "video@5MB" if self.smoke else "video@12GB", "--rows", rows]
@@ -293,6 +302,7 @@ class Suite:
 
     # summary ------------------------------------------------------------------------------------------------------
     def finish(self) -> int:
+        """Write the part's JSON and print its summary; the exit status."""
         self.record["wall_s"] = time.time() - self.start
         lines = summary_lines(self.record, self.out, self.suffix)
         self.record["summary"] = lines
@@ -523,6 +533,7 @@ def e2e_lines(name: str, data: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
+    """Run one part of the suite; its exit status."""
     args = parse_args(argv)
     suite = Suite(args)
     suite.record["_start"] = suite.start

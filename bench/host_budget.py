@@ -96,6 +96,7 @@ print(json.dumps({
 
 
 def main() -> None:
+    """Measure and write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--layers", type=int, default=12)

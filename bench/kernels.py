@@ -101,6 +101,7 @@ def timed(fn, device, reps: int) -> float:
 
 
 def measure_size(target_bytes: int, device: torch.device, width: int, reps: int) -> dict:
+    """Every transport's time for a pack of about ``target_bytes`` (median of ``reps``), and its checks."""
     cuda = device.type == "cuda"
     layout, arena, fmt = build_pack(target_bytes, width, register=cuda)
     host = arena.buffer

@@ -27,6 +27,7 @@ HOST_BUDGETS = {"16GB": "8GB", "32GB": "20GB"}
 
 
 def main() -> None:
+    """Plan every preset and write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "plan_presets.json"))
     parser.add_argument("--smoke", action="store_true", help="one preset, one shape")

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 from tritoff.activations import MARGIN, estimate, meta_twin
 from tritoff.budget import format_bytes
 from tritoff.onload import GroupRuntime
-from tritoff.planner import BudgetError, PhasedPlan, Plan, fit_together
+from tritoff.planner import BudgetError, PhasedPlan, Plan
 from tritoff.residency import Residency
 from tritoff.slots import SlotRing, StallClock
 from tritoff.transfer import Transfer
@@ -231,8 +231,10 @@ class HookManager:
         if torch.is_grad_enabled():
             for g in comp.unit:
                 _check_frozen(g)
-        for g in comp.groups:  # a streamed block checks its own when it binds
-            if g.tier not in ("fp8", "stream"):
+        for g in comp.groups:
+            if g.tier in ("fp8", "stream"):
+                g.check_data()  # its entries and in-place writes are checked when it binds
+            else:
                 g.check_homes()
         self._plan_activations(comp, args, kwargs)  # may refuse a capture: before anything is counted or changed
         comp.stats.calls += 1
@@ -343,9 +345,7 @@ class HookManager:
                 f"{comp.name}.{group.name} is looked up in host memory (its ids go to the CPU at every call), which a "
                 "CUDA graph cannot capture; capture without tritoff"
             )
-        phases = [c.plan for c in self.components.values()]
-        reserves = {c.name: c.plan.reserve for c in self.components.values()}
-        if not fit_together(phases, self.residency.fixed, reserves, self.residency.budget):
+        if not self.phased.together:
             raise CaptureRefused(
                 f"{comp.name} leaves the GPU whenever another component needs the room (the components do not fit "
                 "the budget together), and a CUDA graph would then read freed memory; capture with a budget that "
@@ -403,8 +403,11 @@ class HookManager:
                 comp.order = list(range(len(comp.blocks)))
         if comp.trace is not None:
             comp.trace.append(self.index[id(group)])
-        if not comp.active and group.tier not in ("fp8", "stream"):
-            group.check_homes()  # called on its own: its component's hook, which checks resident groups, did not run
+        if not comp.active:  # called on its own: its component's hook, which checks every group, did not run
+            if group.tier in ("fp8", "stream"):
+                group.check_data()  # its entries and in-place writes are checked when it binds
+            else:
+                group.check_homes()
         if group.tier in ("fp8", "stream"):
             if torch.is_grad_enabled():
                 # slot views must never be saved for a backward pass: the slot is overwritten by a later block

@@ -131,6 +131,10 @@ class GroupRuntime:
         # each parameter's count of in-place writes: one made after enable (nn.init, fill_) landed on a placeholder
         # or a resident buffer, not in the packs, and is refused at the next forward
         self.versions = [p._version for p in params]
+        # each parameter's data pointer as tritoff last set it (bind, release): one changed since was given new data
+        # (``param.data = tensor``), which neither counts as a write nor changes the packs; None until first set
+        self._pointers: list[int] | None = None
+        self._data_replaced: int | None = None  # a parameter whose new data a release or bind overwrote, by index
         # (owner's parameter dict, key, the group's own parameter), flat: a tied parameter has one per place
         self.homes = [(owner, key, param) for param, places in zip(params, homes, strict=True) for owner, key in places]
         self._home_index = tuple(i for i, places in enumerate(homes) for _ in places)
@@ -189,8 +193,11 @@ class GroupRuntime:
 
     def bind(self, buffer: torch.Tensor) -> None:
         """Point every parameter at its view of ``buffer`` (a resident group: its own buffer, for many forwards)."""
-        for param, view in zip(self.params, self.views(buffer), strict=True):
+        self._note_replaced_data()
+        views = self.views(buffer)
+        for param, view in zip(self.params, views, strict=True):
             param.data = view
+        self._pointers = [v.data_ptr() for v in views]
 
     def bind_slot(self, slot_params: list[torch.nn.Parameter]) -> None:
         """Put ``slot_params`` (from :meth:`slot_parameters`) in the modules for one forward."""
@@ -218,6 +225,28 @@ class GroupRuntime:
             if owner.get(key) is not param:
                 raise self._replaced(owner, key)
         self.check_writes()
+        self.check_data()
+
+    def check_data(self) -> None:
+        """Refuse a parameter given new data after enable (``param.data = tensor``): the module would compute with it
+        while tritoff holds the weight, or tritoff's next load would drop it."""
+        self._note_replaced_data()
+        if self._data_replaced is not None:
+            raise RuntimeError(
+                f"{self.component}.{self.layout.entries[self._data_replaced].name} was given new data "
+                "(`.data = ...`) after tritoff.enable; its weights live in tritoff's packs, which that did not change: "
+                "call tritoff.disable first, change it, then enable again"
+            )
+
+    def _note_replaced_data(self) -> None:
+        # before tritoff sets the parameters' data again: remember one the caller replaced (the first such)
+        if self._pointers is None or self._data_replaced is not None:
+            return
+        pointers = [p.data_ptr() for p in self.params]
+        if pointers != self._pointers:
+            self._data_replaced = next(
+                i for i, (a, b) in enumerate(zip(pointers, self._pointers, strict=True)) if a != b
+            )
 
     def check_writes(self) -> None:
         """Refuse a parameter written in place after enable (``fill_``, ``nn.init.constant_``): the write landed on
@@ -243,8 +272,10 @@ class GroupRuntime:
         """Point every parameter at its placeholder on the compute device (its shape, no memory)."""
         if self._bound:
             self.unbind_slot()
+        self._note_replaced_data()
         for param, empty in zip(self.params, self.placeholders, strict=True):
             param.data = empty
+        self._pointers = [empty.data_ptr() for empty in self.placeholders]
 
     def forget_buffer(self, buffer: torch.Tensor) -> None:
         """Drop cached views of a buffer that is going away."""

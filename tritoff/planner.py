@@ -133,7 +133,14 @@ class PhasedPlan:
     budget: int
     fixed_bytes: int
     phases: dict[str, Plan]
-    together: bool  # every phase fits at once: nothing is ever evicted
+
+    @property
+    def together(self) -> bool:
+        """Every phase fits at once, each with its current reserve: nothing is ever evicted. Computed, not stored: a
+        re-plan of one phase (a new activation reserve) changes it."""
+        return fit_together(
+            self.phases.values(), self.fixed_bytes, {n: p.reserve for n, p in self.phases.items()}, self.budget
+        )
 
     @property
     def modes(self) -> dict[str, str]:
@@ -342,7 +349,7 @@ def plan_phases(
         if worst not in message.split(":")[0]:
             message = message.replace(" is too small", f" is too small for the {worst} phase", 1)
         raise BudgetError(message, errors[worst].minimum)
-    return PhasedPlan(budget, fixed, phases, fit_together(phases.values(), fixed, reserves, budget))
+    return PhasedPlan(budget, fixed, phases)
 
 
 def fit_together(phases, fixed: int, reserves: dict[str, int], budget: int) -> bool:

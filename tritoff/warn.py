@@ -23,4 +23,7 @@ def warn(message: str, category: type[Warning] = TritoffWarning) -> None:
     frame, level = sys._getframe(1), 2
     while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in LIBRARIES:
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level if frame is not None else 2)
+    # no user frame: the stack's bottom, or a thread's start (a thread running a pipeline, tritoff's disk reader)
+    # names tritoff's own line, which says more than threading.py
+    user = frame is not None and frame.f_globals.get("__name__") != "threading"
+    warnings.warn(message, category, stacklevel=level if user else 2)

@@ -652,6 +652,49 @@ def test_a_parameter_written_in_place_after_enable_is_refused(budget):
     assert torch.equal(_output(model, x), expected)
 
 
+@pytest.mark.parametrize("budget", ["streamed", "resident"])
+@pytest.mark.parametrize("called", ["model", "block"])
+def test_a_parameter_given_new_data_after_enable_is_refused(budget, called):
+    """``param.data = tensor`` neither writes in place (no version bump) nor replaces the parameter: the next forward
+    (of the component, or of the block called on its own) refuses it, and disable gives the packed weights back."""
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    expected = _output(dequantize_in_place(_stack()), x)
+    model = _stack()
+    engine = _enable(model, _minimum(_stack()) if budget == "streamed" else "1GB")
+    assert engine.plan.tier_counts("model")["stream" if budget == "streamed" else "bf16"] == 5
+    assert torch.equal(_output(model, x), expected)
+    model.blocks[2][2].weight.data = torch.ones(64, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"^model\.blocks\.2\.2\.weight was given new data") as info:
+        if called == "model":
+            _output(model, x)
+        else:
+            _output(model.blocks[2], torch.randn(4, 64, dtype=torch.bfloat16))
+    assert "\n" not in str(info.value) and "tritoff.disable" in str(info.value)
+    with pytest.raises(RuntimeError, match="was given new data"):
+        _output(model, x)  # it stays refused: the packs still hold the old weight
+    tritoff.disable(model)
+    assert torch.equal(_output(model, x), expected)
+
+
+def test_new_data_given_to_a_loaded_phase_is_refused_after_an_eviction_dropped_it():
+    # the VAE's phase, loaded by the last call, is evicted when the transformer runs (the phases do not fit together);
+    # the eviction points its parameters at placeholders again, which would drop the new data silently
+    probe = tritoff.enable(wan(), mode="model", budget="50MB", reserve=10_000, progress=False, kernels="reference")
+    budget = probe.plan.phases["transformer"].planned_bytes + probe.plan.phases["vae"].need_bytes // 2
+    expected = run(dequantized_pipeline(wan))
+    pipe = wan()
+    engine = tritoff.enable(pipe, mode="model", budget=budget, reserve=10_000, progress=False, kernels="reference")
+    assert torch.equal(run(pipe), expected)
+    assert engine.manager.components["vae"].loaded
+    weight = pipe.vae.post_quant_conv.weight
+    weight.data = torch.zeros_like(weight)
+    with pytest.raises(RuntimeError, match=r"^vae\.post_quant_conv\.weight was given new data"):
+        run(pipe)
+    assert engine.stats["components"]["transformer"]["calls"] > 0  # refused at the VAE's call, after the eviction
+    tritoff.disable(pipe)
+    assert torch.equal(run(pipe), expected)
+
+
 def test_disable_puts_back_a_placeholder_scalar_a_fill_wrote_and_no_forward_refused():
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     other, model = _stack(), _stack()
@@ -760,3 +803,18 @@ def test_a_loaded_phase_entered_with_a_larger_reserve_makes_room_for_it(budget):
     run(pipe)
     assert torch.equal(run(pipe, height=48, width=48), expected)
     assert within and all(within)
+
+
+def test_whether_the_phases_fit_together_follows_their_re_plans():
+    # enabled with reserves of a tenth of the budget, the phases do not fit together; the first call re-plans the
+    # transformer and text encoder around their estimated activations, after which they do: the plan and the report
+    # say what holds now, not what held at enable
+    pipe = wan()
+    engine = tritoff.enable(pipe, mode="group", budget="7MB", progress=False, kernels="reference")
+    phased = engine.manager.phased
+    assert not phased.together and "all fit at once" not in engine.report()
+    run(pipe)
+    assert engine.stats["components"]["transformer"]["replans"] == 1
+    held = sum(p.need_bytes for p in phased.phases.values()) + phased.fixed_bytes
+    assert held + max(p.reserve for p in phased.phases.values()) <= phased.budget
+    assert phased.together and "all fit at once" in engine.report()

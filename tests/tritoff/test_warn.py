@@ -1,4 +1,5 @@
 import sys
+import threading
 import warnings
 
 from tritoff.warn import TritoffWarning, warn
@@ -35,3 +36,16 @@ def test_only_whole_top_level_names_are_libraries():
     user = _in_module("torchvision_user.app", _in_module("tritoff.engine", warn))
     record = _record(user, "here", DeprecationWarning)
     assert record.category is DeprecationWarning and record.filename == "<string>"  # the user's frame, from exec
+
+
+def test_a_warning_in_a_thread_with_no_user_frame_names_tritoffs_line():
+    # a thread whose target is library code (a pipeline's call, tritoff's disk reader) has no user frame below it:
+    # the warning names the frame that called warn, not threading.py
+    target = _in_module("diffusers.pipeline", _in_module("tritoff.disk", warn))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        worker = threading.Thread(target=target, args=("in a thread",))
+        worker.start()
+        worker.join()
+    (record,) = seen
+    assert str(record.message) == "in a thread" and record.filename == "<string>"  # the exec'd tritoff.disk frame
