@@ -18,7 +18,7 @@ from tritoff.chunks import smallest_chunk
 from tritoff.disk import DiskRing, spill_files
 from tritoff.formats import check_granularity, get_format
 from tritoff.groups import REST, Group, block_groups, is_block, is_host, leaf_groups
-from tritoff.host_lookup import HostLookupHook, host_views
+from tritoff.host_lookup import HostLookupHook, HostTable, host_views
 from tritoff.host_plan import hold_plan
 from tritoff.manager import ComponentHook, ComponentRuntime, GroupHook, HookManager, guard_forward
 from tritoff.onload import GroupRuntime, parameter_homes, placeholder, reset_placeholders, table_bytes
@@ -337,13 +337,13 @@ class Engine:
             chunk = self.chunks[name]
             for pack, group in zip(packed.packs, self._group_lists[name], strict=True):
                 params = [params_by_name[n] for n, _ in group.params]
+                places = [homes[id(p)] for p in params]
                 if is_host(group):  # a lookup table that never leaves the host arena
                     for param, view in zip(params, host_views(pack), strict=True):
                         param.data = view
-                    comp.host.append((group, params))
+                    comp.host.append(HostTable(name, group, params, places))
                     continue
                 ring_arena = self.disk.arena if pack.on_disk else None
-                places = [homes[id(p)] for p in params]
                 g = GroupRuntime(name, pack, packed, params, places, device, use_triton, zero_copy, chunk, ring_arena)
                 if split and is_block(group):
                     g.tier = "bf16" if phase.modes[name] == "resident" else tiers[g.name]
@@ -373,8 +373,8 @@ class Engine:
             for group, g in zip(groups, comp.groups, strict=True):
                 if g in comp.blocks:
                     self._hook(modules[group.modules[0][0]], GroupHook(self.manager, g))
-            for group, _ in comp.host:
-                self._hook(modules[group.modules[0][0]], HostLookupHook(device))
+            for table in comp.host:
+                self._hook(modules[table.group.modules[0][0]], HostLookupHook(device))
             self._hook(comp.module, ComponentHook(self.manager, comp))
 
     def _disk_ring(self) -> DiskRing | None:
@@ -673,10 +673,10 @@ def enable(
             "call tritoff.disable(pipe) first, or enable again with the same host_budget"
         )
     fmts = {name: get_format(fmt) for name, fmt in options.storage.items()}
+    if previous is not None:  # a weight replaced or changed since: refused now, before anything changes
+        for comp in previous._runtimes:
+            comp.check_unchanged()
     if reuse:
-        for comp in previous._runtimes:  # a parameter replaced since: refused now, before anything changes
-            for group in comp.groups:
-                group.check_homes()
         group_lists = previous._group_lists
         layouts = {n: [p.layout for p in previous.packed[n].packs] for n in components}
     elif store is not None:

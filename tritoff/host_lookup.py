@@ -12,6 +12,38 @@ from __future__ import annotations
 import torch
 from accelerate.hooks import ModelHook
 
+from tritoff.onload import given_new_data, written_in_place
+
+
+class HostTable:
+    """A lookup table kept in host memory: its group, its parameters (pointed at views of its pack) and where the
+    modules hold them, with what tritoff gave them, to refuse a table replaced, written in place or given new data
+    after enable (the lookups would read it, the packs would not hold it)."""
+
+    def __init__(self, component: str, group, params: list[torch.nn.Parameter], homes: list[list[tuple[dict, str]]]):
+        self.component = component
+        self.group = group
+        self.params = params
+        self.names = [name for name, _ in group.params]
+        self.homes = [(owner, key, p) for p, places in zip(params, homes, strict=True) for owner, key in places]
+        self.pointers = [p.data_ptr() for p in params]
+        self.versions = [p._version for p in params]
+
+    def check(self) -> None:
+        """Refuse, in one line, a table changed since enable."""
+        for owner, key, param in self.homes:
+            if owner.get(key) is not param:
+                name = self.names[next(i for i, p in enumerate(self.params) if p is param)]
+                raise RuntimeError(
+                    f"{self.component}.{name} was replaced or deleted after tritoff.enable (its weights live in "
+                    "tritoff's packs); put it back, or call tritoff.disable first, change it, then enable again"
+                )
+        for name, param, pointer, version in zip(self.names, self.params, self.pointers, self.versions, strict=True):
+            if param.data_ptr() != pointer:
+                raise given_new_data(f"{self.component}.{name}", "after tritoff.enable")
+            if param._version != version:
+                raise written_in_place(f"{self.component}.{name}")
+
 
 class HostLookupHook(ModelHook):
     """Runs an ``nn.Embedding`` whose weight lives in host memory: ids in, rows out on ``device``."""

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_leaves
 
 from tritoff.activations import MARGIN, estimate, meta_twin
 from tritoff.budget import format_bytes
+from tritoff.host_lookup import HostTable
 from tritoff.onload import GroupRuntime
 from tritoff.planner import BudgetError, PhasedPlan, Plan
 from tritoff.residency import Residency
@@ -75,7 +76,7 @@ class ComponentRuntime:
     groups: list[GroupRuntime] = field(default_factory=list)  # all of them, in module order
     blocks: list[GroupRuntime] = field(default_factory=list)  # split blocks, whatever their tier
     unit: list[GroupRuntime] = field(default_factory=list)  # loaded whole when the phase is entered
-    host: list = field(default_factory=list)  # (group, params) of lookup tables kept in host memory
+    host: list[HostTable] = field(default_factory=list)  # lookup tables kept in host memory
     reads_disk: bool = False  # some streamed block is served from disk
     order: list[int] = field(default_factory=list)  # module order until the first forward is traced
     trace: list[int] | None = None
@@ -91,6 +92,13 @@ class ComponentRuntime:
     measured: int | None = None  # activations of the first forward, measured on CUDA
     stats: ComponentStats = field(default_factory=ComponentStats)
     stalls: StallClock = field(default_factory=StallClock)
+
+    def check_unchanged(self) -> None:
+        """Refuse, in one line, a managed weight replaced, written in place or given new data since enable."""
+        for g in self.groups:
+            g.check_homes()
+        for table in self.host:
+            table.check()
 
     @property
     def estimate(self) -> int | None:
@@ -236,6 +244,8 @@ class HookManager:
                 g.check_data()  # its entries and in-place writes are checked when it binds
             else:
                 g.check_homes()
+        for table in comp.host:
+            table.check()
         self._plan_activations(comp, args, kwargs)  # may refuse a capture: before anything is counted or changed
         comp.stats.calls += 1
         if comp.blocks:  # encode/decode run pre_forward only (diffusers' apply_forward_hook): never marked active
@@ -253,7 +263,7 @@ class HookManager:
         return send_to_device(args, self.device), send_to_device(kwargs, self.device)
 
     def component_post(self, comp: ComponentRuntime) -> None:
-        """After a component's forward: finish its trace on the first call."""
+        """After a component's forward: finish its trace on the first call; check its slots' parameters."""
         comp.active = max(comp.active - 1, 0)
         if comp.trace is not None and comp.active == 0:
             self._finish_activation_measure(comp)
@@ -264,6 +274,16 @@ class HookManager:
                 if self.cursor is not None and self.cursor[0] == comp.name:
                     # prefetch was following the module order: restart it on the traced one
                     self._restart_prefetch(comp)
+        self._check_slots(comp)
+
+    def _check_slots(self, comp: ComponentRuntime) -> None:
+        """Refuse a forward during which a slot's parameter was given new data (``.data = ...`` from a forward hook):
+        the blocks sharing that slot computed with data tritoff does not hold. The slot's views are put back, so the
+        next call computes as before. Once per call, not per block: a few dozen pointers."""
+        if comp.ring is not None:
+            error = comp.ring.check_parameters()
+            if error is not None:
+                raise error
 
     def _start_activation_measure(self, comp: ComponentRuntime) -> None:
         if self.device.type != "cuda":
@@ -340,7 +360,7 @@ class HookManager:
                 "capture; capture without tritoff, or with a budget that keeps every block resident"
             )
         if comp.host:
-            group, _ = comp.host[0]
+            group = comp.host[0].group
             raise CaptureRefused(
                 f"{comp.name}.{group.name} is looked up in host memory (its ids go to the CPU at every call), which a "
                 "CUDA graph cannot capture; capture without tritoff"
@@ -408,6 +428,8 @@ class HookManager:
                 group.check_data()  # its entries and in-place writes are checked when it binds
             else:
                 group.check_homes()
+            for g in comp.unit:  # weights tied across blocks live with the rest of the component
+                g.check_homes()
         if group.tier in ("fp8", "stream"):
             if torch.is_grad_enabled():
                 # slot views must never be saved for a backward pass: the slot is overwritten by a later block
@@ -445,6 +467,8 @@ class HookManager:
         if group.tier in ("fp8", "stream") and group.slot is not None:
             comp.ring.done(group)
             group.unbind_slot()
+            if not comp.active:  # called on its own: the component's exit, which checks the slots, will not run
+                self._check_slots(comp)
         if comp.reads_disk and not self.inflight and self.cursor is not None and self.cursor[0] == comp.name:
             # the block's kernels are queued (whatever its tier): wait for the next pack's disk read now, while the
             # GPU computes, rather than in the next block's hook with nothing queued

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from tritoff.chunks import Chunk, split_pack
@@ -54,6 +56,23 @@ def is_placeholder(tensor: torch.Tensor) -> bool:
     return scalar is not None and tensor.data_ptr() == scalar.data_ptr()
 
 
+def written_in_place(name: str) -> RuntimeError:
+    """The refusal of managed weight ``name`` written in place after enable."""
+    return RuntimeError(
+        f"{name} was written in place after tritoff.enable; its weights live in tritoff's packs, which the write did "
+        "not change: call tritoff.disable first, change it, then enable again"
+    )
+
+
+def given_new_data(name: str, when: str) -> RuntimeError:
+    """The refusal of managed weight ``name`` given new data (``.data = ...``) ``when`` (after enable, during its
+    block's forward)."""
+    return RuntimeError(
+        f"{name} was given new data (`.data = ...`) {when}; its weights live in tritoff's packs, which that did not "
+        "change: call tritoff.disable first, change it, then enable again"
+    )
+
+
 def parameter_homes(root: torch.nn.Module) -> dict[int, list[tuple[dict, str]]]:
     """Where each parameter under ``root`` lives, by ``id``: every (owner's ``_parameters``, key) holding it."""
     homes: dict[int, list[tuple[dict, str]]] = {}
@@ -62,6 +81,16 @@ def parameter_homes(root: torch.nn.Module) -> dict[int, list[tuple[dict, str]]]:
             if param is not None:
                 homes.setdefault(id(param), []).append((module._parameters, key))
     return homes
+
+
+class SlotParameters(NamedTuple):
+    """Parameters viewing a ring slot, one per place in a group's homes (:meth:`GroupRuntime.slot_parameters`), with
+    the views they were made from and those views' data pointers: one whose pointer changed was given new data
+    (``param.data = ...``) during a forward (:meth:`GroupRuntime.slot_data_error`)."""
+
+    params: list[torch.nn.Parameter]
+    views: list[torch.Tensor]
+    pointers: list[int]
 
 
 def _launch_tables(layout: PackLayout, chunks: list[Chunk], zero_copy: bool) -> list[tuple[torch.Tensor, int]]:
@@ -140,7 +169,7 @@ class GroupRuntime:
         self._home_index = tuple(i for i, places in enumerate(homes) for _ in places)
         views_of = (tuple((e.out_offset, e.dtype, e.shape) for e in self.layout.entries), self._home_index)
         self.view_layout = _VIEW_LAYOUTS.setdefault(views_of, len(_VIEW_LAYOUTS))
-        self._bound: list[torch.nn.Parameter] = []  # the slot's parameters the modules hold (bind_slot to unbind_slot)
+        self._bound: SlotParameters | None = None  # the slot's parameters the modules hold (bind_slot to unbind_slot)
         self.tier = "stream"
         self.device_pack: torch.Tensor | None = None  # fp8 tier: the pack resident on the GPU
         self.buffer: torch.Tensor | None = None  # bf16 tier or pool unit: its own buffer
@@ -185,11 +214,13 @@ class GroupRuntime:
         by_name = self.layout.views(buffer)
         return [by_name[e.name] for e in self.layout.entries]
 
-    def slot_parameters(self, buffer: torch.Tensor) -> list[torch.nn.Parameter]:
+    def slot_parameters(self, buffer: torch.Tensor) -> SlotParameters:
         """Parameters viewing ``buffer`` (a ring slot), one per place in :attr:`homes`: what :meth:`bind_slot` takes.
         Groups of one :attr:`view_layout` can share them."""
-        views = [torch.nn.Parameter(v, requires_grad=False) for v in self.build_views(buffer)]
-        return [views[i] for i in self._home_index]
+        views = self.build_views(buffer)
+        params = [torch.nn.Parameter(v, requires_grad=False) for v in views]
+        places = [views[i] for i in self._home_index]
+        return SlotParameters([params[i] for i in self._home_index], places, [v.data_ptr() for v in places])
 
     def bind(self, buffer: torch.Tensor) -> None:
         """Point every parameter at its view of ``buffer`` (a resident group: its own buffer, for many forwards)."""
@@ -199,11 +230,11 @@ class GroupRuntime:
             param.data = view
         self._pointers = [v.data_ptr() for v in views]
 
-    def bind_slot(self, slot_params: list[torch.nn.Parameter]) -> None:
-        """Put ``slot_params`` (from :meth:`slot_parameters`) in the modules for one forward."""
+    def bind_slot(self, slot: SlotParameters) -> None:
+        """Put ``slot``'s parameters (from :meth:`slot_parameters`) in the modules for one forward."""
         self.check_writes()
-        self._bound = slot_params  # first: whatever interrupts the loop part way, release() undoes what it stored
-        for (owner, key, param), bound in zip(self.homes, slot_params, strict=True):
+        self._bound = slot  # first: whatever interrupts the loop part way, release() undoes what it stored
+        for (owner, key, param), bound in zip(self.homes, slot.params, strict=True):
             if owner.get(key) is not param:
                 self.unbind_slot()
                 raise self._replaced(owner, key)
@@ -212,10 +243,21 @@ class GroupRuntime:
     def unbind_slot(self) -> None:
         """Give the modules the group's own parameters back (placeholders) after its forward, wherever they hold the
         slot's (an entry the caller changed meanwhile stays as the caller left it)."""
-        for (owner, key, param), bound in zip(self.homes, self._bound, strict=True):
+        for (owner, key, param), bound in zip(self.homes, self._bound.params, strict=True):
             if owner.get(key) is bound:
                 owner[key] = param
-        self._bound = []
+        self._bound = None
+
+    def slot_data_error(self, slot: SlotParameters) -> RuntimeError | None:
+        """Whether a parameter of ``slot`` (this group's layout) was given new data during a forward: every block of
+        this layout landing in the slot would compute with it. Its views are put back, and the error naming it (as
+        this group's) is returned for the caller to raise, else None."""
+        if [p.data_ptr() for p in slot.params] == slot.pointers:
+            return None
+        place = next(i for i, (p, v) in enumerate(zip(slot.params, slot.pointers, strict=True)) if p.data_ptr() != v)
+        for param, view in zip(slot.params, slot.views, strict=True):
+            param.data = view
+        return self._data_error(self._home_index[place], "during a forward")
 
     def check_homes(self) -> None:
         """Refuse a parameter replaced after enable (``module.weight = ...``, ``load_state_dict(assign=True)``, ``del
@@ -229,24 +271,28 @@ class GroupRuntime:
 
     def check_data(self) -> None:
         """Refuse a parameter given new data after enable (``param.data = tensor``): the module would compute with it
-        while tritoff holds the weight, or tritoff's next load would drop it."""
-        self._note_replaced_data()
-        if self._data_replaced is not None:
-            raise RuntimeError(
-                f"{self.component}.{self.layout.entries[self._data_replaced].name} was given new data "
-                "(`.data = ...`) after tritoff.enable; its weights live in tritoff's packs, which that did not change: "
-                "call tritoff.disable first, change it, then enable again"
-            )
+        while tritoff holds the weight, or tritoff's next load would drop it. Putting the data back before that
+        load clears it; after, it stays refused until disable."""
+        index = self._data_replaced if self._data_replaced is not None else self._replaced_data()
+        if index is not None:
+            raise self._data_error(index, "after tritoff.enable")
+
+    def _replaced_data(self) -> int | None:
+        """The index of the first parameter whose data is not what tritoff last gave it, or None."""
+        if self._pointers is None:
+            return None
+        pointers = [p.data_ptr() for p in self.params]
+        if pointers == self._pointers:
+            return None
+        return next(i for i, (a, b) in enumerate(zip(pointers, self._pointers, strict=True)) if a != b)
 
     def _note_replaced_data(self) -> None:
-        # before tritoff sets the parameters' data again: remember one the caller replaced (the first such)
-        if self._pointers is None or self._data_replaced is not None:
-            return
-        pointers = [p.data_ptr() for p in self.params]
-        if pointers != self._pointers:
-            self._data_replaced = next(
-                i for i, (a, b) in enumerate(zip(pointers, self._pointers, strict=True)) if a != b
-            )
+        # before tritoff sets the parameters' data again, which drops new data: remember the (first) one it drops
+        if self._data_replaced is None:
+            self._data_replaced = self._replaced_data()
+
+    def _data_error(self, index: int, when: str) -> RuntimeError:
+        return given_new_data(f"{self.component}.{self.layout.entries[index].name}", when)
 
     def check_writes(self) -> None:
         """Refuse a parameter written in place after enable (``fill_``, ``nn.init.constant_``): the write landed on
@@ -254,11 +300,7 @@ class GroupRuntime:
         if [p._version for p in self.params] != self.versions:
             index = next(i for i, p in enumerate(self.params) if p._version != self.versions[i])
             reset_placeholders()
-            raise RuntimeError(
-                f"{self.component}.{self.layout.entries[index].name} was written in place after tritoff.enable; its "
-                "weights live in tritoff's packs, which the write did not change: call tritoff.disable first, change "
-                "it, then enable again"
-            )
+            raise written_in_place(f"{self.component}.{self.layout.entries[index].name}")
 
     def _replaced(self, owner: dict, key: str) -> RuntimeError:
         place = next(i for i, (o, k, _) in enumerate(self.homes) if o is owner and k == key)
@@ -270,7 +312,7 @@ class GroupRuntime:
 
     def release(self) -> None:
         """Point every parameter at its placeholder on the compute device (its shape, no memory)."""
-        if self._bound:
+        if self._bound is not None:
             self.unbind_slot()
         self._note_replaced_data()
         for param, empty in zip(self.params, self.placeholders, strict=True):

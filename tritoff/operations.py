@@ -4,11 +4,12 @@ tritoff owns where every managed weight lives, so operations that would move, ca
 behind its back are intercepted on the enabled pipeline and its components (instance attributes shadowing the
 methods; :func:`remove` gives the originals back):
 
-- ``.to(...)``, ``.cuda()``, ``.cpu()``, ``.half()``... (all through ``nn.Module._apply``) on the pipeline, a component
-  or any of its submodules: a move or cast that leaves every managed weight where and what it is
-  (``pipe.to("cuda")`` with tritoff on that GPU) works and is otherwise a no-op for them; one that would move managed
-  weights elsewhere or change their dtype is refused before anything moves (a block cast on its own would fill its
-  placeholders to full size, or, inside a forward, cast the slot it computes from);
+- ``.to(...)``, ``.cuda()``, ``.cpu()``, ``.half()``, ``share_memory()``... (all through ``nn.Module._apply``) on the
+  pipeline, a component or any of its submodules: a move or cast that leaves every managed weight where and what it
+  is (``pipe.to("cuda")`` with tritoff on that GPU, ``.to(memory_format=torch.channels_last)``) works and leaves them
+  as tritoff lays them out; one that would move managed weights elsewhere or change their dtype is refused before
+  anything moves (a block cast on its own would fill its placeholders to full size, or, inside a forward, cast the
+  slot it computes from);
 - diffusers' offloading (``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``, ``enable_group_offload``),
   ``enable_layerwise_casting`` and ``remove_all_hooks``: refused, since they would strip or fight tritoff's hooks;
 - ``fuse_qkv_projections``: refused, since it would concatenate placeholders; fusing before ``enable`` works;
@@ -184,8 +185,18 @@ def _guarded_apply(module: torch.nn.Module, component: str, device: torch.device
 
     @functools.wraps(original)
     def _apply(fn, *args, **kwargs):
+        from tritoff.adapters import named_parameters
+
         _check(module, component, fn, device)
-        return original(fn, *args, **kwargs)
+        # what passes the check keeps device and dtype, and may still rebuild a tensor (a memory format, shared
+        # memory): the managed weights stay as tritoff lays them out (a placeholder made dense would take the
+        # weight's full size), the rest (buffers, adapters) is converted
+        managed = {id(p) for _, p in named_parameters(module)}
+
+        def convert(t):
+            return t if id(t) in managed else fn(t)
+
+        return original(convert, *args, **kwargs)
 
     _apply._tritoff = True
     return _apply

@@ -53,7 +53,7 @@ class Report:
                 "activation_estimate_bytes": comp.estimate,
                 "activation_measured_bytes": comp.measured,
                 # embedding tables looked up in host memory: never on the GPU
-                "host_lookup_bytes": sum(p.numel() * p.element_size() for _, params in comp.host for p in params),
+                "host_lookup_bytes": sum(p.numel() * p.element_size() for table in comp.host for p in table.params),
                 # packs beyond the host budget: served from disk, and what was read of them
                 "disk_pack_bytes": engine.packed[comp.name].disk_bytes,
                 "disk_bytes_read": engine.disk.bytes_read.get(comp.name, 0) if engine.disk else 0,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tritoff.onload import GroupRuntime
+from tritoff.onload import GroupRuntime, SlotParameters
 from tritoff.transfer import Transfer, free_after_transfers
 
 
@@ -81,7 +81,8 @@ class SlotRing:
         # (slot, view layout) -> parameters viewing that slot: blocks of one shape share them, so they are all built
         # during the first forward (a group lands in a different slot on every pass when the ring's size does not
         # divide the number of blocks)
-        self._params: dict[tuple[int, int], list[torch.nn.Parameter]] = {}
+        self._params: dict[tuple[int, int], SlotParameters] = {}
+        self._users: dict[tuple[int, int], GroupRuntime] = {}  # the group that last bound each, to name a refusal
 
     @property
     def n_slots(self) -> int:
@@ -115,17 +116,26 @@ class SlotRing:
             else:
                 stream.wait_event(group.ready)
 
-    def parameters(self, group: GroupRuntime) -> list[torch.nn.Parameter]:
+    def parameters(self, group: GroupRuntime) -> SlotParameters:
         """Parameters viewing the slot ``group`` was loaded into, for :meth:`GroupRuntime.bind_slot`."""
         key = (group.slot, group.view_layout)
         params = self._params.get(key)
         if params is None:
             params = self._params[key] = group.slot_parameters(self.buffers[group.slot])
+        self._users[key] = group
         return params
+
+    def check_parameters(self) -> RuntimeError | None:
+        """The refusal of a slot parameter given new data during a forward (its views put back), or None."""
+        for key, slot in self._params.items():
+            error = self._users[key].slot_data_error(slot)
+            if error is not None:
+                return error
+        return None
 
     def release(self) -> None:
         """Free the slots (teardown)."""
-        self._params = {}
+        self._params, self._users = {}, {}
         self.buffers = []
         self.free_events = []
         self.used = []

@@ -12,6 +12,9 @@ LIBRARIES = frozenset(
     {"tritoff", "torch", "accelerate", "diffusers", "transformers", "peft", "contextlib", "functools"}
 )
 
+# where a thread's stack starts: a thread, a pool's worker (concurrent.futures, asyncio.to_thread)
+THREAD_STARTS = frozenset({"threading", "concurrent", "asyncio"})
+
 
 class TritoffWarning(UserWarning):
     """What tritoff warns about (``warnings.filterwarnings("ignore", category=tritoff.TritoffWarning)`` silences it);
@@ -23,7 +26,7 @@ def warn(message: str, category: type[Warning] = TritoffWarning) -> None:
     frame, level = sys._getframe(1), 2
     while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in LIBRARIES:
         frame, level = frame.f_back, level + 1
-    # no user frame: the stack's bottom, or a thread's start (a thread running a pipeline, tritoff's disk reader)
-    # names tritoff's own line, which says more than threading.py
-    user = frame is not None and frame.f_globals.get("__name__") != "threading"
+    # no user frame: the stack's bottom, or a thread's start (a thread or an executor running a pipeline, tritoff's
+    # disk reader) names tritoff's own line, which says more than threading.py
+    user = frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] not in THREAD_STARTS
     warnings.warn(message, category, stacklevel=level if user else 2)

@@ -98,3 +98,27 @@ def test_the_lookup_runs_where_the_table_is_and_returns_on_the_compute_device(sm
     assert args[0].device == table.weight.device and kwargs == {}
     out = hook.post_forward(table, table(*args))
     assert torch.equal(out, table.weight[ids]) and out.device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("how", ["data", "in place", "replaced"])
+def test_a_host_table_changed_after_enable_is_refused(small_threshold, how):
+    # the lookups read the module's table: a new one would be used while the packs keep the old
+    expected = run(dequantized_pipeline(wan))
+    pipe = wan()
+    tritoff.enable(pipe, mode="group", progress=False, kernels="reference")
+    assert pipe._tritoff_engine.manager.components["text_encoder"].host
+    run(pipe)
+    table = pipe.text_encoder.shared.weight
+    if how == "data":
+        table.data = torch.zeros_like(table)
+    elif how == "in place":
+        with torch.no_grad():
+            table.add_(1)
+    else:
+        pipe.text_encoder.shared.weight = nn.Parameter(torch.zeros_like(table), requires_grad=False)
+    with pytest.raises(RuntimeError, match=r"^text_encoder\.shared\.weight was (given new|written|replaced)") as info:
+        run(pipe)
+    assert "\n" not in str(info.value) and "tritoff.disable" in str(info.value)
+    if how == "replaced":
+        pipe.text_encoder.shared.weight = table
+        assert torch.equal(run(pipe), expected)

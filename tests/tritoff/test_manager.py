@@ -676,6 +676,71 @@ def test_a_parameter_given_new_data_after_enable_is_refused(budget, called):
     assert torch.equal(_output(model, x), expected)
 
 
+def test_new_data_given_to_a_slot_parameter_during_a_forward_is_refused_and_put_back():
+    # a forward hook sets .data on what the module holds while its block streams: a slot's parameter, which every
+    # block of the same shape landing in that slot shares; the call is refused and the slot gets its view back
+    model, engine, x, expected = _streamed_stack()
+    _output(model, x)
+
+    def hook(module, args):
+        module.weight.data = torch.zeros(64, 64, dtype=torch.bfloat16)
+
+    handle = model.blocks[2][0].register_forward_pre_hook(hook)
+    with pytest.raises(RuntimeError, match=r"^model\.blocks\.\d\.0\.weight was given new data .* during a forward"):
+        _output(model, x)
+    handle.remove()
+    for _ in range(3):  # each block passes through each slot
+        assert torch.equal(_output(model, x), expected)
+    handle = model.blocks[2][0].register_forward_pre_hook(hook)
+    with pytest.raises(RuntimeError, match="during a forward"):  # the block called on its own checks too
+        _output(model.blocks[2], torch.randn(4, 64, dtype=torch.bfloat16))
+    handle.remove()
+    assert torch.equal(_output(model, x), expected)
+
+
+def test_new_data_put_back_before_any_load_is_not_refused():
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    model = _stack()
+    _enable(model, "1GB")
+    expected = _output(model, x)
+    weight = model.blocks[2][0].weight
+    old = weight.data
+    weight.data = torch.zeros(64, 64, dtype=torch.bfloat16)
+    weight.data = old
+    assert torch.equal(_output(model, x), expected)
+
+
+@pytest.mark.parametrize("how", ["data", "parameter"])
+def test_a_re_plan_that_packs_again_refuses_a_weight_changed_since(how):
+    # switching to leaf groups packs the weights again from what disable gives back: a weight changed since enable
+    # is refused first, as a re-plan keeping the packs does
+    model, _, x, expected = _streamed_stack()
+    _output(model, x)
+    mine = torch.zeros(64, 64, dtype=torch.bfloat16)
+    if how == "data":
+        model.blocks[2][0].weight.data = mine
+    else:
+        model.blocks[2][0].weight = nn.Parameter(mine, requires_grad=False)
+    with pytest.raises(RuntimeError, match=r"^model\.blocks\.2\.0\.weight was (given new data|replaced or deleted)"):
+        tritoff.enable(model, mode="leaf", budget="1GB", reserve=1000, progress=False, kernels="reference")
+    assert model._tritoff_engine.options.mode == "group"  # nothing changed
+
+
+@pytest.mark.parametrize("budget", ["streamed", "resident"])
+def test_a_block_called_on_its_own_checks_the_weights_it_shares_with_the_rest(budget):
+    # block 3 reuses block 1's first weight: tied weights live with the rest of the component, not with the block
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    options = dict(mode="group", reserve=1000, progress=False, kernels="reference")
+    with pytest.raises(BudgetError) as info:
+        tritoff.enable(_tied(), budget=1000, **options)
+    model = _tied()
+    tritoff.enable(model, budget=info.value.minimum if budget == "streamed" else "1GB", **options)
+    _output(model, x)
+    model.blocks[1][0].weight.data = torch.zeros(64, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"^model\.blocks\.1\.0\.weight was given new data"):
+        _output(model.blocks[3], torch.randn(4, 64, dtype=torch.bfloat16))
+
+
 def test_new_data_given_to_a_loaded_phase_is_refused_after_an_eviction_dropped_it():
     # the VAE's phase, loaded by the last call, is evicted when the transformer runs (the phases do not fit together);
     # the eviction points its parameters at placeholders again, which would drop the new data silently
@@ -727,7 +792,12 @@ def test_a_deleted_parameter_is_refused_and_an_interrupted_bind_is_undone(monkey
             raise KeyboardInterrupt
 
     original = SlotRing.parameters
-    monkeypatch.setattr(SlotRing, "parameters", lambda ring, group: Interrupting(original(ring, group)))
+
+    def interrupting(ring, group):
+        slot = original(ring, group)
+        return slot._replace(params=Interrupting(slot.params))
+
+    monkeypatch.setattr(SlotRing, "parameters", interrupting)
     with pytest.raises(KeyboardInterrupt):
         _output(model, x)
     monkeypatch.setattr(SlotRing, "parameters", original)

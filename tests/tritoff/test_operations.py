@@ -31,6 +31,19 @@ def test_moves_that_change_nothing_work(enabled):
     assert torch.equal(run(pipe, LATENTS), before)
 
 
+def test_conversions_keeping_device_and_dtype_leave_the_managed_weights_as_tritoff_lays_them_out():
+    # a memory format or shared memory rebuilds tensors: a placeholder made dense would take its weight's full size
+    pipe = wan()
+    tritoff.enable(pipe, mode="group", budget="4MB", progress=False, kernels="reference")
+    before = run(pipe, LATENTS)
+    weight = pipe.transformer.patch_embedding.weight
+    pipe.transformer.to(memory_format=torch.channels_last_3d)
+    pipe.vae.to(memory_format=torch.channels_last_3d)
+    pipe.vae.share_memory()
+    assert pipe.transformer.patch_embedding.weight is weight and weight.is_contiguous()
+    assert torch.equal(run(pipe, LATENTS), before)
+
+
 @pytest.mark.parametrize(
     "operation,message",
     [

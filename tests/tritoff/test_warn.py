@@ -1,6 +1,7 @@
 import sys
 import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 from tritoff.warn import TritoffWarning, warn
 
@@ -49,3 +50,12 @@ def test_a_warning_in_a_thread_with_no_user_frame_names_tritoffs_line():
         worker.join()
     (record,) = seen
     assert str(record.message) == "in a thread" and record.filename == "<string>"  # the exec'd tritoff.disk frame
+
+
+def test_a_warning_in_a_pool_worker_with_no_user_frame_names_tritoffs_line():
+    target = _in_module("diffusers.pipeline", _in_module("tritoff.disk", warn))
+    with warnings.catch_warnings(record=True) as seen, ThreadPoolExecutor(1) as pool:
+        warnings.simplefilter("always")
+        pool.submit(target, "in a pool").result()
+    (record,) = seen
+    assert str(record.message) == "in a pool" and record.filename == "<string>"
