@@ -631,17 +631,24 @@ def test_a_resident_block_called_on_its_own_refuses_a_replaced_parameter():
     assert torch.equal(block(hidden), expected)
 
 
-@pytest.mark.parametrize("budget", ["streamed", "resident"])
-def test_a_parameter_written_in_place_after_enable_is_refused(budget):
-    """``nn.init`` or ``fill_`` on a managed weight writes its placeholder's shared scalar (overlap stops most in-place
-    writes, not fills) or a resident buffer, never the packs: the next forward refuses it, the scalar is put back,
-    and disable gives the packed weights back."""
+def _stack_in_tier(budget: str):
+    """An enabled Stack whose blocks are all ``streamed`` or all ``resident``, an input, and the dequantized output,
+    which its first call gives."""
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     expected = _output(dequantize_in_place(_stack()), x)
     model = _stack()
     engine = _enable(model, _minimum(_stack()) if budget == "streamed" else "1GB")
     assert engine.plan.tier_counts("model")["stream" if budget == "streamed" else "bf16"] == 5
     assert torch.equal(_output(model, x), expected)
+    return model, x, expected
+
+
+@pytest.mark.parametrize("budget", ["streamed", "resident"])
+def test_a_parameter_written_in_place_after_enable_is_refused(budget):
+    """``nn.init`` or ``fill_`` on a managed weight writes its placeholder's shared scalar (overlap stops most in-place
+    writes, not fills) or a resident buffer, never the packs: the next forward refuses it, the scalar is put back,
+    and disable gives the packed weights back."""
+    model, x, expected = _stack_in_tier(budget)
     with torch.no_grad():
         nn.init.constant_(model.blocks[2][0].weight, 1.0)
     with pytest.raises(RuntimeError, match=r"^model\.blocks\.2\.0\.weight was written in place after tritoff"):
@@ -657,12 +664,7 @@ def test_a_parameter_written_in_place_after_enable_is_refused(budget):
 def test_a_parameter_given_new_data_after_enable_is_refused(budget, called):
     """``param.data = tensor`` neither writes in place (no version bump) nor replaces the parameter: the next forward
     (of the component, or of the block called on its own) refuses it, and disable gives the packed weights back."""
-    x = torch.randn(4, 16, dtype=torch.bfloat16)
-    expected = _output(dequantize_in_place(_stack()), x)
-    model = _stack()
-    engine = _enable(model, _minimum(_stack()) if budget == "streamed" else "1GB")
-    assert engine.plan.tier_counts("model")["stream" if budget == "streamed" else "bf16"] == 5
-    assert torch.equal(_output(model, x), expected)
+    model, x, expected = _stack_in_tier(budget)
     model.blocks[2][2].weight.data = torch.ones(64, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"^model\.blocks\.2\.2\.weight was given new data") as info:
         if called == "model":
