@@ -435,6 +435,11 @@ class Engine:
         """Counters per component and in total, as data (see :meth:`report`)."""
         return Report(self).data()
 
+    @property
+    def managed_ids(self) -> set[int]:
+        """The ids of the parameters whose weights tritoff holds (not adapters, not parameters added since)."""
+        return {id(p) for params in self._own_params.values() for p in params.values()}
+
     def report(self) -> str:
         """A readable table: plan, bytes moved, onloads, synchronous fallbacks, stalls, memory, worst layers."""
         return Report(self).text()
@@ -813,7 +818,7 @@ def _install(engine: Engine) -> None:
     lora.attach(engine)  # fuse_lora / unfuse_lora write into the packs
     blocks = [m for m in engine._hooked if isinstance(getattr(m, "_hf_hook", None), GroupHook)]
     # .to(), offloading, qkv fusion, compile, save_pretrained
-    operations.install(engine.target, engine.components, engine.options.device, blocks)
+    operations.install(engine.target, engine.components, engine.options.device, blocks, engine.managed_ids)
 
 
 def _check_callable(components: dict[str, nn.Module], sizes: list[ComponentSize]) -> None:

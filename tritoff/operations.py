@@ -73,9 +73,9 @@ def refuse(objects, refusals: dict[str, str]) -> None:
                 setattr(obj, name, _refusal(name, message))
 
 
-def install(target, components: dict, device: torch.device, blocks=()) -> None:
+def install(target, components: dict, device: torch.device, blocks=(), managed: frozenset | set = frozenset()) -> None:
     """Intercept the operations above on ``target`` (a pipeline or module), on each of its ``components`` and on the
-    hooked ``blocks``."""
+    hooked ``blocks``; ``managed``: the ids of the parameters tritoff holds the weights of."""
     for block in blocks:
         install_block(block)
     refuse((target, *components.values()), REFUSED)
@@ -83,7 +83,7 @@ def install(target, components: dict, device: torch.device, blocks=()) -> None:
         for sub_name, sub in module.named_modules():  # any submodule may be moved, cast or loaded on its own
             where = f"{name}.{sub_name}" if sub_name else name
             if "_apply" not in sub.__dict__:
-                sub._apply = _guarded_apply(sub, where, device)
+                sub._apply = _guarded_apply(sub, where, device, managed)
             if "load_state_dict" not in sub.__dict__:
                 sub.load_state_dict = _guarded_load_state_dict(sub, where)
         # or copied or pickled on its own: its copy would hold placeholders (and could not pickle the guards above)
@@ -180,23 +180,28 @@ def _compile_around_hooks(module: torch.nn.Module, component: str):
     return compile
 
 
-def _guarded_apply(module: torch.nn.Module, component: str, device: torch.device):
+def _guarded_apply(module: torch.nn.Module, component: str, device: torch.device, managed):
     original = module._apply  # nn.Module's, bound
 
     @functools.wraps(original)
     def _apply(fn, *args, **kwargs):
-        from tritoff.adapters import named_parameters
-
         _check(module, component, fn, device)
+
         # what passes the check keeps device and dtype, and may still rebuild a tensor (a memory format, shared
         # memory): the managed weights stay as tritoff lays them out (a placeholder made dense would take the
-        # weight's full size), the rest (buffers, adapters) is converted
-        managed = {id(p) for _, p in named_parameters(module)}
-
+        # weight's full size), everything else (buffers, adapters, parameters added since) is converted
         def convert(t):
             return t if id(t) in managed else fn(t)
 
-        return original(convert, *args, **kwargs)
+        if not torch.__future__.get_overwrite_module_params_on_conversion():
+            return original(convert, *args, **kwargs)
+        # torch then wraps every parameter, even one handed back as it is, in a new nn.Parameter: put tritoff's back
+        places = [(sub._parameters, k, p) for sub in module.modules() for k, p in sub._parameters.items()]
+        result = original(convert, *args, **kwargs)
+        for owner, key, param in places:
+            if id(param) in managed:
+                owner[key] = param
+        return result
 
     _apply._tritoff = True
     return _apply

@@ -44,7 +44,7 @@ def guard(engine) -> list:
     returns what :func:`unguard` removes."""
     from tritoff import operations
 
-    operations.install(engine.target, engine.components, engine.options.device)
+    operations.install(engine.target, engine.components, engine.options.device, managed=engine.managed_ids)
     names = {id(m): name for name, component in engine.components.items() for m in component.modules()}
     handles = []
     for module in engine._unhooked:

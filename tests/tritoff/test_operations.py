@@ -42,6 +42,24 @@ def test_conversions_keeping_device_and_dtype_leave_the_managed_weights_as_trito
     pipe.vae.share_memory()
     assert pipe.transformer.patch_embedding.weight is weight and weight.is_contiguous()
     assert torch.equal(run(pipe, LATENTS), before)
+    pipe.transformer.extra = torch.nn.Linear(4, 4)  # added after enable: not tritoff's, so converted
+    pipe.transformer.share_memory()
+    assert pipe.transformer.extra.weight.is_shared() and not weight.is_shared()
+    del pipe.transformer.extra
+
+
+def test_a_move_that_changes_nothing_keeps_the_managed_parameters_when_torch_would_replace_them(monkeypatch):
+    # with overwrite_module_params_on_conversion, torch wraps every parameter in a new one, even one kept as it is
+    pipe = wan()
+    tritoff.enable(pipe, mode="group", budget="4MB", progress=False, kernels="reference")
+    before = run(pipe, LATENTS)
+    weight = pipe.transformer.patch_embedding.weight
+    monkeypatch.setattr(torch.__future__, "_overwrite_module_params_on_conversion", True)
+    pipe.transformer.to(pipe._tritoff_engine.options.device)
+    pipe.vae.to(memory_format=torch.channels_last_3d)
+    monkeypatch.undo()
+    assert pipe.transformer.patch_embedding.weight is weight
+    assert torch.equal(run(pipe, LATENTS), before)
 
 
 @pytest.mark.parametrize(
