@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from accelerate.hooks import ModelHook
 
-from tritoff.onload import given_new_data, written_in_place
+from tritoff.onload import given_new_data, replaced_or_deleted, written_in_place
 
 
 class HostTable:
@@ -34,10 +34,7 @@ class HostTable:
         for owner, key, param in self.homes:
             if owner.get(key) is not param:
                 name = self.names[next(i for i, p in enumerate(self.params) if p is param)]
-                raise RuntimeError(
-                    f"{self.component}.{name} was replaced or deleted after tritoff.enable (its weights live in "
-                    "tritoff's packs); put it back, or call tritoff.disable first, change it, then enable again"
-                )
+                raise replaced_or_deleted(f"{self.component}.{name}")
         for name, param, pointer, version in zip(self.names, self.params, self.pointers, self.versions, strict=True):
             if param.data_ptr() != pointer:
                 raise given_new_data(f"{self.component}.{name}", "after tritoff.enable")

@@ -240,10 +240,7 @@ class HookManager:
             for g in comp.unit:
                 _check_frozen(g)
         for g in comp.groups:
-            if g.tier in ("fp8", "stream"):
-                g.check_data()  # its entries and in-place writes are checked when it binds
-            else:
-                g.check_homes()
+            g.check_before_forward()
         for table in comp.host:
             table.check()
         self._plan_activations(comp, args, kwargs)  # may refuse a capture: before anything is counted or changed
@@ -424,10 +421,7 @@ class HookManager:
         if comp.trace is not None:
             comp.trace.append(self.index[id(group)])
         if not comp.active:  # called on its own: its component's hook, which checks every group, did not run
-            if group.tier in ("fp8", "stream"):
-                group.check_data()  # its entries and in-place writes are checked when it binds
-            else:
-                group.check_homes()
+            group.check_before_forward()
             for g in comp.unit:  # weights tied across blocks live with the rest of the component
                 g.check_homes()
         if group.tier in ("fp8", "stream"):

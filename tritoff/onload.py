@@ -56,6 +56,14 @@ def is_placeholder(tensor: torch.Tensor) -> bool:
     return scalar is not None and tensor.data_ptr() == scalar.data_ptr()
 
 
+def replaced_or_deleted(name: str) -> RuntimeError:
+    """The refusal of managed weight ``name`` replaced or deleted in its module after enable."""
+    return RuntimeError(
+        f"{name} was replaced or deleted after tritoff.enable (its weights live in tritoff's packs); put it back, or "
+        "call tritoff.disable first, change it, then enable again"
+    )
+
+
 def written_in_place(name: str) -> RuntimeError:
     """The refusal of managed weight ``name`` written in place after enable."""
     return RuntimeError(
@@ -269,6 +277,14 @@ class GroupRuntime:
         self.check_writes()
         self.check_data()
 
+    def check_before_forward(self) -> None:
+        """What a forward checks before it runs: everything (:meth:`check_homes`) for a group bound in place; only the
+        data of a streamed one, whose entries and in-place writes :meth:`bind_slot` checks."""
+        if self.tier in ("fp8", "stream"):
+            self.check_data()
+        else:
+            self.check_homes()
+
     def check_data(self) -> None:
         """Refuse a parameter given new data after enable (``param.data = tensor``): the module would compute with it
         while tritoff holds the weight, or tritoff's next load would drop it. Putting the data back before that
@@ -304,11 +320,7 @@ class GroupRuntime:
 
     def _replaced(self, owner: dict, key: str) -> RuntimeError:
         place = next(i for i, (o, k, _) in enumerate(self.homes) if o is owner and k == key)
-        name = self.layout.entries[self._home_index[place]].name
-        return RuntimeError(
-            f"{self.component}.{name} was replaced or deleted after tritoff.enable (its weights live in tritoff's "
-            "packs); put it back, or call tritoff.disable first, change it, then enable again"
-        )
+        return replaced_or_deleted(f"{self.component}.{self.layout.entries[self._home_index[place]].name}")
 
     def release(self) -> None:
         """Point every parameter at its placeholder on the compute device (its shape, no memory)."""
