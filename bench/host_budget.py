@@ -169,7 +169,11 @@ def main() -> None:
                         capture_output=True,
                         text=True,
                         cwd=ROOT,
-                        env={**os.environ, "PYTHONPATH": str(ROOT)},
+                        # the checkout first, then the caller's path (carried wheels on the GPU machine)
+                        env={
+                            **os.environ,
+                            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                        },
                     )
                     if result.returncode != 0:
                         sys.exit(f"host budget {host_budget}: {result.stderr[-2000:]}")

@@ -425,7 +425,7 @@ def _peak(store, host_budget, config):
         # glibc's moving mmap threshold and per-thread buffers would add megabytes of noise to the peak
         env={
             **os.environ,
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             "MALLOC_ARENA_MAX": "1",
             "MALLOC_MMAP_THRESHOLD_": str(1 << 20),
             "OMP_NUM_THREADS": "1",
