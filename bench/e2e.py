@@ -357,6 +357,7 @@ def measure(model, table: Table, kind: str, device, budget: int | None, engine=N
             row["packed_bytes"] = total["packed_bytes"]
             row["activation_bytes"] = total.get("activation_bytes")
             row["sync_onloads"] = total["sync_onloads"]
+            row["pageable_host_bytes"] = total.get("pageable_host_bytes")  # > 0: page-locking failed, no overlap
             row["plan"] = engine.plan.summary()
             if engine.options.host_budget is not None:
                 row["host_budget_bytes"] = engine.options.host_budget
@@ -790,6 +791,7 @@ def pipeline_rows(args, device) -> dict:
                 row["sync_onloads"] = stats["sync_onloads"]
                 row["activation_bytes"] = stats.get("activation_bytes")
                 row["packed_bytes"] = stats["packed_bytes"]
+                row["pageable_host_bytes"] = stats.get("pageable_host_bytes")
                 row["report"] = engine.report()
             row["peak_vram_bytes"] = peak
             if peak is not None and cap_budget is not None:

@@ -5,6 +5,7 @@ Importing this module never touches the GPU: every question is answered lazily, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -95,6 +96,16 @@ def eager(*tensors: torch.Tensor) -> bool:
         and not torch._is_functional_tensor(t)
         for t in tensors
     )
+
+
+def launch_device(tensor: torch.Tensor):
+    """A context making ``tensor``'s GPU the current device for an eager launch, when it is not already: Triton
+    launches on the current device (its context, its current stream) whatever device the tensors are on, so a kernel on
+    ``cuda:1`` tensors launched while ``cuda:0`` is current would run in the wrong context, unordered with the work
+    queued on ``cuda:1``."""
+    if tensor.device.type != "cuda" or tensor.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(tensor.device)
 
 
 def launch(kernel):

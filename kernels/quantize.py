@@ -15,7 +15,7 @@ import triton.language as tl
 
 from tritoff.formats import StorageFormat
 
-from .backend import eager, launch, native_fp8, register_op
+from .backend import eager, launch, launch_device, native_fp8, register_op
 from .fp8_bits import encode_fp8_bits
 
 # Scale exponents are clamped so fp8 * 2^k never leaves bf16's normal range (smallest e5m2 subnormal 2^-16 * 2^-100).
@@ -173,6 +173,9 @@ def quantize(
         scales = torch.ones(1, dtype=torch.float32, device=w.device)
     if rows.numel():
         use_native = native_fp8(w.device) if native is None else native
-        call = _quantize_rows_eager if eager(rows, q, scales) else _quantize_rows_op
-        call(rows, q, scales, _FP8_DTYPES[fmt.dtype], granularity == "row", use_native)
+        if eager(rows, q, scales):
+            with launch_device(rows):
+                _quantize_rows_eager(rows, q, scales, _FP8_DTYPES[fmt.dtype], granularity == "row", use_native)
+        else:
+            _quantize_rows_op(rows, q, scales, _FP8_DTYPES[fmt.dtype], granularity == "row", use_native)
     return q.reshape(w.shape), scales

@@ -52,7 +52,8 @@ class HostArena:
         if self.register_error is not None:
             warn(
                 f"page-locking {self.nbytes / 2**30:.2f} GiB of host memory failed ({self.register_error}); transfers "
-                "fall back to pageable memory and will be slower (page-locking needs that much free host memory)."
+                "fall back to pageable memory, whose copies wait for the GPU to catch up, so they no longer overlap "
+                "compute (page-locking needs that much free host memory: free some, or lower host_budget)."
             )
             return
         self.registered = True

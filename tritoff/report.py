@@ -82,6 +82,9 @@ class Report:
             total["compute_wait_s"] = sum(c.stalls.seconds() for c in manager.components.values()) if manager else 0.0
             total["peak_vram_bytes"] = manager.peak_bytes() if manager else torch.cuda.max_memory_allocated(device)
             total["activation_bytes"] = dict(manager.activation_peaks) if manager else {}
+            # host memory transfers read that page-locking failed for: each copy from it waits for the GPU
+            arenas = [p.arena for p in engine.packed.values()] + ([ring.arena] if ring else [])
+            total["pageable_host_bytes"] = sum(a.nbytes for a in arenas if not a.registered)
         worst = sorted(engine.snr.items(), key=lambda kv: kv[1])[:5]
         requantized = sorted(engine.requantized.items(), key=lambda kv: kv[1][1])
         return {
@@ -156,6 +159,12 @@ class Report:
             lines.append(
                 f"  peak VRAM {format_bytes(t['peak_vram_bytes'])}, compute stream waited on transfers "
                 f"{t['compute_wait_s'] * 1e3:.1f} ms"
+            )
+        if t.get("pageable_host_bytes"):
+            lines.append(
+                f"  {format_bytes(t['pageable_host_bytes'])} of packs could not be page-locked: copies from them wait "
+                "for the GPU to catch up, so their transfers do not overlap compute (free host memory, or lower "
+                "host_budget)"
             )
         if d["requantized_weights"]:
             lines.append(

@@ -1,9 +1,10 @@
-"""Saved stores: a model's packs written once, then mapped (not read) at every start.
+"""Saved stores: a model's packs written once, then read (never quantized again) at every start.
 
 A store is a directory: ``tritoff_store.json`` (the index) and one safetensors file per component holding its whole
-arena as one uint8 tensor, with the pack tables in the file's metadata. The data starts page-aligned, so the file is
-mapped read-only and viewed in place; on CUDA the mapping is registered read-only so the copy engine reads straight
-from the page cache.
+arena as one uint8 tensor, with the pack tables in the file's metadata. The packs the host budget holds are read
+into a new host arena (page-locked on CUDA once read); the others are read from the file as they are needed (the disk
+ring). A file is never mapped and registered whole: registering faults in and locks every page, which a store larger
+than RAM cannot survive.
 
 The index records the format version, tritoff version, granularity, skip patterns, grouping, per component its
 storage format, a fingerprint of its class, config and parameter names/shapes/dtypes and its file's size and

@@ -24,6 +24,23 @@ def test_pipeline_on_gpu_matches_the_dequantized_pipeline():
         assert engine.stats["total"]["sync_onloads"] == 0
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_an_engine_on_the_second_gpu_quantizes_and_streams_there_while_the_first_is_current():
+    # Triton launches on the current device whatever its tensors' device: each launch makes theirs current
+    reference = dequantized_pipeline(wan).to("cuda:1")
+    expected = run(reference)
+    torch.cuda.set_device(0)
+    first_gpu = torch.cuda.memory_allocated(0)
+    for transport in ("staged", "zero_copy"):
+        pipe = wan()
+        engine = tritoff.enable(pipe, mode="group", budget="4MB", device="cuda:1", transport=transport, progress=False)
+        assert engine.plan.tier_counts("transformer")["stream"] > 0
+        assert torch.equal(run(pipe), expected), transport
+        assert torch.cuda.current_device() == 0
+        assert torch.cuda.memory_allocated(0) == first_gpu  # nothing of it landed on the current GPU
+        tritoff.disable(pipe)
+
+
 class Heavy(nn.Module):
     """Blocks whose matmuls take much longer than their weights take to stream."""
 
@@ -101,6 +118,23 @@ def test_registered_arena_and_real_fp8_kernels():
     assert torch.equal(codes.cpu(), ref_codes) and torch.equal(scales.cpu(), ref_scales)
     if torch.cuda.get_device_capability() >= (8, 9):
         assert native_fp8("cuda")
+
+
+def test_packs_that_could_not_be_page_locked_run_exactly_and_are_reported(monkeypatch):
+    from tritoff import cuda_host
+
+    reference = dequantized_pipeline(wan).to("cuda")
+    expected = run(reference)
+    monkeypatch.setattr(cuda_host, "register", lambda ptr, nbytes: "CUDA_ERROR_OUT_OF_MEMORY")
+    pipe = wan()
+    with pytest.warns(UserWarning, match="no longer overlap compute"):
+        engine = tritoff.enable(pipe, mode="group", budget="4MB", progress=False)
+    assert torch.equal(run(pipe), expected)
+    total = engine.stats["total"]
+    assert total["pageable_host_bytes"] == total["host_arena_bytes"] > 0
+    assert "could not be page-locked" in engine.report()
+    with pytest.raises(ValueError, match="transport='zero_copy' needs page-locked host memory"), pytest.warns():
+        tritoff.enable(wan(), mode="group", budget="4MB", transport="zero_copy", progress=False)
 
 
 # about 20-50 ms of GPU time on current parts: long enough for the transfer streams to run far ahead of compute
@@ -415,7 +449,7 @@ def test_a_pack_over_2_gib_unpacks_exactly():
     data = torch.empty(layout.nbytes, dtype=torch.uint8, device="cuda")
     codes = data[e.offset : e.offset + e.nbytes]
     codes.copy_(torch.randint(0, 256, (e.nbytes,), dtype=torch.uint8, device="cuda"))
-    codes[(codes & 0x7F) == 0x7F] = 0x38  # no NaN codes (0x38 is 1.0)
+    codes.masked_fill_((codes & 0x7F) == 0x7F, 0x38)  # no NaN codes (0x38 is 1.0); no nonzero() over 2^31
     data[e.scale_offset : e.scale_offset + 8].view(torch.float32).copy_(torch.tensor([2.0**-7, 2.0**3]))
     out = torch.empty(layout.out_nbytes, dtype=torch.uint8, device="cuda")
     upcast_pack(data, out, layout.table(BLOCK, "cuda"), layout.n_programs(BLOCK), torch.bfloat16, fmt)
