@@ -565,7 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--budget",
         default=None,
-        help="e.g. 12GB, 12GiB, 80%% (default: the GPU's free memory less 5%%, at least 512 MiB)",
+        help="e.g. 12GB, 12GiB, 80%% (default: the GPU's free memory less 5%% of it or 512 MiB, whichever is more)",
     )
     run.add_argument("--storage", default=None, help=f"{STORAGE_HELP} (default: fp8_e4m3, or the store's)")
     run.add_argument("--mode", default="auto", choices=MODES, help="how components are split (see docs/usage.md)")
@@ -595,7 +595,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--spill-dir",
         default=None,
-        help="without --store: where packs beyond --host-budget are written (default: ~/.cache/tritoff)",
+        help="without --store: where packs beyond --host-budget are written (default: $XDG_CACHE_HOME/tritoff, else "
+        "~/.cache/tritoff)",
     )
     run.set_defaults(func=_cmd_run)
 

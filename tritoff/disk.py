@@ -157,8 +157,9 @@ class PackFile:
 
 def spill_files(directory, sizes: dict[str, int], warn_tmpfs: bool = True) -> dict[str, PackFile]:
     """A private, already unlinked file per component of ``sizes`` (its bytes of packs beyond the host budget) in
-    ``directory`` (default: ``~/.cache/tritoff``): they disappear when the process ends, however it ends. The
-    directory and its free space (for all of them together) are checked first, with one-line errors."""
+    ``directory`` (default: ``$XDG_CACHE_HOME/tritoff``, else ``~/.cache/tritoff``): they disappear when the process
+    ends, however it ends. The directory and its free space (for all of them together) are checked first, with
+    one-line errors."""
     import shutil
     import tempfile
 

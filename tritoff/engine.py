@@ -445,7 +445,7 @@ class Engine:
         return Report(self).text()
 
     def save(self, directory, overwrite: bool = False) -> None:
-        """Write the packs as a store that ``enable(..., store=directory)`` maps instead of quantizing again.
+        """Write the packs as a store that ``enable(..., store=directory)`` reads instead of quantizing again.
 
         ``directory`` must be new or empty; an existing store is replaced only with ``overwrite``."""
         from tritoff.store import save_store
@@ -573,7 +573,7 @@ def enable(
     *,
     device: str | torch.device | None = None,
     granularity: str | None = None,
-    skip: str | tuple[str, ...] | list[str] = (),
+    skip: str | tuple[str, ...] | list[str] | None = None,
     prefetch: int = 2,
     transport: str = "auto",
     reserve: int | str | None = None,
@@ -588,13 +588,14 @@ def enable(
 
     ``target`` is a diffusers pipeline or an ``nn.Module``. ``mode``: ``"auto"`` (default: everything resident when it
     fits, else the planner splits large components), ``"model"``, ``"group"`` or ``"leaf"``. ``budget``: bytes,
-    ``"12GB"``, ``"12GiB"`` or ``"80%"`` (default: the device's free memory less 5%, at least 512 MiB).
-    ``prefetch``: groups in flight ahead of the running one. ``transport``: ``"staged"`` (copy engine then HBM upcast;
-    what ``"auto"`` picks) or ``"zero_copy"``. ``reserve``: memory kept for activations (default: traced per phase
-    from its call's shapes, 10% of the budget until then). ``granularity``: fp8 scales per ``"row"`` (default),
-    ``"tensor"``, or ``"none"``.
-    ``skip``: extra regexes of module names to keep unquantized. ``kernels``: ``"auto"``, ``"triton"`` or
-    ``"reference"`` (PyTorch).
+    ``"12GB"``, ``"12GiB"`` or ``"80%"`` (default: the device's free memory less 5% of it or 512 MiB, whichever is
+    more). ``device``: ``"cuda"``, ``"cuda:N"`` or ``"cpu"`` (default: CUDA when available). ``progress``: progress
+    bars while packing and placing the weights. ``prefetch``: groups in flight ahead of the running one.
+    ``transport``: ``"staged"`` (copy engine then HBM upcast; what ``"auto"`` picks) or ``"zero_copy"``. ``reserve``:
+    memory kept for activations (default: traced per phase from its call's shapes, 10% of the budget until then).
+    ``granularity``: fp8 scales per ``"row"`` (default), ``"tensor"``, or ``"none"``.
+    ``skip``: extra regexes of module names to keep unquantized (searched case-insensitively in their qualified
+    names; default: none). ``kernels``: ``"auto"``, ``"triton"`` or ``"reference"`` (PyTorch).
     ``storage``: a format for the text encoders, image encoders and denoisers (default ``"fp8_e4m3"``; VAEs keep
     their own dtype), or ``{component: format}`` (the others get those defaults). ``store``: a directory written by
     ``Engine.save`` / ``tritoff convert`` whose packs are read instead of quantizing (its storage, granularity and
@@ -603,12 +604,14 @@ def enable(
     ``host_budget``: host memory the packs may hold (bytes, ``"16GB"``, ``"50%"`` of
     RAM, or 0; default: all of them): the planner holds the packs read most often (a denoiser's streamed blocks) and
     the rest are read from disk when needed, through a small page-locked ring read ahead on a thread; from the store
-    when there is one, else from a private spill file written into ``spill_dir`` (default ``~/.cache/tritoff``).
+    when there is one, else from a private spill file written into ``spill_dir`` (default
+    ``$XDG_CACHE_HOME/tritoff``, else ``~/.cache/tritoff``).
 
     Raises ``ValueError`` (one line, saying what to do) on bad options, a budget too small (naming the smallest that
     works), a pipeline already carrying accelerate/diffusers hooks, or weights another engine manages or two components
-    share. A failed enable leaves ``target`` as it was. Enabling an enabled pipeline re-plans it, reusing its packs when
-    storage, granularity and skip are unchanged (a component replaced since is refused: disable first).
+    share. A failed enable leaves ``target`` as it was. Enabling an enabled pipeline re-plans it, reusing its packs:
+    ``storage``, ``granularity`` and ``skip`` left out keep what it was packed with, and other values are refused
+    (the original weights are gone; a component replaced since is refused too: disable first).
     """
     for flag, value in (("verify", verify), ("progress", progress)):
         if not isinstance(value, bool):
@@ -648,11 +651,20 @@ def enable(
                 f"granularity={granularity!r} but the store at {store} was packed with {index['granularity']!r}; drop "
                 "granularity= (the store's applies)"
             )
+        if skip is not None and skip_patterns(skip) != tuple(index["skip"]):
+            raise ValueError(
+                f"skip={list(skip_patterns(skip))} but the store at {store} was packed with skip={index['skip']}; "
+                "drop skip= (the store's applies)"
+            )
         storage, granularity, skip = held, index["granularity"], tuple(index["skip"])
         if (mode == "leaf") != (index["grouping"] == "leaf"):
             raise ValueError(f"the store at {store} was made with {index['grouping']} groups; use a matching mode")
-    if granularity is None:  # row scales, or what the enabled engine packed with
-        granularity = previous.options.granularity if previous is not None else "row"
+    if previous is not None:  # what is left out keeps what the enabled engine packed with
+        storage = previous.options.storage if storage is None else storage
+        granularity = previous.options.granularity if granularity is None else granularity
+        skip = previous.options.skip if skip is None else skip
+    elif granularity is None:
+        granularity = "row"
     options = _resolve(
         components, storage, granularity, skip, mode, budget, reserve, device, prefetch, transport, kernels, host_budget
     )
@@ -666,7 +678,8 @@ def enable(
         if before != (options.storage, options.granularity, options.skip):
             raise ValueError(
                 f"tritoff is already enabled with storage {describe_storage(before[0])}, granularity={before[1]}, "
-                f"skip={before[2]} and the original weights were released; reload the pipeline to change them"
+                f"skip={list(before[2])} and the original weights were released; leave storage=, granularity= and "
+                "skip= out to keep them, or reload the pipeline to change them"
             )
     # re-planning keeps the packs; switching to or from leaf groups re-packs, which is exact: quantizing a
     # dequantized pow2-scaled row gives back the same values (its scale may halve and its codes double, where the

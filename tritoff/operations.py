@@ -21,8 +21,9 @@ methods; :func:`remove` gives the originals back):
   (peft's adapter weights) works;
 - ``block.compile(...)`` on a streamed or fp8-resident block (what diffusers' ``compile_repeated_blocks`` calls):
   compiles the block's own forward, inside tritoff's hooks rather than around them, so ``fullgraph=True`` works and
-  binding the block's weights to a slot is never traced. ``component.compile(fullgraph=True)`` on a component
-  holding such blocks is refused (tritoff's hooks are graph breaks inside it); without ``fullgraph`` it works.
+  binding the block's weights to a slot is never traced. ``component.compile(fullgraph=True)`` on a component split
+  into blocks is refused (tritoff's hooks, on resident blocks too, are graph breaks inside it); without ``fullgraph``
+  it works.
 """
 
 from __future__ import annotations
@@ -170,9 +171,9 @@ def _compile_around_hooks(module: torch.nn.Module, component: str):
     def compile(*args, **kwargs):
         if kwargs.get("fullgraph"):
             raise RuntimeError(
-                f"{component}.compile(fullgraph=True): tritoff's hooks on its streamed blocks are graph breaks inside "
-                f"it; use {component}.compile_repeated_blocks(fullgraph=True) (each block's own forward compiles as "
-                "one graph), or drop fullgraph"
+                f"{component}.compile(fullgraph=True): tritoff's hooks on its blocks (resident ones too: a re-plan may "
+                f"stream them) are graph breaks inside it; use {component}.compile_repeated_blocks(fullgraph=True) "
+                "(each block's own forward compiles as one graph), or drop fullgraph"
             )
         return original(*args, **kwargs)
 

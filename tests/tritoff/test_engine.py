@@ -168,6 +168,22 @@ def test_enable_twice_replans(wan_reference):
         _enable(pipe, storage="fp8_e5m2", mode="group", budget="9MB")
 
 
+def test_enable_again_keeps_the_storage_and_skip_it_was_packed_with_unless_told_otherwise():
+    pipe = wan()
+    first = _enable(pipe, storage="fp8_e5m2", skip=["attn1"], mode="group", budget="4MB")
+    expected = run(pipe)
+    second = _enable(pipe, mode="group", budget="9MB")  # storage= and skip= left out: kept
+    assert second.packed is first.packed
+    assert (second.options.storage, second.options.skip) == (first.options.storage, ("attn1",))
+    assert torch.equal(run(pipe), expected)
+    third = _enable(pipe, storage="fp8_e5m2", skip="attn1", granularity="row", mode="group", budget="4MB")
+    assert third.packed is first.packed  # the same values given again
+    for change, shown in ((dict(skip=()), "skip=\\['attn1'\\]"), (dict(storage="fp8_e4m3"), "fp8_e5m2")):
+        with pytest.raises(ValueError, match=f"{shown}.*leave storage=, granularity= and skip= out to keep them"):
+            _enable(pipe, mode="group", budget="9MB", **change)
+    assert torch.equal(run(pipe), expected)  # the refusals changed nothing
+
+
 def test_refuses_accelerate_hooks():
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module
 

@@ -127,6 +127,15 @@ def test_storage_other_than_the_stores_is_refused(saved):
         _enable(wan(), store=directory, storage="fp8_e5m2")
 
 
+def test_skip_other_than_the_stores_is_refused_and_the_same_one_accepted(saved):
+    directory, expected = saved  # saved with no skip patterns of its own
+    with pytest.raises(ValueError, match=r"skip=\['attn1'\] but the store at .* skip=\[\]; drop skip="):
+        _enable(wan(), store=directory, skip="attn1")
+    pipe = wan()
+    assert _enable(pipe, store=directory, skip=()).options.skip == ()
+    assert torch.equal(run(pipe), expected)
+
+
 @pytest.mark.parametrize("where", ["data", "header"])
 def test_a_flipped_byte_is_refused_naming_the_file(copy, where):
     info = read_index(copy)["components"]["transformer"]
