@@ -22,6 +22,7 @@ def test_pipeline_on_gpu_matches_the_dequantized_pipeline():
         assert pipe._execution_device.type == "cuda"
         assert torch.equal(run(pipe), expected), transport
         assert engine.stats["total"]["sync_onloads"] == 0
+        assert engine.stats["total"]["pageable_host_bytes"] == 0  # every arena page-locked
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
