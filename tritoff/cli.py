@@ -238,6 +238,16 @@ def _check_model(model: str) -> Path:
     return local
 
 
+def _fetch(model: str) -> Path:
+    """The Hugging Face cache's snapshot of the hub id ``model``, downloaded first when it is not all there."""
+    from tritoff.convert import fetch_pipeline
+
+    try:
+        return fetch_pipeline(model)
+    except OSError as err:
+        raise CliError(str(err)) from None
+
+
 def _json(path: Path) -> dict:
     """A pipeline's JSON file (model_index.json, a config), or a one-line error."""
     try:
@@ -352,13 +362,21 @@ def _cmd_run(args) -> int:
     _check_device(args.device)
     _check_percentage(args.budget, args.device)
     _prepare_backend(args.device)
+    if not local.is_dir():  # a hub id: everything below reads its snapshot, as it reads a local directory
+        local = _fetch(args.model)
+        _check_storage(args.storage, local)
+        _check_dimensions(args, *_local_configs(local))
+        if index is not None:
+            from tritoff.store import check_source
+
+            check_source(args.store, local, index)
 
     import torch
 
     import tritoff
     from tritoff.planner import BudgetError
     from tritoff.report import host_rss
-    from tritoff.store import check_source, verify_store
+    from tritoff.store import verify_store
     from tritoff.video import write_video
 
     start = time.perf_counter()
@@ -366,17 +384,7 @@ def _cmd_run(args) -> int:
         # every pack is read at enable without a host budget: hash the files whole now, before the slow pipeline load
         # (load_store does not hash these unchanged files again); with one, packs are checked as they are read
         verify_store(args.store, index, progress=True, full=args.host_budget is None)
-    pipe = _load_pipeline(args.model, getattr(torch, DTYPE_NAMES[args.dtype]), args.store)
-    if not local.is_dir():  # a hub id: its configs and files are known once it is loaded
-        denoiser = getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
-        vae = getattr(pipe, "vae", None)
-        _check_dimensions(args, dict(getattr(vae, "config", {})), dict(denoiser.config))
-        if index is not None:
-            from tritoff.convert import model_directory
-
-            directory = model_directory(args.model)
-            if directory is not None:
-                check_source(args.store, directory, index)
+    pipe = _load_pipeline(str(local), getattr(torch, DTYPE_NAMES[args.dtype]), args.store)
     print(f"tritoff: enabling ({'reading the store' if args.store else 'packing'}, then placing the weights)")
     try:
         engine = tritoff.enable(
@@ -444,6 +452,9 @@ def _cmd_convert(args) -> int:
                 file=sys.stderr,
             )
     _prepare_backend(None)
+    if not local.is_dir():  # a hub id: read from its snapshot group by group, as a local directory is
+        local = _fetch(args.model)
+        _check_storage(args.storage, local)
 
     import torch
 
@@ -451,7 +462,7 @@ def _cmd_convert(args) -> int:
     from tritoff.storage import describe_storage
 
     packed = convert_pipeline(
-        args.model,
+        str(local),
         args.out_dir,
         _check_storage(args.storage),
         args.granularity,

@@ -134,8 +134,9 @@ def convert_pipeline(
     overwrite: bool = False,
 ) -> dict[str, PackedModel]:
     """Quantize every model component of the pipeline at ``model`` (a local directory or a hub id) into a store at
-    ``out_dir``. With ``stream`` (and a local directory), diffusers components are read group by group from their
-    safetensors files; otherwise the pipeline is loaded with ``from_pretrained`` and released group by group.
+    ``out_dir``. With ``stream``, diffusers components are read group by group from their safetensors files (a hub id
+    from its snapshot in the Hugging Face cache, downloaded first if need be: :func:`fetch_pipeline`); otherwise the
+    pipeline is loaded with ``from_pretrained`` and released group by group.
 
     ``storage`` is what :func:`tritoff.enable` takes (a format for all but the VAEs, or ``{component: format}``).
     ``out_dir`` must be new or empty (or a store, replaced with ``overwrite``) and outside the model directory; this is
@@ -144,6 +145,9 @@ def convert_pipeline(
 
     directory = Path(model)
     check_target(out_dir, overwrite, model=directory)
+    if stream and not directory.is_dir():  # a hub id is read from its snapshot, group by group
+        directory = model = fetch_pipeline(model)
+        check_target(out_dir, overwrite, model=directory)
     components: dict[str, nn.Module] = {}
     readers: dict[str, CheckpointReader] = {}
     if stream and (directory / "model_index.json").is_file():
@@ -237,6 +241,33 @@ def _check_disk(directory: Path, packs: int) -> None:
             f"converting needs {format_bytes(packs)} of free disk in {directory.parent} for the store, which has "
             f"{format_bytes(free)}: write the store on a larger disk"
         )
+
+
+def fetch_pipeline(model: str | Path) -> Path:
+    """The pipeline directory of ``model``: itself when it is a directory, else the Hugging Face cache's snapshot of
+    that hub id, downloaded into the cache first when it is not all there (the files ``from_pretrained`` would fetch).
+    Reading weights from a directory is what lets ``convert`` and ``run --store`` read them group by group instead of
+    loading the whole pipeline into RAM. Raises ``OSError`` when the id can be neither found nor downloaded."""
+    if Path(model).is_dir():
+        return Path(model)
+    from diffusers import DiffusionPipeline
+    from diffusers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # its "couldn't connect, trying the cache" lines: the error below says it all
+    try:
+        for local_files_only in (True, False):  # the cache first: no network call for a pipeline fetched before
+            try:
+                return Path(DiffusionPipeline.download(str(model), local_files_only=local_files_only))
+            except Exception as err:
+                error = err
+    finally:
+        logging.set_verbosity(verbosity)
+    offline = "; HF_HUB_OFFLINE is set" if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") else ""
+    raise OSError(
+        f"cannot fetch {model} from the Hugging Face hub: it is not all in the local cache and could not be "
+        f"downloaded ({type(error).__name__}{offline}); check the id and the network, or give a local directory"
+    )
 
 
 def model_directory(model: str | Path) -> Path | None:

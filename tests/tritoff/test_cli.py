@@ -387,6 +387,39 @@ def test_convert_removes_what_a_killed_conversion_left(work, tmp_path):
     verify_store(tmp_path / "store")
 
 
+def test_a_hub_id_is_read_from_its_snapshot_in_the_hugging_face_cache(work, tmp_path, monkeypatch):
+    root, jobs = work
+    # the layout huggingface_hub gives a downloaded repository; offline, so nothing is asked of the network
+    repo = tmp_path / "hub" / "models--org--tiny"
+    shutil.copytree(root / "pipe", repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, out, err = tritoff("convert", "org/tiny", tmp_path / "store", "--mode", "leaf")
+    assert code == 0, err
+    assert jobs["convert"].result()[0] == 0
+    for name in ("text_encoder", "transformer", "vae"):  # the packs the local directory's conversion wrote
+        made = (tmp_path / "store" / f"{name}.safetensors").read_bytes()
+        assert made == (root / "store" / f"{name}.safetensors").read_bytes(), name
+    # run from the store: the hub id's files are checked against those the store was made from, then loaded
+    runs = [
+        Job(tmp_path, name, "run", model, *RUN, "--mode", "leaf", "--budget", "64MB", "--store", tmp_path / "store",
+            "--out", tmp_path / f"{name}.gif")
+        for name, model in (("hub", "org/tiny"), ("local", root / "pipe"))
+    ]  # fmt: skip
+    for job in runs:
+        code, out, err = job.result()
+        assert code == 0, err
+    assert (tmp_path / "hub.gif").read_bytes() == (tmp_path / "local.gif").read_bytes()
+    for command in (
+        ["run", "org/missing", *RUN, "--out", tmp_path / "v.gif"],
+        ["convert", "org/missing", tmp_path / "s"],
+    ):
+        code, out, err = tritoff(*command)
+        assert_one_line_error(code, out, err, "cannot fetch org/missing from the Hugging Face hub: ")
+
+
 def test_demo_writes_an_mp4_and_labels_its_runs(work):
     root, jobs = work
     code, out, err = jobs["demo"].result()
