@@ -110,15 +110,24 @@ def _open(file: Path):
 
 
 def from_pretrained(model, dtype: torch.dtype, **components):
-    """``DiffusionPipeline.from_pretrained`` without the ``torch_dtype`` rename warning of newer diffusers (older
-    ones know only that name)."""
+    """``from_pretrained`` of the pipeline class ``model`` names, without the ``torch_dtype`` rename warning of newer
+    diffusers (older ones know only that name). ``components`` are passed as built (``None``: not loaded).
+
+    The class itself, not ``DiffusionPipeline``: called through ``DiffusionPipeline``, diffusers reads the optional
+    components of ``DiffusionPipeline`` (none), so a component the pipeline declares optional (Wan's transformer) is
+    loaded from its files whatever is passed for it, a whole model read into RAM where it was to be built empty."""
     import warnings
 
-    from diffusers import DiffusionPipeline
+    import diffusers
 
+    cls = diffusers.DiffusionPipeline
+    index = Path(model) / "model_index.json"
+    if index.is_file():
+        name = json.loads(index.read_text()).get("_class_name")
+        cls = getattr(diffusers, name, cls) if isinstance(name, str) else cls
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
-        return DiffusionPipeline.from_pretrained(model, torch_dtype=dtype, **components)
+        return cls.from_pretrained(model, torch_dtype=dtype, **components)
 
 
 def convert_pipeline(

@@ -420,6 +420,16 @@ def test_a_hub_id_is_read_from_its_snapshot_in_the_hugging_face_cache(work, tmp_
         assert_one_line_error(code, out, err, "cannot fetch org/missing from the Hugging Face hub: ")
 
 
+def test_run_from_a_store_builds_the_stored_diffusers_components_without_their_weights(work):
+    from tritoff.cli import _load_pipeline
+
+    root, jobs = work
+    assert jobs["convert"].result()[0] == 0
+    pipe = _load_pipeline(str(root / "pipe"), torch.bfloat16, str(root / "store"))
+    for name in ("transformer", "vae"):  # the text encoder loads whole: transformers ties its weights at load time
+        assert {p.device.type for p in getattr(pipe, name).parameters()} == {"meta"}, name
+
+
 def test_demo_writes_an_mp4_and_labels_its_runs(work):
     root, jobs = work
     code, out, err = jobs["demo"].result()

@@ -10,13 +10,20 @@ pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
 
 
 def test_streamed_conversion_equals_the_loaded_one(tmp_path, monkeypatch):
+    from diffusers.models.modeling_utils import ModelMixin
+
     wan().save_pretrained(tmp_path / "pipe")
-    reads = []
+    reads, loaded = [], []
     original = CheckpointReader.read
     monkeypatch.setattr(CheckpointReader, "read", lambda self, items: reads.append(len(items)) or original(self, items))
+    load = ModelMixin.from_pretrained.__func__
+    spy = classmethod(lambda cls, *args, **kwargs: loaded.append(cls.__name__) or load(cls, *args, **kwargs))
+    monkeypatch.setattr(ModelMixin, "from_pretrained", spy)
     streamed = convert_pipeline(tmp_path / "pipe", tmp_path / "a", progress=False, stream=True)
-    # one read per group of the transformer (4 blocks + rest) and of the VAE: never the whole checkpoint at once
+    # one read per group of the transformer (4 blocks + rest) and of the VAE: never the whole checkpoint at once, and
+    # never loaded whole besides (Wan's transformer is an optional component, which diffusers loads unless told not to)
     assert len(reads) > 5 and max(reads) < sum(reads) / 2
+    assert loaded == []
     convert_pipeline(tmp_path / "pipe", tmp_path / "b", progress=False, stream=False)
     assert set(streamed) == {"text_encoder", "transformer", "vae"}
     for file in sorted(p.name for p in (tmp_path / "b").iterdir()):
