@@ -99,11 +99,13 @@ def eager(*tensors: torch.Tensor) -> bool:
 
 
 def launch_device(tensor: torch.Tensor):
-    """A context making ``tensor``'s GPU the current device for an eager launch, when it is not already: Triton
+    """A context making ``tensor``'s GPU the current device for a launch run now, when it is not already: Triton
     launches on the current device (its context, its current stream) whatever device the tensors are on, so a kernel on
     ``cuda:1`` tensors launched while ``cuda:0`` is current would run in the wrong context, unordered with the work
-    queued on ``cuda:1``."""
-    if tensor.device.type != "cuda" or tensor.device.index == torch.cuda.current_device():
+    queued on ``cuda:1``. (Under torch.compile, the compiled code sets the device itself.)"""
+    if tensor.device.type != "cuda" or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    if tensor.device.index == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(tensor.device)
 

@@ -173,9 +173,7 @@ def quantize(
         scales = torch.ones(1, dtype=torch.float32, device=w.device)
     if rows.numel():
         use_native = native_fp8(w.device) if native is None else native
-        if eager(rows, q, scales):
-            with launch_device(rows):
-                _quantize_rows_eager(rows, q, scales, _FP8_DTYPES[fmt.dtype], granularity == "row", use_native)
-        else:
-            _quantize_rows_op(rows, q, scales, _FP8_DTYPES[fmt.dtype], granularity == "row", use_native)
+        call = _quantize_rows_eager if eager(rows, q, scales) else _quantize_rows_op
+        with launch_device(rows):
+            call(rows, q, scales, _FP8_DTYPES[fmt.dtype], granularity == "row", use_native)
     return q.reshape(w.shape), scales

@@ -254,11 +254,9 @@ def _run(src, dst, table, n_programs, out_dtype, fmt, native, block, grid=0):
     use_native = native_fp8(dst.device) if native is None else native
     e5m2 = fmt.dtype == torch.float8_e5m2
     grid = min(grid, n_programs) if grid else 0
-    if eager(src, dst, table):
-        with launch_device(dst):
-            _upcast_pack_eager(src, dst, table, n_programs, _OUT_CODES[out_dtype], e5m2, use_native, block, grid)
-    else:
-        _upcast_pack_op(src, dst, table, n_programs, _OUT_CODES[out_dtype], e5m2, use_native, block, grid)
+    call = _upcast_pack_eager if eager(src, dst, table) else _upcast_pack_op
+    with launch_device(dst):
+        call(src, dst, table, n_programs, _OUT_CODES[out_dtype], e5m2, use_native, block, grid)
     return dst
 
 

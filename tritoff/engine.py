@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -242,6 +242,30 @@ def _resolve(
         fraction,
         host_budget,
     )
+
+
+def _same_skip(components: dict[str, nn.Module], a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    """Whether skip patterns ``a`` and ``b`` keep the same weights unquantized in every component (whatever their
+    order, repetitions or spelling)."""
+    if set(a) == set(b):
+        return True
+    return all(
+        SkipRules.for_model(m, a).quantized_names(m) == SkipRules.for_model(m, b).quantized_names(m)
+        for m in components.values()
+    )
+
+
+def _check_still_there(components: dict[str, nn.Module], previous: Engine) -> None:
+    """Refuse enabling again a component a managed weight has left since (its module deleted or moved to another
+    name): tritoff still holds that weight under its old name, which only ``disable`` gives back."""
+    for name, module in components.items():
+        now = {n: id(p) for n, p in named_parameters(module)}
+        gone = next((n for n, p in previous._own_params[name].items() if now.get(n) != id(p)), None)
+        if gone is not None:
+            raise ValueError(
+                f"{name}.{gone} is no longer in {name} (its module was deleted or moved since enable), and tritoff "
+                "still holds its weight: call tritoff.disable(pipe) before changing a component's modules"
+            )
 
 
 def _groups_for(module: nn.Module, mode: str) -> list[Group]:
@@ -610,8 +634,9 @@ def enable(
     Raises ``ValueError`` (one line, saying what to do) on bad options, a budget too small (naming the smallest that
     works), a pipeline already carrying accelerate/diffusers hooks, or weights another engine manages or two components
     share. A failed enable leaves ``target`` as it was. Enabling an enabled pipeline re-plans it, reusing its packs:
-    ``storage``, ``granularity`` and ``skip`` left out keep what it was packed with, and other values are refused
-    (the original weights are gone; a component replaced since is refused too: disable first).
+    ``storage``, ``granularity``, ``skip`` and ``host_budget`` left out keep what it was packed and placed with, and
+    other values are refused (the original weights are gone; so are a store packed otherwise and a component replaced
+    or restructured since: disable first).
     """
     for flag, value in (("verify", verify), ("progress", progress)):
         if not isinstance(value, bool):
@@ -651,7 +676,7 @@ def enable(
                 f"granularity={granularity!r} but the store at {store} was packed with {index['granularity']!r}; drop "
                 "granularity= (the store's applies)"
             )
-        if skip is not None and skip_patterns(skip) != tuple(index["skip"]):
+        if skip is not None and not _same_skip(components, skip_patterns(skip), tuple(index["skip"])):
             raise ValueError(
                 f"skip={list(skip_patterns(skip))} but the store at {store} was packed with skip={index['skip']}; "
                 "drop skip= (the store's applies)"
@@ -659,10 +684,11 @@ def enable(
         storage, granularity, skip = held, index["granularity"], tuple(index["skip"])
         if (mode == "leaf") != (index["grouping"] == "leaf"):
             raise ValueError(f"the store at {store} was made with {index['grouping']} groups; use a matching mode")
-    if previous is not None:  # what is left out keeps what the enabled engine packed with
+    if previous is not None:  # what is left out keeps what the enabled engine packed with and placed
         storage = previous.options.storage if storage is None else storage
         granularity = previous.options.granularity if granularity is None else granularity
         skip = previous.options.skip if skip is None else skip
+        host_budget = previous.options.host_budget if host_budget is None else host_budget
     elif granularity is None:
         granularity = "row"
     options = _resolve(
@@ -674,13 +700,25 @@ def enable(
         why = "every pack is held in memory" if options.host_budget is None else "the store's packs are read from it"
         warn(f"spill_dir is used only with host_budget and without store ({why}): ignored")
     if previous is not None:
-        before = (previous.options.storage, previous.options.granularity, previous.options.skip)
-        if before != (options.storage, options.granularity, options.skip):
-            raise ValueError(
-                f"tritoff is already enabled with storage {describe_storage(before[0])}, granularity={before[1]}, "
-                f"skip={list(before[2])} and the original weights were released; leave storage=, granularity= and "
-                "skip= out to keep them, or reload the pipeline to change them"
+        before, now = previous.options, options
+        if (before.storage, before.granularity) != (now.storage, now.granularity) or not _same_skip(
+            components, before.skip, now.skip
+        ):
+            enabled = (
+                f"tritoff is already enabled with storage {describe_storage(before.storage)}, "
+                f"granularity={before.granularity}, skip={list(before.skip)} and the original weights were released"
             )
+            if store is not None:
+                raise ValueError(
+                    f"{enabled}, but the store at {store} holds storage {describe_storage(now.storage)}, "
+                    f"granularity={now.granularity}, skip={list(now.skip)}: call tritoff.disable(pipe) (or reload the "
+                    "pipeline) before enabling it from this store"
+                )
+            raise ValueError(
+                f"{enabled}; leave storage=, granularity= and skip= out to keep them, or reload the pipeline to change "
+                "them"
+            )
+        options = replace(options, skip=before.skip)  # the same modules skipped, however the patterns are written
     # re-planning keeps the packs; switching to or from leaf groups re-packs, which is exact: quantizing a
     # dequantized pow2-scaled row gives back the same values (its scale may halve and its codes double, where the
     # row's largest value had rounded up to a power of two times the format's largest)
@@ -688,12 +726,13 @@ def enable(
     if previous is not None and options.host_budget != previous.options.host_budget:
         raise ValueError(
             "host_budget cannot change while tritoff is enabled (the packs stay where they were placed); "
-            "call tritoff.disable(pipe) first, or enable again with the same host_budget"
+            "call tritoff.disable(pipe) first, or leave host_budget out to keep it"
         )
     fmts = {name: get_format(fmt) for name, fmt in options.storage.items()}
-    if previous is not None:  # a weight replaced or changed since: refused now, before anything changes
+    if previous is not None:  # a weight replaced, changed or gone since: refused now, before anything changes
         for comp in previous._runtimes:
             comp.check_unchanged()
+        _check_still_there(components, previous)
     if reuse:
         group_lists = previous._group_lists
         layouts = {n: [p.layout for p in previous.packed[n].packs] for n in components}

@@ -84,7 +84,7 @@ class Report:
             total["activation_bytes"] = dict(manager.activation_peaks) if manager else {}
             # host memory transfers read that page-locking failed for: each copy from it waits for the GPU
             arenas = [p.arena for p in engine.packed.values()] + ([ring.arena] if ring else [])
-            total["pageable_host_bytes"] = sum(a.nbytes for a in arenas if not a.registered)
+            total["pageable_host_bytes"] = sum(a.nbytes for a in arenas if a.register_error is not None)
         worst = sorted(engine.snr.items(), key=lambda kv: kv[1])[:5]
         requantized = sorted(engine.requantized.items(), key=lambda kv: kv[1][1])
         return {

@@ -359,11 +359,15 @@ def test_bad_host_budgets_are_refused_in_one_line(value, message):
     assert not hasattr(pipe, "_tritoff_engine")
 
 
-def test_host_budget_cannot_change_on_a_re_enable(tmp_path):
+def test_host_budget_cannot_change_on_a_re_enable_and_is_kept_when_left_out(tmp_path):
     pipe = wan()
-    _enable(pipe, host_budget="1MB", spill_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="host_budget cannot change while tritoff is enabled"):
+    first = _enable(pipe, host_budget="1MB", spill_dir=str(tmp_path))
+    expected = run(pipe)
+    with pytest.raises(ValueError, match="host_budget cannot change while tritoff is enabled.*leave host_budget out"):
         _enable(pipe, host_budget="2MB")
+    again = _enable(pipe)  # left out: kept, with the packs where they were placed
+    assert again.options.host_budget == first.options.host_budget == 10**6
+    assert again.packed is first.packed and torch.equal(run(pipe), expected)
 
 
 # memory --------------------------------------------------------------------------------------------------------------

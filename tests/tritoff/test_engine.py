@@ -178,10 +178,28 @@ def test_enable_again_keeps_the_storage_and_skip_it_was_packed_with_unless_told_
     assert torch.equal(run(pipe), expected)
     third = _enable(pipe, storage="fp8_e5m2", skip="attn1", granularity="row", mode="group", budget="4MB")
     assert third.packed is first.packed  # the same values given again
+    # patterns that skip the same modules, written otherwise: the same packs
+    fourth = _enable(pipe, skip=["ATTN1", "attn1", "to_nothing"], mode="group", budget="4MB")
+    assert fourth.packed is first.packed and fourth.options.skip == ("attn1",)
     for change, shown in ((dict(skip=()), "skip=\\['attn1'\\]"), (dict(storage="fp8_e4m3"), "fp8_e5m2")):
         with pytest.raises(ValueError, match=f"{shown}.*leave storage=, granularity= and skip= out to keep them"):
             _enable(pipe, mode="group", budget="9MB", **change)
     assert torch.equal(run(pipe), expected)  # the refusals changed nothing
+
+
+def test_enable_again_refuses_a_component_whose_modules_changed_and_leaves_it_enabled():
+    pipe = wan()
+    engine = _enable(pipe, mode="group", budget="4MB")
+    expected = run(pipe)
+    blocks = pipe.transformer.blocks
+    removed = blocks[3]
+    del blocks[3]
+    with pytest.raises(ValueError, match=r"transformer\.blocks\.3\..* is no longer in transformer .*disable"):
+        _enable(pipe, mode="group", budget="9MB")
+    assert pipe._tritoff_engine is engine
+    blocks.append(removed)  # back in place: enabling again works, and computes as before
+    _enable(pipe, mode="group", budget="9MB")
+    assert torch.equal(run(pipe), expected)
 
 
 def test_refuses_accelerate_hooks():

@@ -136,6 +136,27 @@ def test_skip_other_than_the_stores_is_refused_and_the_same_one_accepted(saved):
     assert torch.equal(run(pipe), expected)
 
 
+def test_a_store_packed_otherwise_than_the_enabled_pipeline_is_refused_naming_the_store(saved):
+    directory, _ = saved  # no skip patterns
+    pipe = wan()
+    engine = _enable(pipe, skip=["attn1", "attn2.to_k"])
+    expected = run(pipe)
+    refusal = r"skip=\['attn1', 'attn2.to_k'\].*but the store at .* holds .*skip=\[\]: call tritoff.disable"
+    with pytest.raises(ValueError, match=refusal):
+        _enable(pipe, store=directory)
+    assert pipe._tritoff_engine is engine and torch.equal(run(pipe), expected)
+
+
+def test_a_store_accepts_its_skip_patterns_in_any_order(tmp_path):
+    pipe = wan()
+    _enable(pipe, skip=["attn1", "attn2.to_k"]).save(tmp_path / "store")
+    expected = run(pipe)
+    again = wan()
+    skip = ["attn2.to_k", "attn1", "attn1"]
+    assert _enable(again, store=tmp_path / "store", skip=skip).options.skip == ("attn1", "attn2.to_k")
+    assert torch.equal(run(again), expected)
+
+
 @pytest.mark.parametrize("where", ["data", "header"])
 def test_a_flipped_byte_is_refused_naming_the_file(copy, where):
     info = read_index(copy)["components"]["transformer"]
