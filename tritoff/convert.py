@@ -124,7 +124,8 @@ def from_pretrained(model, dtype: torch.dtype, **components):
     index = Path(model) / "model_index.json"
     if index.is_file():
         name = json.loads(index.read_text()).get("_class_name")
-        cls = getattr(diffusers, name, cls) if isinstance(name, str) else cls
+        named = getattr(diffusers, name, None) if isinstance(name, str) else None
+        cls = named if isinstance(named, type) and issubclass(named, cls) else cls
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
         return cls.from_pretrained(model, torch_dtype=dtype, **components)
@@ -256,27 +257,63 @@ def fetch_pipeline(model: str | Path) -> Path:
     """The pipeline directory of ``model``: itself when it is a directory, else the Hugging Face cache's snapshot of
     that hub id, downloaded into the cache first when it is not all there (the files ``from_pretrained`` would fetch).
     Reading weights from a directory is what lets ``convert`` and ``run --store`` read them group by group instead of
-    loading the whole pipeline into RAM. Raises ``OSError`` when the id can be neither found nor downloaded."""
+    loading the whole pipeline into RAM. Raises ``OSError`` when the id can be neither found nor downloaded (a
+    machine's own error, a full disk, as it is)."""
     if Path(model).is_dir():
         return Path(model)
     from diffusers import DiffusionPipeline
     from diffusers.utils import logging
+    from huggingface_hub.utils import logging as hub_logging
 
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()  # its "couldn't connect, trying the cache" lines: the error below says it all
+    verbosity = logging.get_verbosity(), hub_logging.get_verbosity()
+    # their "could not reach the hub, trying the cache" lines: the error below says it all
+    logging.set_verbosity_error()
+    hub_logging.set_verbosity_error()
+    error, incomplete = None, ""
     try:
         for local_files_only in (True, False):  # the cache first: no network call for a pipeline fetched before
             try:
-                return Path(DiffusionPipeline.download(str(model), local_files_only=local_files_only))
+                directory = Path(DiffusionPipeline.download(str(model), local_files_only=local_files_only))
             except Exception as err:
+                if isinstance(err, OSError) and err.errno is not None:  # the machine's: no space left, no permission
+                    raise
                 error = err
+                continue
+            missing = missing_component(directory)
+            if missing is None:
+                return directory
+            incomplete = f" (its {missing} has no files in {directory})"
     finally:
-        logging.set_verbosity(verbosity)
+        logging.set_verbosity(verbosity[0])
+        hub_logging.set_verbosity(verbosity[1])
+    if type(error).__name__ == "HFValidationError":
+        raise OSError(f"{model} is not a valid hub id ({str(error).splitlines()[0]}); give org/name, or a directory")
     offline = "; HF_HUB_OFFLINE is set" if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") else ""
+    cause = (str(error).strip().splitlines() or [type(error).__name__])[0] if error is not None else "incomplete"
+    if len(cause) > 200:
+        cause = f"{cause[:200]}..."
     raise OSError(
-        f"cannot fetch {model} from the Hugging Face hub: it is not all in the local cache and could not be "
-        f"downloaded ({type(error).__name__}{offline}); check the id and the network, or give a local directory"
+        f"cannot fetch {model} from the Hugging Face hub: it is not all in the local cache{incomplete} and could not "
+        f"be downloaded ({cause}{offline}); check the id and the network, or give a local directory"
     )
+
+
+def missing_component(directory: Path) -> str | None:
+    """The first component ``directory``'s model_index.json names whose files are not there (a folder without
+    files, or a model's config without weights: a download cut short), else None."""
+    try:
+        index = json.loads((directory / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return "model_index.json"
+    for name, spec in index.items():
+        if not (isinstance(spec, list) and len(spec) == 2 and spec[0]):
+            continue  # no component (null), or an attribute of the pipeline
+        folder = directory / name
+        files = [p for p in folder.iterdir() if p.is_file()] if folder.is_dir() else []
+        weights = [p for p in files if p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json")]
+        if not files or ((folder / "config.json").is_file() and not weights):
+            return name
+    return None
 
 
 def model_directory(model: str | Path) -> Path | None:

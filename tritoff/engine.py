@@ -244,27 +244,37 @@ def _resolve(
     )
 
 
-def _same_skip(components: dict[str, nn.Module], a: tuple[str, ...], b: tuple[str, ...]) -> bool:
-    """Whether skip patterns ``a`` and ``b`` keep the same weights unquantized in every component (whatever their
-    order, repetitions or spelling)."""
+def _same_skip(
+    components: dict[str, nn.Module], storage: dict[str, str], a: tuple[str, ...], b: tuple[str, ...]
+) -> bool:
+    """Whether skip patterns ``a`` and ``b`` keep the same weights unquantized in every component ``storage``
+    quantizes (whatever their order, repetitions or spelling)."""
     if set(a) == set(b):
         return True
+    fp8 = [m for name, m in components.items() if get_format(storage.get(name, "bf16")).is_fp8]
     return all(
-        SkipRules.for_model(m, a).quantized_names(m) == SkipRules.for_model(m, b).quantized_names(m)
-        for m in components.values()
+        SkipRules.for_model(m, a).quantized_names(m) == SkipRules.for_model(m, b).quantized_names(m) for m in fp8
     )
 
 
 def _check_still_there(components: dict[str, nn.Module], previous: Engine) -> None:
-    """Refuse enabling again a component a managed weight has left since (its module deleted or moved to another
-    name): tritoff still holds that weight under its old name, which only ``disable`` gives back."""
+    """Refuse enabling again a component whose managed weights are not where they were: one gone (its module deleted,
+    moved or wrapped: tritoff still holds it under its old name, which only ``disable`` gives back), or one added
+    (a module put in since, which the packs do not hold)."""
     for name, module in components.items():
+        own = previous._own_params[name]
         now = {n: id(p) for n, p in named_parameters(module)}
-        gone = next((n for n, p in previous._own_params[name].items() if now.get(n) != id(p)), None)
+        gone = next((n for n, p in own.items() if now.get(n) != id(p)), None)
         if gone is not None:
             raise ValueError(
-                f"{name}.{gone} is no longer in {name} (its module was deleted or moved since enable), and tritoff "
-                "still holds its weight: call tritoff.disable(pipe) before changing a component's modules"
+                f"{name}.{gone} is no longer in {name} (its module was deleted, moved or wrapped since enable), and "
+                "tritoff still holds its weight: call tritoff.disable(pipe) before changing a component's modules"
+            )
+        added = next((n for n in now if n not in own), None)
+        if added is not None:
+            raise ValueError(
+                f"{name}.{added} was added to {name} since enable and tritoff's packs do not hold it: call "
+                "tritoff.disable(pipe) before changing a component's modules, then enable again"
             )
 
 
@@ -676,7 +686,7 @@ def enable(
                 f"granularity={granularity!r} but the store at {store} was packed with {index['granularity']!r}; drop "
                 "granularity= (the store's applies)"
             )
-        if skip is not None and not _same_skip(components, skip_patterns(skip), tuple(index["skip"])):
+        if skip is not None and not _same_skip(components, held, skip_patterns(skip), tuple(index["skip"])):
             raise ValueError(
                 f"skip={list(skip_patterns(skip))} but the store at {store} was packed with skip={index['skip']}; "
                 "drop skip= (the store's applies)"
@@ -689,6 +699,7 @@ def enable(
         granularity = previous.options.granularity if granularity is None else granularity
         skip = previous.options.skip if skip is None else skip
         host_budget = previous.options.host_budget if host_budget is None else host_budget
+        spill_dir = previous.spill_dir if spill_dir is None else spill_dir
     elif granularity is None:
         granularity = "row"
     options = _resolve(
@@ -702,7 +713,7 @@ def enable(
     if previous is not None:
         before, now = previous.options, options
         if (before.storage, before.granularity) != (now.storage, now.granularity) or not _same_skip(
-            components, before.skip, now.skip
+            components, now.storage, before.skip, now.skip
         ):
             enabled = (
                 f"tritoff is already enabled with storage {describe_storage(before.storage)}, "
@@ -737,7 +748,7 @@ def enable(
         group_lists = previous._group_lists
         layouts = {n: [p.layout for p in previous.packed[n].packs] for n in components}
     elif store is not None:
-        from tritoff.store import check_weights, load_store
+        from tritoff.store import check_packs, check_weights, load_store
 
         group_lists = {n: _groups_for(m, options.mode) for n, m in components.items()}
         stored = load_store(store, components, group_lists, fingerprints, verify=verify)
@@ -763,6 +774,8 @@ def enable(
                 if pack.on_disk and is_host(group):  # a lookup table, mapped later: checked now, read once
                     pack.file.check(pack)
         check_weights(store, components, stored)
+        if previous is not None:  # placeholders: the weights are the enabled engine's packs
+            check_packs(store, previous.packed, stored)
         _check_zero_copy(options, stored)
     kept, spills = {}, {}
     if not reuse and store is None:
@@ -842,6 +855,7 @@ def enable(
                     torch.cuda.empty_cache()  # quantizing's scratch: give it back before the budget's buffers are made
     engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr, chunks, reserve is None)
     engine.fingerprints = fingerprints
+    engine.spill_dir = spill_dir  # where packs beyond the host budget go when a re-enable packs again
     engine.requires_grad = requires_grad
     if reuse:
         engine.requantized = requantized

@@ -598,6 +598,38 @@ def check_weights(directory: str | Path, components: dict[str, nn.Module], packe
             )
 
 
+def check_packs(directory: str | Path, held: dict[str, PackedModel], packed: dict[str, PackedModel]) -> None:
+    """Refuse a store made from other weights than an enabled pipeline holds (its weights are placeholders, so
+    :func:`check_weights` has nothing to pack): per component, the smallest quantized weight (else any weight) is
+    compared, value for value, between the enabled engine's packs ``held`` and the store's ``packed`` (grouped alike
+    or not)."""
+    import torch
+
+    from tritoff.kernels.upcast import KIND_FP8
+    from tritoff.pack import read_entry
+    from tritoff.packer import pack_bytes
+
+    for name, model in packed.items():
+        theirs = {e.name: (p, e) for p in held[name].packs for e in p.layout.entries}
+        candidates = [
+            (e.kind != KIND_FP8, e.nbytes, e.name, i, j)
+            for i, pack in enumerate(model.packs)
+            for j, e in enumerate(pack.layout.entries)
+            if e.name in theirs and theirs[e.name][1].shape == e.shape
+        ]
+        if not candidates:
+            continue
+        *_, weight, i, j = min(candidates)
+        pack, other = model.packs[i], theirs[weight][0]
+        stored = read_entry(pack.layout, pack_bytes(pack), pack.layout.entries[j])
+        mine = read_entry(other.layout, pack_bytes(other), theirs[weight][1])
+        if not torch.equal(mine.view(-1).view(torch.uint8), stored.view(-1).view(torch.uint8)):
+            raise StoreError(
+                f"{directory} was made from other weights than this pipeline's {name} ({name}.{weight} differs): "
+                "load the weights the store was converted from, or convert this pipeline into a new store"
+            )
+
+
 def load_store(
     directory: str | Path,
     components: dict[str, nn.Module],

@@ -418,6 +418,14 @@ def test_a_hub_id_is_read_from_its_snapshot_in_the_hugging_face_cache(work, tmp_
     ):
         code, out, err = tritoff(*command)
         assert_one_line_error(code, out, err, "cannot fetch org/missing from the Hugging Face hub: ")
+    # a download cut short: the cache's copy lacks the transformer's weights, and is not taken as the pipeline
+    partial = tmp_path / "hub" / "models--org--partial"
+    shutil.copytree(repo, partial)
+    (partial / "snapshots" / ("0" * 40) / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
+    code, out, err = tritoff("convert", "org/partial", tmp_path / "s")
+    assert_one_line_error(code, out, err, "it is not all in the local cache (its transformer has no files in")
+    code, out, err = tritoff("convert", "org/a b", tmp_path / "s")
+    assert_one_line_error(code, out, err, "org/a b is not a valid hub id (")
 
 
 def test_run_from_a_store_builds_the_stored_diffusers_components_without_their_weights(work):

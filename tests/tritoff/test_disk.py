@@ -359,7 +359,10 @@ def test_bad_host_budgets_are_refused_in_one_line(value, message):
     assert not hasattr(pipe, "_tritoff_engine")
 
 
-def test_host_budget_cannot_change_on_a_re_enable_and_is_kept_when_left_out(tmp_path):
+def test_host_budget_cannot_change_on_a_re_enable_and_is_kept_when_left_out(tmp_path, monkeypatch):
+    from tritoff import engine as engine_module
+
+    spill = engine_module.spill_files
     pipe = wan()
     first = _enable(pipe, host_budget="1MB", spill_dir=str(tmp_path))
     expected = run(pipe)
@@ -368,6 +371,16 @@ def test_host_budget_cannot_change_on_a_re_enable_and_is_kept_when_left_out(tmp_
     again = _enable(pipe)  # left out: kept, with the packs where they were placed
     assert again.options.host_budget == first.options.host_budget == 10**6
     assert again.packed is first.packed and torch.equal(run(pipe), expected)
+    # packed again (leaf groups): the packs beyond the host budget go where spill_dir said, kept too
+    spilled = []
+
+    def record(directory, *args, **kwargs):
+        spilled.append(directory)
+        return spill(directory, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "spill_files", record)
+    leaf = tritoff.enable(pipe, mode="leaf", budget="4MB", progress=False, kernels="reference")
+    assert spilled == [str(tmp_path)] and leaf.options.host_budget == 10**6 and torch.equal(run(pipe), expected)
 
 
 # memory --------------------------------------------------------------------------------------------------------------

@@ -147,6 +147,21 @@ def test_a_store_packed_otherwise_than_the_enabled_pipeline_is_refused_naming_th
     assert pipe._tritoff_engine is engine and torch.equal(run(pipe), expected)
 
 
+def test_an_enabled_pipeline_is_refused_a_store_of_other_weights(saved, tmp_path):
+    directory, expected = saved  # made from wan(): the weights of the pipelines below
+    _enable(wan(seed=1)).save(tmp_path / "other")
+    for first in ({}, {"store": directory}, {"mode": "leaf"}):  # packed here, read from a store, grouped otherwise
+        pipe = wan()
+        engine = tritoff.enable(
+            pipe, **{"mode": "group", "budget": "4MB", "progress": False, "kernels": "reference", **first}
+        )
+        with pytest.raises(StoreError, match="other was made from other weights than this pipeline's"):
+            _enable(pipe, store=tmp_path / "other")
+        assert pipe._tritoff_engine is engine and torch.equal(run(pipe), expected)
+        _enable(pipe, store=directory)  # its own weights' store: accepted
+        assert torch.equal(run(pipe), expected)
+
+
 def test_a_store_accepts_its_skip_patterns_in_any_order(tmp_path):
     pipe = wan()
     _enable(pipe, skip=["attn1", "attn2.to_k"]).save(tmp_path / "store")
