@@ -262,3 +262,19 @@ def test_the_disk_check_counts_the_headers_too(two_pipelines, tmp_path, monkeypa
     with pytest.raises(ValueError, match="converting needs .* for the store, which has"):
         convert_pipeline(two_pipelines / "a", tmp_path / "store", progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fetching_a_hub_id_passes_the_machines_own_errors_on(monkeypatch):
+    import errno
+
+    from diffusers import DiffusionPipeline
+
+    from tritoff.convert import fetch_pipeline
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DiffusionPipeline, "download", full_disk)
+    with pytest.raises(OSError, match="No space left on device") as info:
+        fetch_pipeline("org/name")
+    assert info.value.errno == errno.ENOSPC  # the command's exit 1 (the machine), not 2 (the user's input)
