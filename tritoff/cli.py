@@ -295,8 +295,8 @@ def _load_pipeline(model: str, dtype, store: str | None):
                 kwargs[name] = _empty_component(local, name, spec[1], store)
     try:
         pipe = from_pretrained(model, dtype, **kwargs)
-    except (OSError, ValueError) as err:
-        raise CliError(f"cannot load {model}: {str(err).splitlines()[0]}") from None
+    except (OSError, ValueError, AttributeError, TypeError, ImportError) as err:  # what diffusers raises on odd files
+        raise CliError(f"cannot load {model}: {(str(err).splitlines() or [type(err).__name__])[0]}") from None
     if not any(isinstance(getattr(pipe, n, None), torch.nn.Module) for n in ("transformer", "unet")):
         raise CliError(f"{model} has no transformer or unet: tritoff runs diffusion pipelines")
     return pipe

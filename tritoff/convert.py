@@ -298,22 +298,46 @@ def fetch_pipeline(model: str | Path) -> Path:
     )
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
+
+
 def missing_component(directory: Path) -> str | None:
-    """The first component ``directory``'s model_index.json names whose files are not there (a folder without
-    files, or a model's config without weights: a download cut short), else None."""
+    """The first component ``directory``'s model_index.json names whose files are not all there (a download cut
+    short), else None: a folder without files, a file whose link leads nowhere (a blob missing from the Hugging Face
+    cache), a shard its index names that is absent, or a model (a torch module class) without weights."""
     try:
         index = json.loads((directory / "model_index.json").read_text())
     except (OSError, ValueError):
         return "model_index.json"
     for name, spec in index.items():
-        if not (isinstance(spec, list) and len(spec) == 2 and spec[0]):
-            continue  # no component (null), or an attribute of the pipeline
+        if name.startswith("_") or not (isinstance(spec, list) and len(spec) == 2 and all(spec)):
+            continue  # the pipeline's own keys, no component (null), or an attribute of the pipeline
         folder = directory / name
-        files = [p for p in folder.iterdir() if p.is_file()] if folder.is_dir() else []
-        weights = [p for p in files if p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json")]
-        if not files or ((folder / "config.json").is_file() and not weights):
+        entries = list(folder.iterdir()) if folder.is_dir() else []
+        if not entries or any(not e.exists() for e in entries):  # empty, or a link to a blob never downloaded
+            return name
+        weights = [e for e in entries if e.is_file() and e.name.endswith(WEIGHT_SUFFIXES)]
+        for shard_index in (e for e in entries if e.name.endswith(".index.json")):
+            try:
+                shards = set(json.loads(shard_index.read_text())["weight_map"].values())
+            except (OSError, ValueError, KeyError, AttributeError):
+                return name
+            if not all((folder / shard).is_file() for shard in shards):
+                return name
+        if not weights and _is_model(spec):
             return name
     return None
+
+
+def _is_model(spec: list) -> bool:
+    """Whether a model_index.json entry ``[library, class]`` names a torch module (which has weights to load)."""
+    import importlib
+
+    try:
+        cls = getattr(importlib.import_module(spec[0]), spec[1])
+    except Exception:  # a library or class this environment lacks: loading it would fail anyway
+        return False
+    return isinstance(cls, type) and issubclass(cls, torch.nn.Module)
 
 
 def model_directory(model: str | Path) -> Path | None:

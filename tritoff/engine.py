@@ -267,8 +267,9 @@ def _check_still_there(components: dict[str, nn.Module], previous: Engine) -> No
         gone = next((n for n, p in own.items() if now.get(n) != id(p)), None)
         if gone is not None:
             raise ValueError(
-                f"{name}.{gone} is no longer in {name} (its module was deleted, moved or wrapped since enable), and "
-                "tritoff still holds its weight: call tritoff.disable(pipe) before changing a component's modules"
+                f"{name}.{gone} is no longer in {name} under that name (its module was deleted, moved, wrapped or "
+                "aliased since enable), and tritoff still holds its weight: call tritoff.disable(pipe) before changing "
+                "a component's modules"
             )
         added = next((n for n in now if n not in own), None)
         if added is not None:
@@ -653,6 +654,7 @@ def enable(
             raise ValueError(f"{flag} must be True or False, got {value!r}")
     components = _components(target)
     previous: Engine | None = getattr(target, ENGINE_ATTR, None)
+    given_spill_dir = spill_dir  # this call's: only it is warned about
     _check_components(components, previous)
     _check_not_managed_elsewhere(components, previous)
     if previous is None:
@@ -707,7 +709,7 @@ def enable(
     )
     if options.device.type == "cpu":
         warn("no CUDA device: tritoff packs and upcasts weights but offloads nothing")
-    if spill_dir is not None and (options.host_budget is None or store is not None):
+    if given_spill_dir is not None and (options.host_budget is None or store is not None):
         why = "every pack is held in memory" if options.host_budget is None else "the store's packs are read from it"
         warn(f"spill_dir is used only with host_budget and without store ({why}): ignored")
     if previous is not None:

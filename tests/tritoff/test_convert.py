@@ -278,3 +278,45 @@ def test_fetching_a_hub_id_passes_the_machines_own_errors_on(monkeypatch):
     with pytest.raises(OSError, match="No space left on device") as info:
         fetch_pipeline("org/name")
     assert info.value.errno == errno.ENOSPC  # the command's exit 1 (the machine), not 2 (the user's input)
+
+
+def test_a_download_cut_short_is_told_from_a_complete_pipeline(tmp_path):
+    import json
+    import os
+    import shutil
+
+    from tritoff.convert import missing_component
+
+    wan().save_pretrained(tmp_path / "pipe")
+    assert missing_component(tmp_path / "pipe") is None
+
+    def variant(name, change):
+        copy = tmp_path / name
+        shutil.copytree(tmp_path / "pipe", copy)
+        change(copy)
+        return missing_component(copy)
+
+    weights = "transformer/diffusion_pytorch_model.safetensors"
+
+    def shard(copy):  # an index naming two shards, one of them never downloaded
+        (copy / weights).rename(copy / "transformer/diffusion_pytorch_model-00001-of-00002.safetensors")
+        shards = {"a": "diffusion_pytorch_model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+        (copy / f"{weights}.index.json").write_text(json.dumps({"weight_map": shards}))
+
+    def dangling(copy):  # the cache's layout: a link to a blob that is not there
+        (copy / "vae/config.json").unlink()
+        os.symlink(copy / "blobs-missing", copy / "vae/config.json")
+
+    def custom(copy):  # a custom pipeline's class, and a component folder with a config but no weights to load
+        index = json.loads((copy / "model_index.json").read_text())
+        index["_class_name"] = ["my_pipeline", "MyPipeline"]
+        (copy / "tokenizer/config.json").write_text("{}")
+        (copy / "model_index.json").write_text(json.dumps(index))
+
+    assert variant("no-weights", lambda copy: (copy / weights).unlink()) == "transformer"
+    assert variant("shard", shard) == "transformer"
+    assert variant("dangling", dangling) == "vae"
+    assert variant("empty", lambda copy: shutil.rmtree(copy / "text_encoder") or (copy / "text_encoder").mkdir()) == (
+        "text_encoder"
+    )
+    assert variant("custom", custom) is None

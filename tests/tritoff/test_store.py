@@ -160,6 +160,15 @@ def test_an_enabled_pipeline_is_refused_a_store_of_other_weights(saved, tmp_path
         assert pipe._tritoff_engine is engine and torch.equal(run(pipe), expected)
         _enable(pipe, store=directory)  # its own weights' store: accepted
         assert torch.equal(run(pipe), expected)
+    # weights that differ in one layer of the last block only (a partial fine-tune, a LoRA merged into one layer)
+    tuned = wan()
+    with torch.no_grad():
+        tuned.transformer.blocks[-1].ffn.net[2].weight.mul_(1.5)
+    _enable(tuned).save(tmp_path / "tuned")
+    pipe = wan()
+    _enable(pipe)
+    with pytest.raises(StoreError, match=r"transformer \(transformer\.blocks\.3 differs\)"):
+        _enable(pipe, store=tmp_path / "tuned")
 
 
 def test_a_store_accepts_its_skip_patterns_in_any_order(tmp_path):
