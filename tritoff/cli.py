@@ -295,8 +295,9 @@ def _load_pipeline(model: str, dtype, store: str | None):
                 kwargs[name] = _empty_component(local, name, spec[1], store)
     try:
         pipe = from_pretrained(model, dtype, **kwargs)
-    except (OSError, ValueError, AttributeError, TypeError, ImportError) as err:  # what diffusers raises on odd files
-        raise CliError(f"cannot load {model}: {(str(err).splitlines() or [type(err).__name__])[0]}") from None
+    except (OSError, ValueError, ImportError) as err:  # missing or malformed files, a package the pipeline needs
+        lines = [line for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+        raise CliError(f"cannot load {model}: {lines[0].strip()}") from None
     if not any(isinstance(getattr(pipe, n, None), torch.nn.Module) for n in ("transformer", "unet")):
         raise CliError(f"{model} has no transformer or unet: tritoff runs diffusion pipelines")
     return pipe

@@ -298,13 +298,14 @@ def fetch_pipeline(model: str | Path) -> Path:
     )
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".flashpack")
 
 
 def missing_component(directory: Path) -> str | None:
     """The first component ``directory``'s model_index.json names whose files are not all there (a download cut
-    short), else None: a folder without files, a file whose link leads nowhere (a blob missing from the Hugging Face
-    cache), a shard its index names that is absent, or a model (a torch module class) without weights."""
+    short), else None: a folder without files, a weight, config or index file whose link leads nowhere (a blob
+    missing from the Hugging Face cache), or a model (a torch module class) with no complete set of weights (a single
+    file, or every shard of one of its indexes)."""
     try:
         index = json.loads((directory / "model_index.json").read_text())
     except (OSError, ValueError):
@@ -314,30 +315,50 @@ def missing_component(directory: Path) -> str | None:
             continue  # the pipeline's own keys, no component (null), or an attribute of the pipeline
         folder = directory / name
         entries = list(folder.iterdir()) if folder.is_dir() else []
-        if not entries or any(not e.exists() for e in entries):  # empty, or a link to a blob never downloaded
+        if not entries or any(_needed(e) and not e.exists() for e in entries):
             return name
-        weights = [e for e in entries if e.is_file() and e.name.endswith(WEIGHT_SUFFIXES)]
-        for shard_index in (e for e in entries if e.name.endswith(".index.json")):
-            try:
-                shards = set(json.loads(shard_index.read_text())["weight_map"].values())
-            except (OSError, ValueError, KeyError, AttributeError):
-                return name
-            if not all((folder / shard).is_file() for shard in shards):
-                return name
-        if not weights and _is_model(spec):
+        indexes = [e for e in entries if _is_shard_index(e.name)]
+        sharded = {shard for i in indexes for shard in _shards(i)}
+        singles = [e for e in entries if e.is_file() and e.name.endswith(WEIGHT_SUFFIXES) and e.name not in sharded]
+        complete = singles or any(
+            (shards := _shards(i)) and all((folder / s).is_file() for s in shards) for i in indexes
+        )
+        if not complete and (indexes or _is_model(spec)):
             return name
     return None
 
 
+def _is_shard_index(name: str) -> bool:
+    """``*.index.json``, or a variant's ``*.index.<variant>.json``."""
+    return name.endswith(".json") and ".index." in name or name.endswith(".index.json")
+
+
+def _needed(entry: Path) -> bool:
+    """Whether a component's file is one loading reads (weights, configs, indexes), not a README or a licence."""
+    return entry.name.endswith((*WEIGHT_SUFFIXES, ".json"))
+
+
+def _shards(index: Path) -> set[str]:
+    """The files a shard index names (none when it cannot be read)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {str(f) for f in weight_map.values()} if isinstance(weight_map, dict) else set()
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
 def _is_model(spec: list) -> bool:
-    """Whether a model_index.json entry ``[library, class]`` names a torch module (which has weights to load)."""
+    """Whether a model_index.json entry ``[library, class]`` names a torch module (which has weights to load): the
+    library is a package, or one of diffusers' pipeline modules (a safety checker)."""
     import importlib
 
-    try:
-        cls = getattr(importlib.import_module(spec[0]), spec[1])
-    except Exception:  # a library or class this environment lacks: loading it would fail anyway
-        return False
-    return isinstance(cls, type) and issubclass(cls, torch.nn.Module)
+    for module in (spec[0], f"diffusers.pipelines.{spec[0]}"):
+        try:
+            cls = getattr(importlib.import_module(module), spec[1])
+        except Exception:  # a library or class this environment lacks: loading it would fail anyway
+            continue
+        return isinstance(cls, type) and issubclass(cls, torch.nn.Module)
+    return False
 
 
 def model_directory(model: str | Path) -> Path | None:

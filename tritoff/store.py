@@ -600,52 +600,43 @@ def check_weights(directory: str | Path, components: dict[str, nn.Module], packe
 
 def check_packs(directory: str | Path, held: dict[str, PackedModel], packed: dict[str, PackedModel]) -> None:
     """Refuse a store made from other weights than an enabled pipeline holds (its weights are placeholders, so
-    :func:`check_weights` has nothing to pack), comparing the enabled engine's packs ``held`` with the store's
-    ``packed``: every pack both hold in memory under one name and layout, bytes first and values where the bytes
-    differ (the same values can pack into other bytes); where none is (other groupings, packs on disk), the smallest
-    quantized weight (else any weight) both hold, value for value."""
+    :func:`check_weights` has nothing to pack), comparing every weight of the enabled engine's packs ``held`` with the
+    store's ``packed``, packs on disk read: a pack's bytes first, where both group it alike, and its values where the
+    bytes differ (the same values can pack into other bytes: weights a ``disable`` gave back and ``enable`` packed
+    again), one tensor at a time."""
     import torch
 
-    from tritoff.kernels.upcast import KIND_FP8
-    from tritoff.pack import dequantize_bytes, read_entry
+    from tritoff.pack import read_entry
     from tritoff.packer import pack_bytes
 
-    def refuse(name: str, what: str):
-        return StoreError(
-            f"{directory} was made from other weights than this pipeline's {name} ({name}.{what} differs): load the "
-            "weights the store was converted from, or convert this pipeline into a new store"
-        )
+    read: dict[str, torch.Tensor] = {}  # the enabled engine's pack read last: the store's next packs mostly need it
+
+    def bytes_of(pack) -> torch.Tensor:
+        if pack.name not in read:
+            read.clear()
+            read[pack.name] = pack_bytes(pack)
+        return read[pack.name]
 
     for name, model in packed.items():
         theirs = {p.name: p for p in held[name].packs}
-        pairs = [
-            (pack, theirs[pack.name])
-            for pack in model.packs
-            if pack.name in theirs and theirs[pack.name].layout == pack.layout
-            and not pack.on_disk and not theirs[pack.name].on_disk
-        ]  # fmt: skip
-        for pack, other in pairs:
-            if not torch.equal(pack.data, other.data) and not torch.equal(
-                dequantize_bytes(pack.layout, pack.data), dequantize_bytes(pack.layout, other.data)
-            ):
-                raise refuse(name, pack.name)
-        if pairs:
-            continue
-        entries = {e.name: (p, e) for p in held[name].packs for e in p.layout.entries}
-        candidates = [
-            (e.kind != KIND_FP8, e.nbytes, e.name, i, j)
-            for i, pack in enumerate(model.packs)
-            for j, e in enumerate(pack.layout.entries)
-            if e.name in entries and entries[e.name][1].shape == e.shape
-        ]
-        if not candidates:
-            continue
-        *_, weight, i, j = min(candidates)
-        pack, (other, entry) = model.packs[i], entries[weight]
-        stored = read_entry(pack.layout, pack_bytes(pack), pack.layout.entries[j])
-        mine = read_entry(other.layout, pack_bytes(other), entry)
-        if not torch.equal(mine.view(-1).view(torch.uint8), stored.view(-1).view(torch.uint8)):
-            raise refuse(name, weight)
+        where = {e.name: (p, e) for p in held[name].packs for e in p.layout.entries}
+        read.clear()
+        for pack in model.packs:
+            data = pack_bytes(pack)
+            alike = theirs.get(pack.name)
+            if alike is not None and alike.layout == pack.layout and torch.equal(data, bytes_of(alike)):
+                continue
+            for entry in pack.layout.entries:
+                other, other_entry = where.get(entry.name, (None, None))
+                if other is None or other_entry.shape != entry.shape:
+                    continue
+                mine = read_entry(other.layout, bytes_of(other), other_entry).view(-1).view(torch.uint8)
+                if not torch.equal(mine, read_entry(pack.layout, data, entry).view(-1).view(torch.uint8)):
+                    raise StoreError(
+                        f"{directory} was made from other weights than this pipeline's {name} ({name}.{entry.name} "
+                        "differs): load the weights the store was converted from, or convert this pipeline into a new "
+                        "store"
+                    )
 
 
 def load_store(

@@ -320,3 +320,10 @@ def test_a_download_cut_short_is_told_from_a_complete_pipeline(tmp_path):
         "text_encoder"
     )
     assert variant("custom", custom) is None
+
+    def other_format_index(copy):  # an index of .bin shards never fetched beside complete safetensors (--exclude *.bin)
+        shards = {"a": "pytorch_model-00001-of-00002.bin", "b": "pytorch_model-00002-of-00002.bin"}
+        (copy / "text_encoder/pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": shards}))
+        os.symlink(copy / "blobs-missing", copy / "text_encoder/README.md")  # a link loading never reads
+
+    assert variant("other-format", other_format_index) is None
