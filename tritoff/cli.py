@@ -295,7 +295,9 @@ def _load_pipeline(model: str, dtype, store: str | None):
                 kwargs[name] = _empty_component(local, name, spec[1], store)
     try:
         pipe = from_pretrained(model, dtype, **kwargs)
-    except (OSError, ValueError, ImportError) as err:  # missing or malformed files, a package the pipeline needs
+    # what diffusers raises on missing or malformed files (an unknown class, a config of the wrong types), or a package
+    # the pipeline needs
+    except (OSError, ValueError, ImportError, AttributeError, TypeError) as err:
         lines = [line for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
         raise CliError(f"cannot load {model}: {lines[0].strip()}") from None
     if not any(isinstance(getattr(pipe, n, None), torch.nn.Module) for n in ("transformer", "unet")):

@@ -303,9 +303,10 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".fl
 
 def missing_component(directory: Path) -> str | None:
     """The first component ``directory``'s model_index.json names whose files are not all there (a download cut
-    short), else None: a folder without files, a weight, config or index file whose link leads nowhere (a blob
-    missing from the Hugging Face cache), or a model (a torch module class) with no complete set of weights (a single
-    file, or every shard of one of its indexes)."""
+    short), else None: a folder without files, a file loading may read whose link leads nowhere (a blob missing from
+    the Hugging Face cache), an index with some of its shards but not all, or a model (a torch module class) with no
+    complete set of weights (a single file, or every shard of one of its indexes; an index of another format with
+    none of its shards beside one is not a gap)."""
     try:
         index = json.loads((directory / "model_index.json").read_text())
     except (OSError, ValueError):
@@ -317,12 +318,13 @@ def missing_component(directory: Path) -> str | None:
         entries = list(folder.iterdir()) if folder.is_dir() else []
         if not entries or any(_needed(e) and not e.exists() for e in entries):
             return name
-        indexes = [e for e in entries if _is_shard_index(e.name)]
-        sharded = {shard for i in indexes for shard in _shards(i)}
+        indexes = {i: _shards(i) for i in entries if _is_shard_index(i.name)}
+        present = {i: {s for s in shards if (folder / s).is_file()} for i, shards in indexes.items()}
+        if any(0 < len(present[i]) < len(shards) for i, shards in indexes.items()):
+            return name  # some of an index's shards but not all: a download cut short
+        sharded = {shard for shards in indexes.values() for shard in shards}
         singles = [e for e in entries if e.is_file() and e.name.endswith(WEIGHT_SUFFIXES) and e.name not in sharded]
-        complete = singles or any(
-            (shards := _shards(i)) and all((folder / s).is_file() for s in shards) for i in indexes
-        )
+        complete = singles or any(shards and present[i] == shards for i, shards in indexes.items())
         if not complete and (indexes or _is_model(spec)):
             return name
     return None
@@ -334,8 +336,9 @@ def _is_shard_index(name: str) -> bool:
 
 
 def _needed(entry: Path) -> bool:
-    """Whether a component's file is one loading reads (weights, configs, indexes), not a README or a licence."""
-    return entry.name.endswith((*WEIGHT_SUFFIXES, ".json"))
+    """Whether a component's file may be one loading reads: anything but a README, a licence or a picture."""
+    name = entry.name.lower()
+    return not (name.startswith(("readme", "license", "licence", ".git")) or name.endswith((".md", ".png", ".jpg")))
 
 
 def _shards(index: Path) -> set[str]:

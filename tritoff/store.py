@@ -626,17 +626,21 @@ def check_packs(directory: str | Path, held: dict[str, PackedModel], packed: dic
             alike = theirs.get(pack.name)
             if alike is not None and alike.layout == pack.layout and torch.equal(data, bytes_of(alike)):
                 continue
+            by_pack: dict[str, tuple] = {}  # the engine's packs this one's weights are in: each read once for it
             for entry in pack.layout.entries:
                 other, other_entry = where.get(entry.name, (None, None))
-                if other is None or other_entry.shape != entry.shape:
-                    continue
-                mine = read_entry(other.layout, bytes_of(other), other_entry).view(-1).view(torch.uint8)
-                if not torch.equal(mine, read_entry(pack.layout, data, entry).view(-1).view(torch.uint8)):
-                    raise StoreError(
-                        f"{directory} was made from other weights than this pipeline's {name} ({name}.{entry.name} "
-                        "differs): load the weights the store was converted from, or convert this pipeline into a new "
-                        "store"
-                    )
+                if other is not None and other_entry.shape == entry.shape:
+                    by_pack.setdefault(other.name, (other, []))[1].append((entry, other_entry))
+            for other, pairs in by_pack.values():
+                held_bytes = bytes_of(other)
+                for entry, other_entry in pairs:
+                    mine = read_entry(other.layout, held_bytes, other_entry).view(-1).view(torch.uint8)
+                    if not torch.equal(mine, read_entry(pack.layout, data, entry).view(-1).view(torch.uint8)):
+                        raise StoreError(
+                            f"{directory} was made from other weights than this pipeline's {name} "
+                            f"({name}.{entry.name} differs): load the weights the store was converted from, or convert "
+                            "this pipeline into a new store"
+                        )
 
 
 def load_store(

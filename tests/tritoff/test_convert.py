@@ -327,3 +327,12 @@ def test_a_download_cut_short_is_told_from_a_complete_pipeline(tmp_path):
         os.symlink(copy / "blobs-missing", copy / "text_encoder/README.md")  # a link loading never reads
 
     assert variant("other-format", other_format_index) is None
+
+    def beside_a_complete_one(copy):  # one index's shards cut short, though the single file is whole
+        shard(copy)
+        shutil.copy(tmp_path / "pipe" / weights, copy / weights)
+
+    assert variant("beside", beside_a_complete_one) == "transformer"
+    assert variant("tokenizer-link", lambda copy: os.symlink(copy / "nowhere", copy / "tokenizer/spiece.model")) == (
+        "tokenizer"
+    )
