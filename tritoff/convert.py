@@ -282,7 +282,7 @@ def fetch_pipeline(model: str | Path) -> Path:
             missing = missing_component(directory)
             if missing is None:
                 return directory
-            incomplete = f" (its {missing} has no files in {directory})"
+            incomplete = f" (its {missing} files are incomplete in {directory})"
     finally:
         logging.set_verbosity(verbosity[0])
         hub_logging.set_verbosity(verbosity[1])
@@ -332,7 +332,7 @@ def missing_component(directory: Path) -> str | None:
 
 def _is_shard_index(name: str) -> bool:
     """``*.index.json``, or a variant's ``*.index.<variant>.json``."""
-    return name.endswith(".json") and ".index." in name or name.endswith(".index.json")
+    return (name.endswith(".json") and ".index." in name) or name.endswith(".index.json")
 
 
 def _needed(entry: Path) -> bool:

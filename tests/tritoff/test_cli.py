@@ -423,7 +423,7 @@ def test_a_hub_id_is_read_from_its_snapshot_in_the_hugging_face_cache(work, tmp_
     shutil.copytree(repo, partial)
     (partial / "snapshots" / ("0" * 40) / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
     code, out, err = tritoff("convert", "org/partial", tmp_path / "s")
-    assert_one_line_error(code, out, err, "it is not all in the local cache (its transformer has no files in")
+    assert_one_line_error(code, out, err, "it is not all in the local cache (its transformer files are incomplete in")
     code, out, err = tritoff("convert", "org/a b", tmp_path / "s")
     assert_one_line_error(code, out, err, "org/a b is not a valid hub id (")
 
