@@ -332,7 +332,7 @@ def missing_component(directory: Path) -> str | None:
 
 def _is_shard_index(name: str) -> bool:
     """``*.index.json``, or a variant's ``*.index.<variant>.json``."""
-    return (name.endswith(".json") and ".index." in name) or name.endswith(".index.json")
+    return name.endswith(".json") and ".index." in name
 
 
 def _needed(entry: Path) -> bool:
