@@ -777,7 +777,7 @@ def enable(
                     pack.file.check(pack)
         check_weights(store, components, stored)
         if previous is not None:  # placeholders: the weights are the enabled engine's packs
-            check_packs(store, previous.packed, stored)
+            check_packs(store, previous.packed, stored, progress=progress)
         _check_zero_copy(options, stored)
     kept, spills = {}, {}
     if not reuse and store is None:

@@ -179,6 +179,42 @@ def test_an_enabled_pipeline_is_refused_a_store_of_other_weights(saved, tmp_path
     assert torch.equal(run(pipe), expected)
 
 
+def test_the_store_check_of_an_enabled_pipeline_shows_its_progress_and_closes_it_on_refusal(
+    saved, tmp_path, monkeypatch
+):
+    import tqdm.auto
+
+    bars = []
+
+    class Recorder(tqdm.auto.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.shown = not self.disable  # close() disables a bar
+            bars.append(self)
+
+    def checks():
+        return [(b.total, b.n, b.shown, b.disable) for b in bars if b.desc == "checking the store"]
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
+    directory, _ = saved
+    stored = sum(
+        p["nbytes"]
+        for name in read_index(directory)["components"]
+        for p in store_module._read_meta(directory / f"{name}.safetensors")["packs"]
+    )
+    pipe = wan()
+    _enable(pipe)
+    _enable(wan(seed=1)).save(tmp_path / "other")
+    bars.clear()
+    tritoff.enable(pipe, store=directory, progress=True)  # the same weights: every byte checked
+    assert checks() == [(stored, stored, True, True)]  # shown, then closed
+    bars.clear()
+    with pytest.raises(StoreError, match="other weights"):
+        tritoff.enable(pipe, store=tmp_path / "other", progress=True)
+    ((total, done, shown, closed),) = checks()
+    assert total == stored and 0 < done <= stored and shown and closed
+
+
 def test_a_store_accepts_its_skip_patterns_in_any_order(tmp_path):
     pipe = wan()
     _enable(pipe, skip=["attn1", "attn2.to_k"]).save(tmp_path / "store")
