@@ -10,15 +10,16 @@ result is recorded for the report), and the GPU copies (resident packs, resident
 ``disable`` then returns the fused weights, and a re-plan keeps them.
 
 Fusing is refused in one line where a pack is served from disk (beyond ``host_budget``: its file is not tritoff's
-to rewrite). ``fuse_lora`` (the pipeline's and the components') first checks every layer it would fuse: an adapter
-whose delta holds NaN or Inf, or a layer whose pack is on disk, is refused before any weight changes; a layer that
-still fails (its fused weight overflows) is left, with peft's record of its merged adapters, as it was. Unfusing a
-layer with nothing merged changes nothing, as in peft.
+to rewrite), and so is unfusing. ``fuse_lora`` and ``unfuse_lora`` (the pipeline's and the components') first check
+every layer of the components the call names: an adapter whose delta holds NaN or Inf, or a layer whose pack is on
+disk, is refused before any weight changes; a layer that still fails (its fused weight overflows) is left, with peft's
+record of its merged adapters, as it was. Unfusing a layer with nothing merged changes nothing, as in peft.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 
 import torch
@@ -43,11 +44,10 @@ def attach(engine) -> None:
         for layer in tuner_layers(module):
             _wrap(layer)
     for owner in {id(o): o for o in (engine.target, *engine.components.values())}.values():
-        if callable(getattr(type(owner), "fuse_lora", None)) and "fuse_lora" not in owner.__dict__:
-            owner.fuse_lora = _checked_fuse(owner, engine)
-        if not isinstance(owner, torch.nn.Module) and callable(getattr(type(owner), "unfuse_lora", None)):
-            if "unfuse_lora" not in owner.__dict__:
-                owner.unfuse_lora = _checked_unfuse(owner)
+        for what in ("fuse", "unfuse"):
+            name = f"{what}_lora"
+            if callable(getattr(type(owner), name, None)) and name not in owner.__dict__:
+                setattr(owner, name, _checked(owner, engine, what))
 
 
 def detach(engine, unwrap: bool) -> None:
@@ -65,11 +65,10 @@ def detach(engine, unwrap: bool) -> None:
                         delattr(layer, name)
 
 
-def _compiled_whole(pipe, what: str, args, kwargs) -> None:
+def _compiled_whole(pipe, what: str, names) -> None:
     """Refuse a pipeline-level fuse/unfuse naming a component compiled whole: diffusers skips such a wrapper
     without a word (it is not a ModelMixin), so the LoRA would silently stay as it was."""
-    components = kwargs.get("components", args[0] if args else None) or ()
-    for name in components:
+    for name in names:
         if type(getattr(pipe, name, None)).__name__ == "OptimizedModule":
             raise ValueError(
                 f"{what}: pipe.{name} is compiled whole (torch.compile's wrapper), which diffusers' {what} skips "
@@ -78,34 +77,53 @@ def _compiled_whole(pipe, what: str, args, kwargs) -> None:
             )
 
 
-def _checked_unfuse(pipe):
-    original = pipe.unfuse_lora
+def _arguments(method, args, kwargs) -> dict | None:
+    """The arguments of a call of ``method``, defaults included; None when they do not fit (the call will say so)."""
+    try:
+        bound = inspect.signature(method).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _targets(owner, engine, arguments: dict | None) -> dict[str, torch.nn.Module]:
+    """The components a ``fuse_lora``/``unfuse_lora`` call on ``owner`` changes: ``owner`` itself when it is one,
+    else those its ``components`` argument names (the pipeline class's default when left out; all of them when the
+    method takes no such argument)."""
+    if isinstance(owner, torch.nn.Module):
+        return {n: m for n, m in engine.components.items() if m is owner} or dict(engine.components)
+    if arguments is None or "components" not in arguments:
+        return dict(engine.components)
+    names = arguments["components"] or ()
+    return {n: engine.components[n] for n in names if n in engine.components}
+
+
+def _checked(owner, engine, what: str):
+    """``owner.fuse_lora`` or ``owner.unfuse_lora`` (``what``: ``"fuse"`` or ``"unfuse"``) that refuses, before any
+    weight changes, a layer it would change whose pack is served from disk, an adapter it would fuse whose delta holds
+    NaN or Inf, and (on a pipeline) a component compiled whole: peft changes layer after layer, so a refusal from
+    within would leave the model part fused."""
+    original = getattr(owner, f"{what}_lora")
 
     @functools.wraps(original)
-    def unfuse_lora(*args, **kwargs):
-        _compiled_whole(pipe, "unfuse_lora", args, kwargs)
-        return original(*args, **kwargs)
-
-    unfuse_lora._tritoff = True
-    return unfuse_lora
-
-
-def _checked_fuse(owner, engine):
-    """``fuse_lora`` that refuses, before fusing anything, an adapter whose delta holds NaN or Inf (and, on a
-    pipeline, a component compiled whole)."""
-    original = owner.fuse_lora
-
-    @functools.wraps(original)
-    def fuse_lora(*args, **kwargs):
+    def call(*args, **kwargs):
+        arguments = _arguments(original, args, kwargs)
         if not isinstance(owner, torch.nn.Module):
-            _compiled_whole(owner, "fuse_lora", args, kwargs)
-        names = kwargs.get("adapter_names")
-        for component, module in engine.components.items():
+            names = (arguments or {}).get("components") or ()
+            _compiled_whole(owner, f"{what}_lora", names)
+        wanted = (arguments or kwargs).get("adapter_names")
+        for component, module in _targets(owner, engine, arguments).items():
             for layer_name, layer in module.named_modules():
-                if not is_tuner_layer(layer) or not hasattr(layer, "get_delta_weight"):
+                if not is_tuner_layer(layer):
                     continue
-                wanted = names if names is not None else layer.active_adapters
-                for adapter in wanted:
+                if what == "unfuse":
+                    if getattr(layer, "merged_adapters", None):
+                        _refuse_disk(engine, layer, "unfuse", "nothing was unfused")
+                    continue
+                if not hasattr(layer, "get_delta_weight"):
+                    continue
+                for adapter in wanted if wanted is not None else layer.active_adapters:
                     if adapter in getattr(layer, "merged_adapters", ()) or adapter not in getattr(layer, "lora_A", ()):
                         continue
                     if not torch.isfinite(layer.get_delta_weight(adapter)).all():
@@ -113,11 +131,11 @@ def _checked_fuse(owner, engine):
                             f"fuse_lora: adapter {adapter!r} has NaN or Inf in its delta for {component}.{layer_name}; "
                             "nothing was fused: fix or unload that adapter"
                         )
-                    _refuse_disk(engine, layer, "fuse")
+                    _refuse_disk(engine, layer, "fuse", "nothing was fused")
         return original(*args, **kwargs)
 
-    fuse_lora._tritoff = True
-    return fuse_lora
+    call._tritoff = True
+    return call
 
 
 def _on_register(module, name, submodule):
@@ -185,16 +203,18 @@ def _owner(params):
     return None, []
 
 
-def _refuse_disk(engine, layer, what: str) -> None:
-    """Refuse to ``what`` a LoRA into ``layer`` when a weight of its base layer is in a pack served from disk."""
+def _refuse_disk(engine, layer, what: str, unchanged: str) -> None:
+    """Refuse to ``what`` (fuse or unfuse) a LoRA in ``layer`` when a weight of its base layer is in a pack served
+    from disk; ``unchanged`` says what the refusal left as it was."""
     where = _where(engine)
     for param in layer.get_base_layer().parameters():
         g, i = where.get(id(param), (None, None))
         if g is not None and g.pack.on_disk:
+            into, keep = ("into", "unfused") if what == "fuse" else ("from", "fused")
             raise ValueError(
-                f"cannot {what} a LoRA into {g.component}.{g.layout.entries[i].name}: its pack is served from disk "
-                "(beyond host_budget); nothing was fused: raise host_budget so it is held in memory, or keep the "
-                "LoRA unfused"
+                f"cannot {what} a LoRA {into} {g.component}.{g.layout.entries[i].name}: "
+                f"its pack is served from disk (beyond host_budget); {unchanged}: raise host_budget so it is held in "
+                f"memory, or keep the LoRA {keep}"
             )
 
 
@@ -202,7 +222,7 @@ def _edit(layer, change, what: str):
     engine, located = _owner(list(layer.get_base_layer().parameters()))
     if engine is None or (what == "unfuse" and not getattr(layer, "merged_adapters", None)):
         return change()  # unfusing a layer with nothing merged changes no weight
-    _refuse_disk(engine, layer, what)
+    _refuse_disk(engine, layer, what, "this layer was left as it was")
     engine.manager.drop_prefetch()
     device = engine.options.device
     merged = list(getattr(layer, "merged_adapters", []))

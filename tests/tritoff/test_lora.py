@@ -188,6 +188,46 @@ def test_fusing_into_packs_read_from_a_store_works_and_into_packs_on_disk_is_ref
     assert "\n" not in str(info.value) and not hasattr(fused, "_tritoff_engine")
 
 
+def _merged(module):
+    return {n: list(m.merged_adapters) for n, m in module.named_modules() if hasattr(m, "merged_adapters")}
+
+
+@pytest.mark.parametrize("caller", ["pipeline", "component"])
+def test_unfusing_with_packs_on_disk_is_refused_before_any_layer_changes(tmp_path, caller):
+    pipe = wan()
+    pipe.load_lora_weights(_lora(), adapter_name="style")
+    pipe.fuse_lora(components=["transformer"])  # before enable: the fused weights are packed
+    engine = _enable(pipe, mode="group", budget="6MB", host_budget="1MB", spill_dir=str(tmp_path))
+    places = [(g.name, g.pack.on_disk) for g in next(c for c in engine._runtimes if c.name == "transformer").blocks]
+    assert any(disk for _, disk in places) and not all(disk for _, disk in places), places  # some blocks unfuse
+    merged, arena, before = _merged(pipe.transformer), engine.packed["transformer"].arena.buffer.clone(), run(pipe)
+    unfuse = pipe.unfuse_lora if caller == "pipeline" else pipe.transformer.unfuse_lora
+    for _ in range(2):  # and again: nothing was left half done
+        with pytest.raises(ValueError, match=r"cannot unfuse a LoRA from transformer\..*nothing was unfused.*fused$"):
+            unfuse(components=["transformer"]) if caller == "pipeline" else unfuse()
+    assert _merged(pipe.transformer) == merged and engine.requantized == {}
+    assert torch.equal(engine.packed["transformer"].arena.buffer, arena) and torch.equal(run(pipe), before)
+
+
+def test_fusing_one_expert_checks_that_expert_only(tmp_path):
+    pipe = wan(two_experts=True)
+    engine = _enable(pipe, mode="group", budget="6MB", host_budget="3MB", spill_dir=str(tmp_path))
+    disk = {c.name: any(g.pack.on_disk for g in c.groups) for c in engine._runtimes}
+    assert not disk["transformer"] and disk["transformer_2"], disk
+    lora = _lora()
+    broken = {k: v.clone() for k, v in lora.items()}
+    broken["transformer.blocks.2.attn1.to_v.lora_B.weight"][0, 0] = float("nan")
+    pipe.load_lora_weights(lora, adapter_name="style")
+    pipe.load_lora_weights(broken, adapter_name="style", load_into_transformer_2=True)
+    pipe.fuse_lora(components=["transformer"])  # transformer_2's packs on disk and NaN adapter are not in the way
+    assert set(sum(_merged(pipe.transformer).values(), [])) == {"style"}
+    assert set(sum(_merged(pipe.transformer_2).values(), [])) == set()
+    with pytest.raises(ValueError, match=r"transformer_2\.blocks\.2.*nothing was fused"):
+        pipe.fuse_lora(components=["transformer_2"])  # refused there, for either
+    pipe.unfuse_lora(components=["transformer"])
+    assert set(sum(_merged(pipe.transformer).values(), [])) == set()
+
+
 def test_adapters_requiring_grad_are_refused_under_grad_mode_not_silently_wrong():
     pipe = wan()
     _enable(pipe, mode="group", budget="4MB")
