@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from accelerate.hooks import add_hook_to_module, remove_hook_from_module
 
-from tritoff import disk, torn_down
+from tritoff import disk, operations, torn_down
 from tritoff.adapters import adapter_bytes, merged_adapters, move_adapters, named_parameters, outer_modules
 from tritoff.arena import HostArena
 from tritoff.budget import default_budget, device_memory, format_bytes, parse_host_budget, parse_size, percentage
@@ -450,13 +450,12 @@ class Engine:
     def _hook(self, module: nn.Module, hook) -> None:
         add_hook_to_module(module, hook)
         guard_forward(module, self.manager)
+        operations.compile_inside_hooks(module)  # compiled before enable: its compiled call would hold the hooks
         self._hooked.append(module)
 
     def move_hook(self, src: nn.Module, dst: nn.Module) -> None:
         """Move a leaf layer's hook to the module its parent now calls: peft wrapped it in a tuner layer (whose
         adapter may read the base weights outside the base layer's forward), or unwrapped it again."""
-        from tritoff import operations
-
         hook = src._hf_hook
         operations.remove_block(src)
         remove_hook_from_module(src)
@@ -511,7 +510,7 @@ class Engine:
             self._release_everything()
 
     def _release_everything(self) -> None:
-        from tritoff import lora, operations
+        from tritoff import lora
 
         self._torn_down = True
         lora.detach(self, unwrap=False)
@@ -765,6 +764,7 @@ def enable(
             layouts[name] = plan_layouts(group_lists[name], quantized, fmts[name], options.granularity)
     sizes = _sizes(components, group_lists, layouts, options.mode)
     _check_callable(components, sizes)
+    operations.check_compiled(_hooked_modules(components, group_lists, sizes), components)
     the_plan, chunks = _plan(sizes, group_lists, layouts, components, options)
     looped = {name: _looped(name) for name in components}
     in_ram = None if reuse else hold_plan(group_lists, layouts, the_plan, looped, options.host_budget)
@@ -879,7 +879,7 @@ def enable(
 
 def _install(engine: Engine) -> None:
     """Make ``engine`` (its runtime built) its target's engine, with tritoff's wrappers of pipeline operations."""
-    from tritoff import lora, operations
+    from tritoff import lora
 
     setattr(engine.target, ENGINE_ATTR, engine)
     _ENGINES.add(engine)
@@ -887,6 +887,18 @@ def _install(engine: Engine) -> None:
     blocks = [m for m in engine._hooked if isinstance(getattr(m, "_hf_hook", None), GroupHook)]
     # .to(), offloading, qkv fusion, compile, save_pretrained
     operations.install(engine.target, engine.components, engine.options.device, blocks, engine.managed_ids)
+
+
+def _hooked_modules(components: dict[str, nn.Module], group_lists: dict, sizes: list[ComponentSize]) -> dict:
+    """The modules :meth:`Engine._build_runtime` hooks, per component: its root, the first module of each block of a
+    split component, and of each lookup table kept on the host."""
+    split = {size.name for size in sizes if size.blocks}
+    hooked = {}
+    for name, module in components.items():
+        outer = outer_modules(module)
+        groups = [g for g in group_lists[name] if is_host(g) or (name in split and is_block(g))]
+        hooked[name] = [module, *(outer[g.modules[0][0]] for g in groups)]
+    return hooked
 
 
 def _check_callable(components: dict[str, nn.Module], sizes: list[ComponentSize]) -> None:
@@ -967,8 +979,6 @@ def _restore(engine: Engine, device: torch.device) -> None:
         move_adapters(module, device)
     for packed in engine.packed.values():
         packed.arena.close()
-    from tritoff import operations
-
     for module in engine._unhooked:  # ordinary modules again: no forward of tritoff's left on the instances
         operations.restore_forward(module)
 

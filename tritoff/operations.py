@@ -23,12 +23,15 @@ methods; :func:`remove` gives the originals back):
   compiles the block's own forward, inside tritoff's hooks rather than around them, so ``fullgraph=True`` works and
   binding the block's weights to a slot is never traced. ``component.compile(fullgraph=True)`` on a component split
   into blocks is refused (tritoff's hooks, on resident blocks too, are graph breaks inside it); without ``fullgraph``
-  it works.
+  it works. A module compiled before ``enable`` has its own forward compiled the same way inside the hooks
+  (:func:`compile_inside_hooks`).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -134,13 +137,81 @@ def remove_block(block: torch.nn.Module) -> None:
         del block.compile
 
 
+class Recompile(NamedTuple):
+    """How a module was compiled, to compile another function of it the same way."""
+
+    compile: Callable  # function -> compiled function
+    fullgraph: bool
+
+
+def compiled_with(module: torch.nn.Module) -> Recompile | None | bool:
+    """How ``module.compile(...)`` (what ``compile_repeated_blocks`` calls) compiled ``module``: None when it is not
+    compiled that way, False when it is but torch keeps how where tritoff cannot read it.
+
+    The compiled call is a function torch.compile made of the module's ``_call_impl``, over the dynamo context that
+    holds every option given (backend, mode, fullgraph, dynamic): the same context compiles another function the same
+    way (it is what ``torch._dynamo.optimize(...)`` returns, a decorator for any number of functions)."""
+    compiled = module.__dict__.get("_compiled_call_impl")
+    if compiled is None or getattr(compiled, "__func__", None) is torch.nn.Module._call_impl:  # compile(disable=True)
+        return None
+    known = getattr(compiled, "_tritoff_recompile", None)  # compiled by restore_forward
+    if known is not None:
+        return known
+    code, cells = getattr(compiled, "__code__", None), getattr(compiled, "__closure__", None) or ()
+    names = code.co_freevars if code is not None else ()
+    context = next((cell.cell_contents for name, cell in zip(names, cells, strict=False) if name == "self"), None)
+    if callable(context) and isinstance(getattr(context, "fullgraph", None), bool):
+        return Recompile(context, context.fullgraph)
+    return False
+
+
+def check_compiled(hooked: dict[str, list[torch.nn.Module]], components: dict[str, torch.nn.Module]) -> None:
+    """Refuse, before anything changes, a module compiled before ``enable`` that tritoff cannot compile inside its
+    hooks (:func:`compile_inside_hooks`): one holding modules tritoff hooks (``hooked``, per component) compiled with
+    ``fullgraph=True`` (the hooks inside are graph breaks), or one compiled in a way this torch hides."""
+    for name, component in components.items():
+        inside = {id(m) for m in hooked[name]}
+        for sub_name, module in component.named_modules():
+            how = compiled_with(module)
+            if how is None:
+                continue
+            where = f"{name}.{sub_name}" if sub_name else name
+            holds = any(id(m) in inside for m in module.modules() if m is not module)
+            if how is False and (holds or id(module) in inside):
+                raise ValueError(
+                    f"{where} was compiled before tritoff.enable in a way tritoff cannot carry inside its hooks; "
+                    "reload it and compile after tritoff.enable (compile_repeated_blocks, or block.compile)"
+                )
+            if how and how.fullgraph and holds:
+                raise ValueError(
+                    f"{where} was compiled with fullgraph=True before tritoff.enable: tritoff's hooks on the blocks "
+                    f"inside it are graph breaks; compile it again without fullgraph, or compile each block "
+                    f"({name}.compile_repeated_blocks(fullgraph=True)), then enable"
+                )
+
+
+def compile_inside_hooks(module: torch.nn.Module) -> None:
+    """A module tritoff just hooked that was compiled before (``module.compile(...)``): its compiled call would run
+    tritoff's hooks inside the graph (a graph break, an error with ``fullgraph=True``), so its own forward is compiled
+    instead, the same way, between the hooks (:func:`check_compiled` refused what cannot be)."""
+    how = compiled_with(module)
+    if how:
+        del module.__dict__["_compiled_call_impl"]
+        _compile_forward(module, how)
+
+
+def _compile_forward(module: torch.nn.Module, how: Recompile) -> None:
+    # accelerate keeps the module's original forward here and calls it between the hooks
+    original = module._old_forward
+    module._old_forward = how.compile(original)
+    module._old_forward._tritoff_compile = (original, how)
+
+
 def _compile_inside_hooks(block: torch.nn.Module):
     def compile(*args, **kwargs):
         """``torch.compile`` the block's own forward; tritoff's hooks run around it, uncompiled."""
-        # accelerate keeps the block's original forward here and calls it between the hooks
-        original = block._old_forward
-        block._old_forward = torch.compile(original, *args, **kwargs)
-        block._old_forward._tritoff_compile = (original, args, kwargs)
+        how = Recompile(lambda fn: torch.compile(fn, *args, **kwargs), bool(kwargs.get("fullgraph")))
+        _compile_forward(block, how)
 
     compile._tritoff = True
     return compile
@@ -161,7 +232,9 @@ def restore_forward(module: torch.nn.Module) -> None:
         return
     del module.forward
     if compiled is not None:
-        torch.nn.Module.compile(module, *compiled[1], **compiled[2])
+        how = compiled[1]
+        module._compiled_call_impl = how.compile(module._call_impl)  # what module.compile(...) does
+        module._compiled_call_impl._tritoff_recompile = how
 
 
 def _compile_around_hooks(module: torch.nn.Module, component: str):

@@ -607,7 +607,6 @@ def check_packs(
     bytes differ (the same values can pack into other bytes: weights a ``disable`` gave back and ``enable`` packed
     again), one tensor at a time. ``progress``: a bar over the store's bytes, shown once the check has taken a second
     (comparing values runs at ~185 MB/s on a 2-core machine: over a minute for a 14B model's packs)."""
-    import torch
     from tqdm.auto import tqdm
 
     from tritoff.packer import pack_bytes

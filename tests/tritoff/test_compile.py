@@ -130,6 +130,46 @@ def test_compile_then_replan_then_disable():
     assert torch.equal(_run(pipe, call, "latent")[1], expected)
 
 
+def test_blocks_compiled_before_enable_compile_inside_the_hooks_and_again_after_disable():
+    factory, call = FAMILIES["wan21-t2v"]
+    reference = dequantized_pipeline(factory)
+    reference.set_progress_bar_config(disable=True)
+    _, expected = _run(reference, call, "latent")
+    pipe = factory()
+    pipe.set_progress_bar_config(disable=True)
+    recorder = Recorder()
+    _compile(pipe, "regional", recorder)  # fullgraph=True, right after loading (as diffusers advises)
+    blocks = pipe.transformer.blocks
+    budget = _minimum(pipe, "group")
+    for _ in range(2):  # and after disable, which compiles each block again as block.compile(...) does
+        tritoff.enable(pipe, mode="group", budget=budget, reserve=1000, progress=False, kernels="reference")
+        assert all("_compiled_call_impl" not in vars(b) for b in blocks)  # its forward is, inside the hooks
+        assert all(b._old_forward._tritoff_compile[1].fullgraph for b in blocks)
+        assert torch.equal(_run(pipe, call, "latent")[1], expected)
+        assert recorder.graphs and recorder.traced_tritoff() == []  # with the backend it was given
+        tritoff.disable(pipe)
+        assert all("forward" not in vars(b) and b._compiled_call_impl is not None for b in blocks)
+        assert torch.equal(_run(pipe, call, "latent")[1], expected)
+
+
+def test_what_cannot_compile_inside_the_hooks_is_refused_before_enable_changes_anything():
+    factory, _ = FAMILIES["wan21-t2v"]
+    options = dict(mode="group", budget="1MB", reserve=1000, progress=False, kernels="reference")
+    pipe = factory()
+    pipe.transformer.compile(fullgraph=True, backend="aot_eager")
+    compiled = pipe.transformer._compiled_call_impl
+    with pytest.raises(ValueError, match=r"^transformer was compiled with fullgraph=True before") as info:
+        tritoff.enable(pipe, **options)
+    assert "compile_repeated_blocks(fullgraph=True)" in str(info.value) and "\n" not in str(info.value)
+    assert not hasattr(pipe, "_tritoff_engine") and pipe.transformer._compiled_call_impl is compiled
+    assert not hasattr(pipe.transformer, "_hf_hook") and pipe.transformer.blocks[0].ffn.net[2].weight.numel() > 0
+    pipe = factory()
+    hidden = pipe.transformer.blocks[1]._compiled_call_impl = lambda *args, **kwargs: None  # not torch.compile's
+    with pytest.raises(ValueError, match=r"^transformer.blocks.1 was compiled .* in a way tritoff cannot carry"):
+        tritoff.enable(pipe, **options)
+    assert not hasattr(pipe, "_tritoff_engine") and pipe.transformer.blocks[1]._compiled_call_impl is hidden
+
+
 def test_fullgraph_over_hooked_blocks_is_refused_in_one_line():
     pipe, _, _, _ = _streaming("wan21-t2v")
     with pytest.raises(RuntimeError, match=r"compile_repeated_blocks\(fullgraph=True\)") as info:
