@@ -7,6 +7,7 @@ temporary file or directory and renamed.
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import glob
 import json
@@ -683,6 +684,22 @@ def _terminate(signum, frame):
     raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: temporary files and directories are removed
 
 
+def _interrupt_again(hook):
+    """``sys.unraisablehook`` for a command: the KeyboardInterrupt of a signal that landed in a finalizer (``__del__``,
+    a weakref callback) is dropped there by Python, and the command would run on to its end (publishing what it
+    makes); it is raised again, by the same signal, in the code that runs next, and not printed."""
+
+    def unraisable(info):
+        if _interrupted and info.exc_type is not None and issubclass(info.exc_type, KeyboardInterrupt):
+            # from another thread: the handler then runs in the main thread's code once this hook has returned (made
+            # from here, it would run in the hook itself, and be dropped again); a finalizer again: the same again
+            _thread.start_new_thread(_thread.interrupt_main, (signal.SIGINT,))  # (threading's start waits for it)
+            return
+        hook(info)
+
+    return unraisable
+
+
 def _interrupted_exit() -> int:
     print("tritoff: interrupted", file=sys.stderr)
     return EXIT_INTERRUPTED
@@ -745,12 +762,14 @@ def main(argv: list[str] | None = None) -> int:
     _interrupted = False
     args = build_parser().parse_args(argv)
     stdout, stderr, format_warning, previous = sys.stdout, sys.stderr, warnings.formatwarning, {}
+    unraisable = sys.unraisablehook
     try:
         sys.stdout, sys.stderr, warnings.formatwarning = _Output(stdout), _Output(stderr), _format_warning
+        sys.unraisablehook = _interrupt_again(unraisable)
         previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGINT)}
         code = args.func(args)
-        # a signal whose KeyboardInterrupt landed in a finalizer (Python prints it there and carries on) still ends
-        # the command as interrupted
+        # an interrupt swallowed where even raising it again could not reach (C code that turned it into an error of
+        # its own, and carried on) still ends the command as interrupted
         return _interrupted_exit() if _interrupted else code
     except KeyboardInterrupt:
         return _interrupted_exit()
@@ -768,6 +787,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        sys.unraisablehook = unraisable
         for output in (sys.stdout, sys.stderr):
             if isinstance(output, _Output):  # through the wrappers: a reader gone leaves nothing for the exit's flush
                 output.close()

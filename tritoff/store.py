@@ -526,15 +526,60 @@ def component_storages(index: dict) -> dict[str, str]:
     return {name: info.get("storage", index["storage"]) for name, info in index["components"].items()}
 
 
+# the fields of a store file's pack table and their types, checked when the header is read: the CLI reads headers
+# (dtypes, for building models without weights) before hashing the files
+PACK_FIELDS = {"name": str, "entries": list, "nbytes": int, "out_nbytes": int, "offset": int, "out_dtype": str}
+ENTRY_FIELDS = {
+    "name": str,
+    "shape": list,
+    "dtype": str,
+    "kind": int,
+    **dict.fromkeys(("offset", "nbytes", "scale_offset", "num_scales", "out_offset"), int),
+}
+DTYPES = {"float16", "bfloat16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64", "bool"}
+
+
 def _read_meta(path: Path) -> dict:
     _require_file(path)
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size - 8:
+                raise ValueError(f"a header of {header_len} bytes in a file of {size}")
             header = json.loads(f.read(header_len))
-        return json.loads(header["__metadata__"]["tritoff"])
-    except (struct.error, ValueError, KeyError, TypeError) as err:
-        raise StoreError(f"{path} has an unreadable header ({err}); {RECREATE}") from None
+        meta = json.loads(header["__metadata__"]["tritoff"])
+        _check_meta(meta)
+        return meta
+    except (struct.error, ValueError, KeyError, TypeError, RecursionError) as err:
+        raise StoreError(f"{path} has an unreadable header ({_first_line(err)}); {RECREATE}") from None
+
+
+def _check_meta(meta) -> None:
+    """Raise ValueError unless ``meta`` has the pack table's fields, of their types."""
+
+    def fields(record, kinds: dict, what: str) -> None:
+        if not isinstance(record, dict):
+            raise ValueError(f"{what} is not a record")
+        wrong = next((k for k, kind in kinds.items() if not isinstance(record.get(k), kind)), None)
+        if wrong is not None:
+            raise ValueError(f"{what} has no valid {wrong!r}")
+
+    packs = meta.get("packs") if isinstance(meta, dict) else None
+    if not isinstance(packs, list):
+        raise ValueError("no pack table")
+    for pack in packs:
+        fields(pack, PACK_FIELDS, "a pack")
+        for entry in pack["entries"]:
+            fields(entry, ENTRY_FIELDS, f"an entry of pack {pack['name']}")
+            if entry["dtype"] not in DTYPES or not all(isinstance(n, int) for n in entry["shape"]):
+                raise ValueError(f"{pack['name']}.{entry['name']} has no valid dtype or shape")
+        if pack["out_dtype"] not in DTYPES:
+            raise ValueError(f"pack {pack['name']} has no valid out dtype")
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0][:200] if str(err) else type(err).__name__
 
 
 def stored_compute_dtype(directory: str | Path) -> str | None:

@@ -462,18 +462,25 @@ def test_bench_smoke_runs(work):
     assert code == 0, err
 
 
-def test_an_interrupt_swallowed_by_a_finalizer_still_ends_the_command_as_interrupted(monkeypatch, capsys):
-    """A KeyboardInterrupt that the signal handler raises inside a ``__del__`` is printed there and dropped by Python;
-    the command then runs to its end, and the exit still says it was interrupted."""
+def test_an_interrupt_landing_in_a_finalizer_stops_the_command(monkeypatch, capsys, tmp_path):
+    """A KeyboardInterrupt that the signal handler raises inside a ``__del__`` is dropped there by Python: it is raised
+    again in the code that runs next, so the command stops before publishing anything, with no traceback."""
     from tritoff import cli
 
+    class Finalized:
+        def __del__(self):
+            cli._terminate(signal.SIGINT, None)  # as if the signal arrived while this ran
+
+    published = tmp_path / "published"
+
     def info_interrupted_in_a_finalizer(args):
-        try:
-            cli._terminate(signal.SIGINT, None)
-        except KeyboardInterrupt:
-            pass  # what Python does with an exception raised in a finalizer
+        Finalized()
+        for _ in range(100):  # the rest of the command's work
+            time.sleep(0.01)
+        published.write_text("the command ran to its end")
         return 0
 
     monkeypatch.setattr(cli, "_cmd_info", info_interrupted_in_a_finalizer)
     assert cli.main(["info"]) == 130
-    assert capsys.readouterr().err.strip().splitlines()[-1] == "tritoff: interrupted"
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["tritoff: interrupted"] and not published.exists()

@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import stat
+import struct
 
 import pytest
 import torch
@@ -223,6 +224,31 @@ def test_a_store_accepts_its_skip_patterns_in_any_order(tmp_path):
     skip = ["attn2.to_k", "attn1", "attn1"]
     assert _enable(again, store=tmp_path / "store", skip=skip).options.skip == ("attn1", "attn2.to_k")
     assert torch.equal(run(again), expected)
+
+
+@pytest.mark.parametrize(
+    "damage,why",
+    [
+        (lambda data: struct.pack("<Q", 2**36) + data[8:], "a header of 68719476736 bytes in a file of"),
+        (lambda data: struct.pack("<Q", 2**63 - 1) + data[8:], "a header of 9223372036854775807 bytes"),
+        (lambda data: data.replace(b"entries", b"entriez", 1), "a pack has no valid 'entries'"),
+        (lambda data: data.replace(b"bfloat16", b"bfloat17", 1), "pack blocks.0 has no valid out dtype"),
+    ],
+    ids=["huge-length", "largest-length", "renamed-field", "unknown-dtype"],
+)
+def test_headers_read_before_hashing_refuse_damage_in_one_line(copy, damage, why):
+    """The CLI reads the store's dtypes from the file headers before hashing the files (to build models without
+    weights): a damaged header is refused there in one line, not a MemoryError or KeyError traceback."""
+    path = copy / "transformer.safetensors"
+    path.write_bytes(damage(path.read_bytes()))
+    for read in (
+        lambda: store_module.stored_compute_dtype(copy),
+        lambda: store_module.stored_dtypes(copy, "transformer"),
+    ):
+        with pytest.raises(
+            StoreError, match=rf"transformer\.safetensors has an unreadable header \({why}.*tritoff convert"
+        ):
+            read()
 
 
 @pytest.mark.parametrize("where", ["data", "header"])
