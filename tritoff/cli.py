@@ -450,11 +450,13 @@ def _cmd_convert(args) -> int:
     name = glob.escape(real.name)
     for stale in sorted(parent.glob(f".{name}.*.partial")) + sorted(parent.glob(f".{name}.*.old")):
         # left by a conversion that was killed (SIGKILL, power loss) on another host, or while replacing a store
-        if stale not in removed:
-            print(
-                f"tritoff: note: {stale} is from another conversion of this store; delete it if none runs",
-                file=sys.stderr,
-            )
+        if stale in removed:
+            continue
+        if stale.suffix == ".old" and not real.exists():  # killed between moving the old store aside and the new in
+            advice = f"it holds the store a conversion was replacing: if none runs, move it back to {real}"
+        else:
+            advice = "delete it if none runs"
+        print(f"tritoff: note: {stale} is from another conversion of this store; {advice}", file=sys.stderr)
     _prepare_backend(None)
     if not local.is_dir():  # a hub id: read from its snapshot group by group, as a local directory is
         local = _fetch(args.model)

@@ -221,11 +221,33 @@ def check_target(directory: str | Path, overwrite: bool = False, model: str | Pa
             raise StoreError(f"{target} is inside the model directory {model}: write the store somewhere else")
     if target.exists() and not target.is_dir():
         raise StoreError(f"{target} exists and is not a directory: choose a new or empty directory for the store")
+    # the store is written beside its target and renamed into place, which neither of these can take
+    where = Path(os.path.realpath(target))
+    try:
+        here = Path.cwd()
+    except OSError:  # a removed working directory
+        here = None
+    if here is not None and (where == here or where in here.parents):
+        raise StoreError(
+            f"{target} is the current directory or holds it: the store replaces the directory, leaving this shell "
+            "in a removed one; name a directory to create (tritoff convert MODEL my-store)"
+        )
+    if target.is_dir() and _is_mount_point(where):
+        raise StoreError(
+            f"{target} is a mount point, which cannot be renamed (the store is written beside it and renamed into "
+            f"place): write the store into a directory inside it ({target}/store)"
+        )
     if target.is_dir() and any(target.iterdir()):
         if not (target / INDEX).is_file():
             raise StoreError(f"{target} is not empty and holds no tritoff store: choose a new or empty directory")
         if not overwrite:
             raise StoreError(f"{target} already holds a store: pass --overwrite (overwrite=True) to replace it")
+        others = sorted(p.name for p in target.iterdir() if p.name != INDEX and not _is_store_file(p))
+        if others:
+            raise StoreError(
+                f"{target} holds files that are not the store's ({', '.join(others[:3])}"
+                f"{', ...' if len(others) > 3 else ''}), which replacing the store would delete: move them out first"
+            )
     # the store is written beside its target and moved in: the nearest existing parent must take new files
     parent = target.expanduser().absolute().parent
     while not parent.exists() and parent != parent.parent:
@@ -238,6 +260,24 @@ def check_target(directory: str | Path, overwrite: bool = False, model: str | Pa
             f"cannot write a store in {parent} ({err.strerror or err}): choose a directory on a writable disk"
         ) from None
     return target
+
+
+def _is_store_file(path: Path) -> bool:
+    return path.suffix == ".safetensors" and path.is_file() and not path.is_symlink()
+
+
+def _is_mount_point(path: Path) -> bool:
+    """Whether ``path`` (resolved) is a mount point, bind mounts of a directory of the same disk included (which
+    ``os.path.ismount`` does not see)."""
+    if os.path.ismount(path):
+        return True
+    try:
+        with open("/proc/self/mountinfo") as f:
+            # field 5 is the mount point, with spaces and the like written as octal escapes
+            points = {line.split()[4].encode().decode("unicode_escape") for line in f if len(line.split()) > 4}
+    except OSError:
+        return False
+    return str(path) in points
 
 
 def _replace_dir(tmp: Path, target: Path) -> None:

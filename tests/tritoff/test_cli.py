@@ -380,11 +380,20 @@ def test_convert_removes_what_a_killed_conversion_left(work, tmp_path):
     left.mkdir()
     (left / "transformer.safetensors").write_bytes(b"x" * 1000)
     (left / ".writing").touch()  # its writer's lock file, nobody holding it: killed
+    # a conversion killed while replacing a store, between moving the old one aside and the new one in: the old one
+    # is the only store there, kept, and named as such
+    aside = tmp_path / ".store.abcd_456.old"
+    shutil.copytree(root / "store", aside)
     code, out, err = tritoff("convert", root / "pipe", tmp_path / "store")
     assert code == 0, err
     assert f"tritoff: removing {left}, left by an interrupted conversion" in err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
+    assert (
+        f"{aside} is from another conversion of this store; it holds the store a conversion was replacing: if none "
+        f"runs, move it back to {tmp_path / 'store'}" in err
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [aside.name, "store"]
     verify_store(tmp_path / "store")
+    verify_store(aside)
 
 
 def test_a_hub_id_is_read_from_its_snapshot_in_the_hugging_face_cache(work, tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ import os
 import shutil
 import stat
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -344,6 +345,38 @@ def test_overwrite_replaces_a_store_and_only_a_store(copy, tmp_path):
         check_target(tmp_path / "mine" / "store", model=tmp_path / "mine")
     with pytest.raises(StoreError, match="inside the model directory"):
         check_target(tmp_path / "mine", overwrite=True, model=tmp_path / "mine")
+
+
+def test_targets_a_store_cannot_be_renamed_into_are_refused_before_any_packing(copy, tmp_path, monkeypatch):
+    args = _packed_store_args()
+    # the current directory (or one holding it): the store would replace the shell's directory
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "empty")
+    for target in (".", tmp_path / "empty", "sub/.."):
+        with pytest.raises(StoreError, match="is the current directory or holds it.*name a directory to create"):
+            check_target(target)
+    monkeypatch.chdir(tmp_path / "empty" / "sub")
+    with pytest.raises(StoreError, match="is the current directory or holds it"):
+        check_target(tmp_path / "empty", overwrite=True)
+    assert check_target(tmp_path / "new") == tmp_path / "new"  # elsewhere: fine
+    # a mount point, bind mounts too (rename gives EBUSY, after the whole conversion)
+    assert store_module._is_mount_point(Path("/")) and not store_module._is_mount_point(tmp_path)
+    monkeypatch.setattr(store_module, "_is_mount_point", lambda path: path == copy.resolve())
+    with pytest.raises(
+        StoreError, match=r"is a mount point.*write the store into a directory inside it \(.*copy/store\)"
+    ):
+        save_store(copy, *args, overwrite=True)
+    verify_store(copy)  # left as it was
+    # --overwrite of a store holding other files: they would be deleted with it
+    monkeypatch.undo()
+    (copy / "NOTES.txt").write_text("mine")
+    (copy / "loras").mkdir()
+    with pytest.raises(StoreError, match=r"holds files that are not the store's \(NOTES.txt, loras\).*move them out"):
+        save_store(copy, *args, overwrite=True)
+    assert (copy / "NOTES.txt").read_text() == "mine"
+    (copy / "NOTES.txt").unlink()
+    (copy / "loras").rmdir()
+    save_store(copy, *args, overwrite=True)
 
 
 def test_store_files_follow_the_umask(tmp_path):
