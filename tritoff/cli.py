@@ -406,6 +406,11 @@ def _cmd_run(args) -> int:
         )
     except BudgetError as err:
         raise _budget_error(err, args.mode, args.prefetch) from None
+    except torch.OutOfMemoryError:
+        raise CliError(
+            f"{args.device or 'the GPU'} ran out of memory while tritoff placed the weights (other processes may hold "
+            "some of it: nvidia-smi); pass a smaller --budget"
+        ) from None
     startup = time.perf_counter() - start
     rss = host_rss()
     call = dict(
@@ -420,7 +425,13 @@ def _cmd_run(args) -> int:
         if getattr(args, key.replace("num_", "")) is not None:
             call[key] = getattr(args, key.replace("num_", ""))
     pipe.set_progress_bar_config(desc="denoising")
-    frames = pipe(**call).frames
+    try:
+        frames = pipe(**call).frames
+    except torch.OutOfMemoryError:
+        raise CliError(
+            "the GPU ran out of memory while generating: the activations of this size need more room than the budget "
+            "leaves; pass a smaller --budget (or --reserve more), or fewer --frames, or a smaller --height/--width"
+        ) from None
     path = write_video(frames, args.out, fps=args.fps)
     print(engine.report())
     source = f" from store {args.store}" if args.store else ""
@@ -786,6 +797,17 @@ def main(argv: list[str] | None = None) -> int:
         # errno; the machine's errors (a full disk, an I/O error) do
         usage = (CliError, ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
         return EXIT_USAGE if isinstance(err, usage) or err.errno is None else 1
+    except Exception as err:  # what no check foresaw (a library's error on these inputs, a bug): still one line
+        if _interrupted:
+            return _interrupted_exit()
+        if os.environ.get("TRITOFF_TRACEBACK"):
+            raise
+        print(
+            f"tritoff: error: {type(err).__name__}: {_one_line(err)} (unexpected; set TRITOFF_TRACEBACK=1 for where "
+            "it came from)",
+            file=sys.stderr,
+        )
+        return 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

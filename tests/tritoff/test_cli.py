@@ -238,6 +238,48 @@ def test_a_warning_made_an_error_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == expected
 
 
+def test_an_error_no_check_foresaw_is_one_line_unless_its_traceback_is_asked_for(monkeypatch, capsys):
+    from tritoff import cli
+
+    def failing(args):
+        raise RuntimeError("The size of tensor a (234) must match\nthe size of tensor b (24)")
+
+    monkeypatch.setattr(cli, "_cmd_info", failing)
+    monkeypatch.delenv("TRITOFF_TRACEBACK", raising=False)
+    assert cli.main(["info"]) == 1
+    assert capsys.readouterr().err == (
+        "tritoff: error: RuntimeError: The size of tensor a (234) must match the size of tensor b (24) (unexpected; "
+        "set TRITOFF_TRACEBACK=1 for where it came from)\n"
+    )
+    monkeypatch.setenv("TRITOFF_TRACEBACK", "1")
+    with pytest.raises(RuntimeError, match="size of tensor a"):
+        cli.main(["info"])
+
+
+@pytest.mark.parametrize("when", ["placing", "generating"])
+def test_running_out_of_gpu_memory_says_what_to_change(work, monkeypatch, capsys, tmp_path, when):
+    import diffusers
+    import torch
+
+    import tritoff
+    from tritoff import cli
+
+    root, _ = work
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    if when == "placing":
+        monkeypatch.setattr(tritoff, "enable", out_of_memory)
+    else:
+        monkeypatch.setattr(diffusers.WanPipeline, "__call__", out_of_memory)
+    out = tmp_path / "never.gif"
+    code = cli.main(["run", str(root / "pipe"), *RUN, "--device", "cpu", "--out", str(out)])
+    lines = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if line.startswith("tritoff")]
+    expected = "ran out of memory while tritoff placed the weights" if when == "placing" else "while generating"
+    assert code == 2 and expected in lines[-1] and "pass a smaller --budget" in lines[-1] and not out.exists()
+
+
 def test_tritoffs_warnings_print_in_one_line_and_others_as_python_prints_them(capsys):
     import warnings
 
