@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported on use: the command line checks a budget's syntax before loading it
@@ -59,7 +60,7 @@ def _whole_bytes(size: float, value, what: str) -> int:
 
 
 def parse_host_budget(value, what: str = "host_budget") -> int | None:
-    """A host budget in bytes: a size as :func:`parse_size` takes it (a percentage is of the machine's RAM), or zero
+    """A host budget in bytes: a size as :func:`parse_size` takes it (a percentage is of :func:`host_memory`), or zero
     in any spelling (every pack served from disk); None stays None (every pack held)."""
     if value is None:
         return None
@@ -68,12 +69,47 @@ def parse_host_budget(value, what: str = "host_budget") -> int | None:
     match = _PATTERN.match(value) if isinstance(value, str) else None
     if match and float(match.group(1)) == 0 and (match.group(2).upper() in _UNITS or match.group(2) == "%"):
         return 0
-    ram = None
-    if hasattr(os, "sysconf"):
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
         raise ValueError(f"invalid {what} {value!r}: give bytes, e.g. '8GB', or 0 to read every pack from disk")
-    return parse_size(value, what=what, total=ram)
+    return parse_size(value, what=what, total=host_memory())
+
+
+def host_memory() -> int | None:
+    """Bytes of memory this process may use: the machine's RAM, or less where a cgroup limits it (a container started
+    with ``--memory``, a systemd slice), whose limit the kernel enforces by killing the process; None if unknown."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    limits = [n for n in (ram, *cgroup_memory_limits()) if n]
+    return min(limits) if limits else None
+
+
+def cgroup_memory_limits(proc: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> list[int]:
+    """The memory limits set on this process's cgroups and their ancestors (cgroup v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``), as the kernel lists them under ``root``; none where there are none (or no cgroups)."""
+    try:
+        lines = proc.read_text().splitlines()
+    except OSError:
+        return []
+    limits = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # v2: one hierarchy
+            base, name = root, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = root / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        here = base / path.strip().lstrip("/")
+        while base == here or base in here.parents:  # a limit on an ancestor holds too
+            try:
+                text = (here / name).read_text().strip()
+            except OSError:
+                text = ""
+            if text.isdigit():  # v2 writes "max" where there is none
+                limits.append(int(text))
+            if here == base:
+                break
+            here = here.parent
+    return limits
 
 
 def percentage(value) -> float | None:

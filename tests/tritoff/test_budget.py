@@ -1,5 +1,7 @@
 """tritoff/budget.py: sizes as users write them, and the default budget's headroom."""
 
+import os
+
 import pytest
 
 from tritoff.budget import default_budget, parse_host_budget, parse_size
@@ -71,3 +73,28 @@ def test_no_host_budget_holds_every_pack_and_a_size_is_a_size():
     assert parse_host_budget("3GiB") == 3 * GiB
     with pytest.raises(ValueError, match="invalid host_budget 'lots'"):
         parse_host_budget("lots")
+
+
+def test_a_cgroup_memory_limit_bounds_what_a_percentage_of_host_memory_is(tmp_path, monkeypatch):
+    from tritoff import budget
+
+    # v2: one hierarchy, a limit on an ancestor of the process's cgroup, "max" (none) on the cgroup itself
+    (tmp_path / "v2" / "docker" / "abc").mkdir(parents=True)
+    (tmp_path / "v2" / "docker" / "memory.max").write_text("2147483648\n")
+    (tmp_path / "v2" / "docker" / "abc" / "memory.max").write_text("max\n")
+    (tmp_path / "proc2").write_text("0::/docker/abc\n")
+    assert budget.cgroup_memory_limits(tmp_path / "proc2", tmp_path / "v2") == [2**31]
+    # v1: the memory controller's own hierarchy; the other controllers' lines are not about memory
+    (tmp_path / "v1" / "memory" / "slice").mkdir(parents=True)
+    (tmp_path / "v1" / "memory" / "slice" / "memory.limit_in_bytes").write_text("1073741824\n")
+    (tmp_path / "v1" / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (tmp_path / "proc1").write_text("12:cpu,cpuacct:/slice\n4:memory:/slice\n")
+    assert budget.cgroup_memory_limits(tmp_path / "proc1", tmp_path / "v1") == [2**30, 9223372036854771712]
+    assert budget.cgroup_memory_limits(tmp_path / "none", tmp_path / "v1") == []  # no cgroups: the RAM alone
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert ram > 2**30
+    monkeypatch.setattr(budget, "cgroup_memory_limits", lambda: [2**30, 9223372036854771712])
+    assert budget.host_memory() == 2**30
+    assert budget.parse_host_budget("50%") == 2**29
+    monkeypatch.setattr(budget, "cgroup_memory_limits", lambda: [])
+    assert budget.parse_host_budget("50%") == ram // 2
