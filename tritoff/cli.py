@@ -87,6 +87,15 @@ def _finite(value: str) -> float:
     return number
 
 
+def _path(value: str) -> str:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    return value
+
+
+_path.__name__ = "path"
+
+
 def _prepare_backend(device: str | None) -> None:
     """Without CUDA, run Triton kernels in its interpreter (must be decided before triton is imported)."""
     import torch
@@ -583,11 +592,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=_at_least(1), default=4, help="denoising steps")
     demo.add_argument("--frames", type=_at_least(1), default=9, help="frames to generate")
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    demo.add_argument("--out", default="tritoff-demo.mp4", help="video path, .mp4 or .gif")
+    demo.add_argument("--out", type=_path, default="tritoff-demo.mp4", help="video path, .mp4 or .gif")
     demo.set_defaults(func=_cmd_demo)
 
     run = sub.add_parser("run", help="generate a video with a diffusers pipeline (local directory or hub id)", **kw)
-    run.add_argument("model", help="a local diffusers pipeline directory or a hub id")
+    run.add_argument("model", type=_path, help="a local diffusers pipeline directory or a hub id")
     run.add_argument("--prompt", required=True, help="what to generate")
     run.add_argument("--negative-prompt", default=None, help="what to steer away from (default: none)")
     run.add_argument(
@@ -613,8 +622,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fps", type=_at_least(1), default=16, help="frames per second of the video")
     run.add_argument("--dtype", choices=tuple(DTYPE_NAMES), default="bf16", help="the pipeline's compute dtype")
     run.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
-    run.add_argument("--out", default="video.mp4", help="video path, .mp4 or .gif")
-    run.add_argument("--store", default=None, help="a store written by `tritoff convert` (read, not re-quantized)")
+    run.add_argument("--out", type=_path, default="video.mp4", help="video path, .mp4 or .gif")
+    run.add_argument(
+        "--store", type=_path, default=None, help="a store written by `tritoff convert` (read, not re-quantized)"
+    )
     run.add_argument(
         "--host-budget",
         default=None,
@@ -622,6 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--spill-dir",
+        type=_path,
         default=None,
         help="without --store: where packs beyond --host-budget are written (default: $XDG_CACHE_HOME/tritoff, else "
         "~/.cache/tritoff)",
@@ -629,8 +641,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_cmd_run)
 
     convert = sub.add_parser("convert", help="quantize a pipeline once and save its packs as a store", **kw)
-    convert.add_argument("model", help="a local diffusers pipeline directory or a hub id")
-    convert.add_argument("out_dir", help="the store's directory: new, empty, or a store to replace with --overwrite")
+    convert.add_argument("model", type=_path, help="a local diffusers pipeline directory or a hub id")
+    convert.add_argument(
+        "out_dir", type=_path, help="the store's directory: new, empty, or a store to replace with --overwrite"
+    )
     convert.add_argument("--storage", default="fp8_e4m3", help=STORAGE_HELP)
     convert.add_argument(
         "--granularity",
@@ -653,7 +667,9 @@ def build_parser() -> argparse.ArgumentParser:
         "plan", help="what a pipeline needs at a budget and video shape, from its configs alone (nothing read)", **kw
     )
     preview.add_argument(
-        "model", help="a local diffusers pipeline directory, or wan2.1-t2v-14b, wan2.2-t2v-a14b, cogvideox-5b"
+        "model",
+        type=_path,
+        help="a local diffusers pipeline directory, or wan2.1-t2v-14b, wan2.2-t2v-a14b, cogvideox-5b",
     )
     preview.add_argument("--budget", default="12GB", help="GPU memory budget")
     preview.add_argument(

@@ -109,16 +109,20 @@ def write_video(frames, path: str | Path, fps: int = 16) -> Path:
     (written to a temporary file, then renamed) and gets the mode the umask gives new files."""
     path = check_writable(path)
     array = to_uint8_frames(frames)
-    with atomic_path(path, suffix=path.suffix) as tmp:  # the suffix tells the writers which format to use
-        if path.suffix.lower() == ".mp4":
-            # H.264 in yuv420p needs an even width and height: an odd one gets its last row or column repeated
-            pad = ((0, 0), (0, array.shape[1] % 2), (0, array.shape[2] % 2), (0, 0))
-            _mp4_writer().imwrite(tmp, np.pad(array, pad, mode="edge"), fps=fps, codec="libx264", macro_block_size=1)
-            if os.path.getsize(tmp) == 0:  # ffmpeg reports some failures only on its stderr
-                raise RuntimeError(f"ffmpeg wrote nothing for {path}: write a .gif, or check the frames' size")
-        else:
-            from PIL import Image
+    try:
+        with atomic_path(path, suffix=path.suffix) as tmp:  # the suffix tells the writers which format to use
+            if path.suffix.lower() == ".mp4":
+                # H.264 in yuv420p needs an even width and height: an odd one gets its last row or column repeated
+                pad = ((0, 0), (0, array.shape[1] % 2), (0, array.shape[2] % 2), (0, 0))
+                padded = np.pad(array, pad, mode="edge")
+                _mp4_writer().imwrite(tmp, padded, fps=fps, codec="libx264", macro_block_size=1)
+                if os.path.getsize(tmp) == 0:  # ffmpeg reports some failures only on its stderr
+                    raise RuntimeError(f"ffmpeg wrote nothing for {path}: write a .gif, or check the frames' size")
+            else:
+                from PIL import Image
 
-            images = [Image.fromarray(f) for f in array]
-            images[0].save(tmp, format="GIF", save_all=True, append_images=images[1:], duration=1000 // fps, loop=0)
+                images = [Image.fromarray(f) for f in array]
+                images[0].save(tmp, format="GIF", save_all=True, append_images=images[1:], duration=1000 // fps, loop=0)
+    except OSError as err:  # a full disk, a quota: the machine's error, said of the file it stopped
+        raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}") from None
     return path

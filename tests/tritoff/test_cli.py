@@ -123,6 +123,8 @@ BAD = [
     (["run", "{pipe}", "--prompt", "x", "--device", "cuda"], "CUDA is not available"),
     (["run", "{pipe}", "--prompt", "x", "--budget", "80%", "--device", "cpu"], "is a share of GPU memory"),
     (["run", "{pipe}", "--prompt", "x", "--host-budget", "abc"], "invalid --host-budget 'abc'"),
+    (["run", "{pipe}", "--prompt", "x", "--store", ""], "argument --store: expected a path, got an empty string"),
+    (["convert", "", "{tmp}/store"], "argument model: expected a path, got an empty string"),
     (["run", "{pipe}", "--prompt", "x", "--host-budget=-2GB"], "invalid --host-budget"),
     (["run", "{pipe}", "--prompt", "x", "--spill-dir", "{tmp}"], "--spill-dir is used only with --host-budget"),
     (

@@ -319,3 +319,14 @@ def test_integer_and_bool_frames_are_read_as_0_255_and_as_off_on():
 def test_no_frames_is_refused_in_one_line(frames):
     with pytest.raises(ValueError, match="^no frames to write$"):
         to_uint8_frames(frames)
+
+
+def test_a_full_disk_is_said_of_the_video_it_stopped_and_leaves_no_file(tmp_path, monkeypatch):
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Image.Image, "save", no_space)
+    out = tmp_path / "out.gif"
+    with pytest.raises(OSError, match=rf"cannot write {re.escape(str(out))}: No space left on device") as info:
+        write_video(torch.rand(2, 3, 8, 8), out)
+    assert info.value.errno == 28 and list(tmp_path.iterdir()) == []
