@@ -189,7 +189,10 @@ def spill_files(directory, sizes: dict[str, int], warn_tmpfs: bool = True) -> di
             f"{format_bytes(free)} free: pass spill_dir= (--spill-dir) on a larger disk, or convert to a store"
         )
     if warn_tmpfs and _is_tmpfs(directory):
-        warn(f"{directory} is a tmpfs (held in RAM): spilling packs there saves no memory; pass spill_dir= on a disk")
+        warn(
+            f"{directory} is a tmpfs (held in RAM): spilling packs there saves no memory; pass spill_dir= "
+            "(--spill-dir) on a disk"
+        )
     files = {}
     for name in sizes:
         owner = tempfile.TemporaryFile(dir=directory, prefix="tritoff-spill-")

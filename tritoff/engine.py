@@ -788,8 +788,11 @@ def enable(
         spilled = {n: sum(lay.nbytes for lay in layouts[n]) - sum(lay.nbytes for lay in kept[n]) for n in components}
         spills = spill_files(spill_dir, spilled)
     # everything that can fail is checked before a parameter changes: from here on the pipeline is modified
+    carried = None
     if previous is not None and not reuse:
         # other groups (leaf <-> block), or a store: pack again from the weights, restored on the host
+        if store is None:  # packed again exactly: the SNR against the original weights, and LoRA fusing, still hold
+            carried = (previous.snr, previous.requantized)
         disable(target, device="cpu")
         previous = None
     if reuse:
@@ -855,11 +858,14 @@ def enable(
             if quantize_on.type == "cuda":
                 with torch.cuda.device(quantize_on):  # empty_cache acts on the current device
                     torch.cuda.empty_cache()  # quantizing's scratch: give it back before the budget's buffers are made
+    if carried is not None:  # measured now against weights already quantized once: every layer would read inf dB
+        snr = {**snr, **{k: v for k, v in carried[0].items() if k in snr}}
+        requantized = carried[1]
     engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr, chunks, reserve is None)
     engine.fingerprints = fingerprints
     engine.spill_dir = spill_dir  # where packs beyond the host budget go when a re-enable packs again
     engine.requires_grad = requires_grad
-    if reuse:
+    if reuse or carried is not None:
         engine.requantized = requantized
     try:
         engine._build_runtime()

@@ -164,6 +164,8 @@ def test_enable_twice_replans(wan_reference):
     third = _enable(pipe, mode="leaf", budget="9MB")  # other groups: re-packed, exactly
     assert third.packed is not first.packed
     assert torch.equal(run(pipe), wan_reference)
+    # the SNR is still the one against the original weights (the re-packed ones would all read inf dB)
+    assert third.snr == first.snr and all(20 < v < 40 for v in third.stats["worst_layers_snr_db"].values())
     with pytest.raises(ValueError, match="reload the pipeline"):
         _enable(pipe, storage="fp8_e5m2", mode="group", budget="9MB")
 
