@@ -166,9 +166,11 @@ def compiled_with(module: torch.nn.Module) -> Recompile | None | bool:
 
 
 def check_compiled(hooked: dict[str, list[torch.nn.Module]], components: dict[str, torch.nn.Module]) -> None:
-    """Refuse, before anything changes, a module compiled before ``enable`` that tritoff cannot compile inside its
-    hooks (:func:`compile_inside_hooks`): one holding modules tritoff hooks (``hooked``, per component) compiled with
-    ``fullgraph=True`` (the hooks inside are graph breaks), or one compiled in a way this torch hides."""
+    """Refuse, before anything changes, a module compiled before ``enable`` that holds modules tritoff hooks
+    (``hooked``, per component) and was compiled with ``fullgraph=True``: the hooks inside are graph breaks. Warn of
+    one whose options this torch keeps where tritoff cannot read them: its compiled call stays around the hooks, as
+    without :func:`compile_inside_hooks` (graph breaks; with ``fullgraph=True``, an error at its first call)."""
+    unread = []
     for name, component in components.items():
         inside = {id(m) for m in hooked[name]}
         for sub_name, module in component.named_modules():
@@ -178,16 +180,21 @@ def check_compiled(hooked: dict[str, list[torch.nn.Module]], components: dict[st
             where = f"{name}.{sub_name}" if sub_name else name
             holds = any(id(m) in inside for m in module.modules() if m is not module)
             if how is False and (holds or id(module) in inside):
-                raise ValueError(
-                    f"{where} was compiled before tritoff.enable in a way tritoff cannot carry inside its hooks; "
-                    "reload it and compile after tritoff.enable (compile_repeated_blocks, or block.compile)"
-                )
+                unread.append(where)
             if how and how.fullgraph and holds:
                 raise ValueError(
                     f"{where} was compiled with fullgraph=True before tritoff.enable: tritoff's hooks on the blocks "
                     f"inside it are graph breaks; compile it again without fullgraph, or compile each block "
                     f"({name}.compile_repeated_blocks(fullgraph=True)), then enable"
                 )
+    if unread:
+        from tritoff.warn import warn
+
+        warn(
+            f"{', '.join(unread[:3])}{', ...' if len(unread) > 3 else ''} compiled before tritoff.enable in a way "
+            "tritoff cannot read (its options): the compiled call stays around tritoff's hooks, which are graph "
+            "breaks there (an error with fullgraph=True); compile after tritoff.enable to compile inside them"
+        )
 
 
 def compile_inside_hooks(module: torch.nn.Module) -> None:
