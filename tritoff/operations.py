@@ -183,9 +183,9 @@ def check_compiled(hooked: dict[str, list[torch.nn.Module]], components: dict[st
                 unread.append(where)
             if how and how.fullgraph and holds:
                 raise ValueError(
-                    f"{where} was compiled with fullgraph=True before tritoff.enable: tritoff's hooks on the blocks "
-                    f"inside it are graph breaks; compile it again without fullgraph, or compile each block "
-                    f"({name}.compile_repeated_blocks(fullgraph=True)), then enable"
+                    f"{where} was compiled with fullgraph=True before tritoff.enable: tritoff's hooks on modules "
+                    "inside it (blocks; layers in leaf mode) are graph breaks; compile it again without fullgraph, "
+                    f"or, in group mode, compile each block ({name}.compile_repeated_blocks(fullgraph=True))"
                 )
     if unread:
         from tritoff.warn import warn
