@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -707,10 +708,15 @@ def _one_line(err: BaseException) -> str:
 _interrupted = False
 
 
+_running = False  # a command is running: an interrupt unwinds it (after it, the exit code says it was interrupted)
+_in_flight: list[threading.Event] = []  # interrupts raised again from another thread, each set once it is raised
+
+
 def _terminate(signum, frame):
     global _interrupted
     _interrupted = True
-    raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: temporary files and directories are removed
+    if _running:
+        raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: temporary files and directories are removed
 
 
 def _interrupt_again(hook):
@@ -722,11 +728,32 @@ def _interrupt_again(hook):
         if _interrupted and info.exc_type is not None and issubclass(info.exc_type, KeyboardInterrupt):
             # from another thread: the handler then runs in the main thread's code once this hook has returned (made
             # from here, it would run in the hook itself, and be dropped again); a finalizer again: the same again
-            _thread.start_new_thread(_thread.interrupt_main, (signal.SIGINT,))  # (threading's start waits for it)
+            raised = threading.Event()
+            _in_flight.append(raised)
+
+            def again():
+                if _running:
+                    _thread.interrupt_main(signal.SIGINT)
+                raised.set()
+
+            _thread.start_new_thread(again, ())  # (threading's start would wait for the thread here)
             return
         hook(info)
 
     return unraisable
+
+
+def _settle() -> None:
+    """Once the command has ended: let interrupts raised again from other threads arrive (as a flag only: the command
+    is over), before the caller's handlers are back."""
+    for raised in _in_flight:
+        raised.wait(5)
+    _in_flight.clear()
+    _checkpoint()  # the handler of one that arrived runs at the main thread's next check: a call is one
+
+
+def _checkpoint() -> None:
+    pass
 
 
 def _interrupted_exit() -> int:
@@ -787,7 +814,7 @@ _python_format_warning = warnings.formatwarning
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tritoff`` console script."""
-    global _interrupted
+    global _interrupted, _running
     _interrupted = False
     args = build_parser().parse_args(argv)
     stdout, stderr, format_warning, previous = sys.stdout, sys.stderr, warnings.formatwarning, {}
@@ -796,7 +823,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout, sys.stderr, warnings.formatwarning = _Output(stdout), _Output(stderr), _format_warning
         sys.unraisablehook = _interrupt_again(unraisable)
         previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGINT)}
-        code = args.func(args)
+        _running = True
+        try:
+            code = args.func(args)
+        finally:
+            _running = False
+            _settle()
         # an interrupt swallowed where even raising it again could not reach (C code that turned it into an error of
         # its own, and carried on) still ends the command as interrupted
         return _interrupted_exit() if _interrupted else code

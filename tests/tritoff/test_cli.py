@@ -537,3 +537,9 @@ def test_an_interrupt_landing_in_a_finalizer_stops_the_command(monkeypatch, caps
     assert cli.main(["info"]) == 130
     err = capsys.readouterr().err
     assert err.strip().splitlines() == ["tritoff: interrupted"] and not published.exists()
+    # in the command's last step: the interrupt raised again arrives before main returns, once, as a flag
+    monkeypatch.setattr(cli, "_cmd_info", lambda args: Finalized() and 0)
+    for _ in range(20):
+        assert cli.main(["info"]) == 130
+        time.sleep(0.01)  # the caller's code: nothing arrives here
+    assert capsys.readouterr().err.strip().splitlines() == ["tritoff: interrupted"] * 20
