@@ -176,6 +176,8 @@ def check_compiled(hooked: dict[str, list[torch.nn.Module]], components: dict[st
         for sub_name, module in component.named_modules():
             how = compiled_with(module)
             if how is None:
+                how = compiled_inside_hooks(module)
+            if how is None:
                 continue
             where = f"{name}.{sub_name}" if sub_name else name
             holds = any(id(m) in inside for m in module.modules() if m is not module)
@@ -183,9 +185,9 @@ def check_compiled(hooked: dict[str, list[torch.nn.Module]], components: dict[st
                 unread.append(where)
             if how and how.fullgraph and holds:
                 raise ValueError(
-                    f"{where} was compiled with fullgraph=True before tritoff.enable: tritoff's hooks on modules "
-                    "inside it (blocks; layers in leaf mode) are graph breaks; compile it again without fullgraph, "
-                    f"or, in group mode, compile each block ({name}.compile_repeated_blocks(fullgraph=True))"
+                    f"{where} is compiled with fullgraph=True, and tritoff's hooks on modules inside it (blocks; "
+                    "layers in leaf mode) would be graph breaks; compile it again without fullgraph, or, in group "
+                    f"mode, compile each block ({name}.compile_repeated_blocks(fullgraph=True))"
                 )
     if unread:
         from tritoff.warn import warn
@@ -195,6 +197,16 @@ def check_compiled(hooked: dict[str, list[torch.nn.Module]], components: dict[st
             "tritoff cannot read (its options): the compiled call stays around tritoff's hooks, which are graph "
             "breaks there (an error with fullgraph=True); compile after tritoff.enable to compile inside them"
         )
+
+
+def compiled_inside_hooks(module: torch.nn.Module) -> Recompile | None:
+    """How a module's own forward was compiled inside tritoff's hooks (of an engine enabled now, or torn down for a
+    re-plan), or None."""
+    for name in ("_old_forward", "forward"):
+        compiled = getattr(module.__dict__.get(name), "_tritoff_compile", None)
+        if compiled is not None:
+            return compiled[1]
+    return None
 
 
 def compile_inside_hooks(module: torch.nn.Module) -> None:
@@ -208,8 +220,10 @@ def compile_inside_hooks(module: torch.nn.Module) -> None:
 
 
 def _compile_forward(module: torch.nn.Module, how: Recompile) -> None:
-    # accelerate keeps the module's original forward here and calls it between the hooks
+    # accelerate keeps the module's original forward here and calls it between the hooks; compiled already, it is
+    # compiled again from its original (as module.compile(...) replaces an earlier compile)
     original = module._old_forward
+    original = getattr(original, "_tritoff_compile", (original,))[0]
     module._old_forward = how.compile(original)
     module._old_forward._tritoff_compile = (original, how)
 

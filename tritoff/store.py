@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -95,15 +96,24 @@ def _entry_dict(e: PackEntry) -> dict:
     }
 
 
-def _entry(d: dict) -> PackEntry:
+def torch_dtype(name: str, path) -> torch.dtype:
+    """The torch dtype a store file names ``name`` (read from ``path``), refused in one line when this torch has none
+    of that name."""
     import torch
 
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise StoreError(f"{path} holds tensors of dtype {name}, which this torch ({torch.__version__}) does not have")
+    return dtype
+
+
+def _entry(d: dict, path) -> PackEntry:
     from tritoff.pack import PackEntry
 
     return PackEntry(
         d["name"],
         tuple(d["shape"]),
-        getattr(torch, d["dtype"]),
+        torch_dtype(d["dtype"], path),
         d["kind"],
         d["offset"],
         d["nbytes"],
@@ -222,12 +232,11 @@ def check_target(directory: str | Path, overwrite: bool = False, model: str | Pa
     if target.exists() and not target.is_dir():
         raise StoreError(f"{target} exists and is not a directory: choose a new or empty directory for the store")
     # the store is written beside its target and renamed into place, which neither of these can take
-    where = Path(os.path.realpath(target))
     try:
-        here = Path.cwd()
-    except OSError:  # a removed working directory
-        here = None
-    if here is not None and (where == here or where in here.parents):
+        here, where = Path.cwd(), Path(os.path.realpath(target))
+    except OSError:  # a removed working directory: a relative target is nowhere
+        raise StoreError(f"the current directory was removed: give {target} as an absolute path") from None
+    if where == here or where in here.parents:
         raise StoreError(
             f"{target} is the current directory or holds it: the store replaces the directory, leaving this shell "
             "in a removed one; name a directory to create (tritoff convert MODEL my-store)"
@@ -272,12 +281,17 @@ def _is_mount_point(path: Path) -> bool:
     if os.path.ismount(path):
         return True
     try:
-        with open("/proc/self/mountinfo") as f:
-            # field 5 is the mount point, with spaces and the like written as octal escapes
-            points = {line.split()[4].encode().decode("unicode_escape") for line in f if len(line.split()) > 4}
+        with open("/proc/self/mountinfo", "rb") as f:
+            # field 5 is the mount point: its bytes, with space, tab, newline and backslash written as octal escapes
+            points = {
+                _OCTAL.sub(lambda m: bytes([int(m[1], 8)]), line.split()[4]) for line in f if len(line.split()) > 4
+            }
     except OSError:
         return False
-    return str(path) in points
+    return os.fsencode(path) in points
+
+
+_OCTAL = re.compile(rb"\\([0-7]{3})")
 
 
 def _replace_dir(tmp: Path, target: Path) -> None:
@@ -576,7 +590,7 @@ ENTRY_FIELDS = {
     "kind": int,
     **dict.fromkeys(("offset", "nbytes", "scale_offset", "num_scales", "out_offset"), int),
 }
-DTYPES = {"float16", "bfloat16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64", "bool"}
+DTYPE_NAME = re.compile(r"(bool|u?int\d+|b?float\d+(_[a-z0-9]+)*|complex\d+)")  # torch's names, e.g. float8_e4m3fn
 
 
 def _read_meta(path: Path) -> dict:
@@ -612,9 +626,9 @@ def _check_meta(meta) -> None:
         fields(pack, PACK_FIELDS, "a pack")
         for entry in pack["entries"]:
             fields(entry, ENTRY_FIELDS, f"an entry of pack {pack['name']}")
-            if entry["dtype"] not in DTYPES or not all(isinstance(n, int) for n in entry["shape"]):
+            if not DTYPE_NAME.fullmatch(entry["dtype"]) or not all(isinstance(n, int) for n in entry["shape"]):
                 raise ValueError(f"{pack['name']}.{entry['name']} has no valid dtype or shape")
-        if pack["out_dtype"] not in DTYPES:
+        if not DTYPE_NAME.fullmatch(pack["out_dtype"]):
             raise ValueError(f"pack {pack['name']} has no valid out dtype")
 
 
@@ -635,11 +649,10 @@ def stored_compute_dtype(directory: str | Path) -> str | None:
 
 def stored_dtypes(directory: str | Path, component: str) -> dict[str, torch.dtype]:
     """Each stored parameter's dtype (as the model computes with it), for building a model without weights."""
-    import torch
 
     info = read_index(directory)["components"][component]
     meta = _read_meta(Path(directory) / info["file"])
-    return {e["name"]: getattr(torch, e["dtype"]) for p in meta["packs"] for e in p["entries"]}
+    return {e["name"]: torch_dtype(e["dtype"], info["file"]) for p in meta["packs"] for e in p["entries"]}
 
 
 def check_weights(directory: str | Path, components: dict[str, nn.Module], packed: dict[str, PackedModel]) -> None:
@@ -757,7 +770,6 @@ def load_store(
 
     Only headers are read: every pack starts on disk (:attr:`Pack.on_disk`), and :func:`tritoff.packer.hold_packs`
     reads those the host budget holds. A format-4 pack is checked against its own hash when first read."""
-    import torch
 
     from tritoff.arena import HostArena
     from tritoff.disk import PackFile
@@ -800,10 +812,10 @@ def load_store(
         packs = []
         for p in meta["packs"]:
             layout = PackLayout(
-                tuple(_entry(e) for e in p["entries"]),
+                tuple(_entry(e, path) for e in p["entries"]),
                 p["nbytes"],
                 p["out_nbytes"],
-                getattr(torch, p["out_dtype"]),
+                torch_dtype(p["out_dtype"], path),
                 get_format(storages[name]),
                 index["granularity"],
             )

@@ -149,9 +149,12 @@ def test_blocks_compiled_before_enable_compile_inside_the_hooks_and_again_after_
         assert all(b._old_forward._tritoff_compile[1].fullgraph for b in blocks)
         assert torch.equal(_run(pipe, call, "latent")[1], expected)
         assert recorder.graphs and recorder.traced_tritoff() == []  # with the backend it was given
+        pipe.transformer.compile_repeated_blocks(backend=recorder, fullgraph=True)  # again: replaces the first
+        assert torch.equal(_run(pipe, call, "latent")[1], expected)
         tritoff.disable(pipe)
         assert all("forward" not in vars(b) and b._compiled_call_impl is not None for b in blocks)
         assert torch.equal(_run(pipe, call, "latent")[1], expected)
+        pickle.dumps(pipe.transformer)  # no closure over the blocks left behind
 
 
 def test_what_cannot_compile_inside_the_hooks_is_refused_before_enable_changes_anything_or_said():
@@ -160,7 +163,7 @@ def test_what_cannot_compile_inside_the_hooks_is_refused_before_enable_changes_a
     pipe = factory()
     pipe.transformer.compile(fullgraph=True, backend="aot_eager")
     compiled = pipe.transformer._compiled_call_impl
-    with pytest.raises(ValueError, match=r"^transformer was compiled with fullgraph=True before") as info:
+    with pytest.raises(ValueError, match=r"^transformer is compiled with fullgraph=True, and tritoff") as info:
         tritoff.enable(pipe, **options)
     assert "compile_repeated_blocks(fullgraph=True)" in str(info.value) and "\n" not in str(info.value)
     assert not hasattr(pipe, "_tritoff_engine") and pipe.transformer._compiled_call_impl is compiled
@@ -174,6 +177,31 @@ def test_what_cannot_compile_inside_the_hooks_is_refused_before_enable_changes_a
     assert block._compiled_call_impl is hidden
     reference = dequantized_pipeline(factory)
     assert torch.equal(_run(pipe, call, "latent")[1], _run(reference, call, "latent")[1])
+
+
+def test_a_re_enable_that_would_put_hooks_inside_a_fullgraph_compile_is_refused_and_changes_nothing():
+    factory, call = FAMILIES["wan21-t2v"]
+    reference = dequantized_pipeline(factory)
+    reference.set_progress_bar_config(disable=True)
+    _, expected = _run(reference, call, "latent")
+    options = dict(reserve=1000, progress=False, kernels="reference")
+    # blocks compiled inside the hooks, then leaf mode: its hooks would go on the layers inside each compiled block
+    pipe = factory()
+    pipe.set_progress_bar_config(disable=True)
+    engine = tritoff.enable(pipe, mode="group", budget=_minimum(pipe, "group"), **options)
+    pipe.transformer.compile_repeated_blocks(backend="aot_eager", fullgraph=True)
+    with pytest.raises(ValueError, match=r"^transformer.blocks.0 is compiled with fullgraph=True, and tritoff's hooks"):
+        tritoff.enable(pipe, mode="leaf", budget="1MB", **options)
+    assert pipe._tritoff_engine is engine and torch.equal(_run(pipe, call, "latent")[1], expected)
+    # the transformer compiled whole before enable moves whole (nothing hooked inside it); split later: refused
+    pipe = factory()
+    pipe.set_progress_bar_config(disable=True)
+    pipe.transformer.compile(backend="aot_eager", fullgraph=True)
+    engine = tritoff.enable(pipe, mode="model", **options)
+    assert torch.equal(_run(pipe, call, "latent")[1], expected)
+    with pytest.raises(ValueError, match=r"^transformer is compiled with fullgraph=True, and tritoff's hooks"):
+        tritoff.enable(pipe, mode="group", budget="1MB", **options)
+    assert pipe._tritoff_engine is engine and torch.equal(_run(pipe, call, "latent")[1], expected)
 
 
 def test_fullgraph_over_hooked_blocks_is_refused_in_one_line():

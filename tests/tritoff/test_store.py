@@ -233,7 +233,7 @@ def test_a_store_accepts_its_skip_patterns_in_any_order(tmp_path):
         (lambda data: struct.pack("<Q", 2**36) + data[8:], "a header of 68719476736 bytes in a file of"),
         (lambda data: struct.pack("<Q", 2**63 - 1) + data[8:], "a header of 9223372036854775807 bytes"),
         (lambda data: data.replace(b"entries", b"entriez", 1), "a pack has no valid 'entries'"),
-        (lambda data: data.replace(b"bfloat16", b"bfloat17", 1), "pack blocks.0 has no valid out dtype"),
+        (lambda data: data.replace(b"bfloat16", b"bfloat:6", 1), "pack blocks.0 has no valid out dtype"),
     ],
     ids=["huge-length", "largest-length", "renamed-field", "unknown-dtype"],
 )
@@ -347,6 +347,22 @@ def test_overwrite_replaces_a_store_and_only_a_store(copy, tmp_path):
         check_target(tmp_path / "mine", overwrite=True, model=tmp_path / "mine")
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.complex64, torch.uint16])
+def test_parameters_of_any_dtype_are_stored_and_read_back(tmp_path, dtype):
+    def with_extra():
+        pipe = wan()
+        values = torch.arange(64, dtype=torch.float32).to(dtype)
+        pipe.transformer.register_parameter("extra", torch.nn.Parameter(values, requires_grad=False))
+        return pipe
+
+    _enable(with_extra()).save(tmp_path / "store")
+    assert store_module.stored_dtypes(tmp_path / "store", "transformer")["extra"] == dtype
+    pipe = with_extra()
+    _enable(pipe, store=tmp_path / "store")
+    tritoff.disable(pipe)
+    assert torch.equal(pipe.transformer.extra.view(torch.uint8), with_extra().transformer.extra.view(torch.uint8))
+
+
 def test_targets_a_store_cannot_be_renamed_into_are_refused_before_any_packing(copy, tmp_path, monkeypatch):
     args = _packed_store_args()
     # the current directory (or one holding it): the store would replace the shell's directory
@@ -359,6 +375,12 @@ def test_targets_a_store_cannot_be_renamed_into_are_refused_before_any_packing(c
     with pytest.raises(StoreError, match="is the current directory or holds it"):
         check_target(tmp_path / "empty", overwrite=True)
     assert check_target(tmp_path / "new") == tmp_path / "new"  # elsewhere: fine
+    (tmp_path / "gone").mkdir()
+    monkeypatch.chdir(tmp_path / "gone")
+    (tmp_path / "gone").rmdir()
+    with pytest.raises(StoreError, match="the current directory was removed: give store as an absolute path"):
+        check_target("store")
+    monkeypatch.chdir(tmp_path)
     # a mount point, bind mounts too (rename gives EBUSY, after the whole conversion)
     assert store_module._is_mount_point(Path("/")) and not store_module._is_mount_point(tmp_path)
     monkeypatch.setattr(store_module, "_is_mount_point", lambda path: path == copy.resolve())
