@@ -74,10 +74,15 @@ def _host_groups(model: nn.Module, owner: dict[int, str]) -> list[Group]:
 
 
 def _is_block_list(module: nn.Module) -> bool:
-    """Repeated blocks: a ModuleList or Sequential of at least two modules of one class. A list of unlike layers (an
-    attention's ``to_out`` = [Linear, Dropout], a feed-forward's ``net``) is part of whatever holds it."""
+    """Repeated blocks: a ModuleList or Sequential of at least two modules of one class that can be called (a block's
+    hook runs when it is). A list of unlike layers (an attention's ``to_out`` = [Linear, Dropout], a feed-forward's
+    ``net``) is part of whatever holds it, and so is a list of lists (``for attn, ff in self.layers``): its elements
+    are never called themselves."""
     return (
-        isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > 1 and len({type(m) for m in module}) == 1
+        isinstance(module, (nn.ModuleList, nn.Sequential))
+        and len(module) > 1
+        and len({type(m) for m in module}) == 1
+        and type(module[0]).forward is not nn.Module.forward
     )
 
 

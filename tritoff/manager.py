@@ -266,6 +266,8 @@ class HookManager:
             self._finish_activation_measure(comp)
             traced, comp.trace = comp.trace, None
             comp.traced = bool(traced)
+            if not traced:
+                raise _blocks_never_called(comp)
             if traced and traced != comp.order:
                 comp.order = traced
                 if self.cursor is not None and self.cursor[0] == comp.name:
@@ -543,6 +545,16 @@ def _check_frozen(group: GroupRuntime) -> None:
                 "overwrites them from its packs): set requires_grad_(False), or call tritoff.disable(pipe) first to "
                 "train"
             )
+
+
+def _blocks_never_called(comp: ComponentRuntime) -> RuntimeError:
+    """A component's forward ran without calling any of its blocks: its model calls what is inside them directly
+    (``block.attn(x)``), so the blocks' hooks never ran, and the layers computed without their weights."""
+    return RuntimeError(
+        f"{comp.name}'s forward called none of its blocks ({comp.blocks[0].name}, ...) but what is inside them: "
+        "tritoff's hooks on the blocks never ran, so its layers had no weights; enable it with mode='leaf' (a hook on "
+        "each layer) or mode='model'"
+    )
 
 
 def _normal_mode():

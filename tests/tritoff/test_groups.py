@@ -53,3 +53,18 @@ def test_weights_tied_across_groups_join_the_rest():
         assert groups[-1].name == REST
         assert id(model.blocks[1][0].weight) in rest and id(model.extra.weight) in rest
     assert [g.name for g in block_groups(model)] == ["blocks.0", "blocks.1", "blocks.2", REST]
+
+
+def test_a_list_of_lists_is_no_block_list_its_elements_are_never_called():
+    import torch.nn as nn
+
+    class Layers(nn.Module):  # for attn, ff in self.layers: the inner lists hold the layers, never called themselves
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.ModuleList([nn.Linear(4, 4), nn.LayerNorm(4)]) for _ in range(3))
+            self.sequential = nn.ModuleList(nn.Sequential(nn.Linear(4, 4)) for _ in range(2))  # called: blocks
+
+    model = Layers()
+    groups = block_groups(model)
+    assert [g.name for g in groups] == ["sequential.0", "sequential.1", REST]
+    _check_partition(model, groups)

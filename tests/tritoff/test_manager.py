@@ -85,6 +85,25 @@ def test_conditional_and_unused_groups_work_and_are_counted():
     assert engine.stats["components"]["model"]["sync_onloads"] > 0
 
 
+def test_a_forward_that_calls_what_is_inside_its_blocks_but_no_block_is_refused_not_nan():
+    class Inside(Stack):
+        def forward(self, x):  # the blocks' layers called directly: the blocks' own hooks never run
+            x = self.proj_in(x)
+            for block in self.blocks:
+                x = x + block[2](block[1](block[0](x)))
+            return self.head(x)
+
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    model = realistic_init(Inside()).to(torch.bfloat16).eval()
+    _enable(model, _minimum(_stack()))
+    for _ in range(2):  # and again: it stays refused
+        with pytest.raises(RuntimeError, match=r"^model's forward called none of its blocks \(blocks.0, ...\).*'leaf'"):
+            _output(model, x)
+    reference = dequantize_in_place(realistic_init(Inside()).to(torch.bfloat16).eval())
+    tritoff.enable(model, mode="leaf", budget="1GB", progress=False, kernels="reference")
+    assert torch.equal(_output(model, x), _output(reference, x))
+
+
 def test_prefetch_runs_depth_groups_ahead_and_wraps_around():
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     model = _stack()
