@@ -20,7 +20,15 @@ from tritoff.formats import check_granularity, get_format
 from tritoff.groups import REST, Group, block_groups, is_block, is_host, leaf_groups
 from tritoff.host_lookup import HostLookupHook, HostTable, host_views
 from tritoff.host_plan import hold_plan
-from tritoff.manager import ComponentHook, ComponentRuntime, GroupHook, HookManager, guard_forward
+from tritoff.manager import (
+    PLANNED_METHODS,
+    ComponentHook,
+    ComponentRuntime,
+    GroupHook,
+    HookManager,
+    guard_forward,
+    planned_method,
+)
 from tritoff.onload import GroupRuntime, parameter_homes, placeholder, reset_placeholders, table_bytes
 from tritoff.packer import (
     PackedModel,
@@ -515,7 +523,7 @@ class Engine:
         self._torn_down = True
         lora.detach(self, unwrap=False)
         blocks = [m for m in self._hooked if isinstance(getattr(m, "_hf_hook", None), GroupHook)]
-        operations.remove(self.target, self.components, blocks)
+        operations.remove(self.target, self.components, blocks, also=PLANNED_METHODS)
         for module in self._hooked:
             remove_hook_from_module(module)
         self._unhooked, self._hooked = self._hooked, []
@@ -893,6 +901,10 @@ def _install(engine: Engine) -> None:
     blocks = [m for m in engine._hooked if isinstance(getattr(m, "_hf_hook", None), GroupHook)]
     # .to(), offloading, qkv fusion, compile, save_pretrained
     operations.install(engine.target, engine.components, engine.options.device, blocks, engine.managed_ids)
+    for comp in engine._runtimes:  # a VAE's encode and decode plan their activations as forwards do
+        for method in PLANNED_METHODS:
+            if callable(getattr(type(comp.module), method, None)) and method not in vars(comp.module):
+                setattr(comp.module, method, planned_method(engine.manager, comp, method))
 
 
 def _hooked_modules(components: dict[str, nn.Module], group_lists: dict, sizes: list[ComponentSize]) -> dict:

@@ -41,6 +41,9 @@ from tritoff.slots import SlotRing, StallClock
 from tritoff.transfer import Transfer
 from tritoff.warn import warn
 
+# a component's methods other than forward that diffusers calls through apply_forward_hook (the hook without inputs)
+PLANNED_METHODS = ("encode", "decode")
+
 
 class CaptureRefused(RuntimeError):
     """A CUDA graph capture of memory tritoff reuses or frees (streamed blocks, a phase not uploaded yet or evicted
@@ -109,6 +112,34 @@ class ComponentRuntime:
     def mode(self) -> str:
         """``resident``, ``model`` or ``group``, as planned."""
         return self.plan.modes[self.name]
+
+
+def _settings(module: torch.nn.Module, twin) -> tuple:
+    """``module``'s plain settings (``enable_tiling()``'s flag and tile sizes, slicing), copied to its meta ``twin``."""
+    if not twin:
+        return ()
+    settings = tuple(
+        (k, v)
+        for k, v in vars(module).items()
+        if type(v) in (bool, int, float) and not k.startswith("_") and k in vars(twin)
+    )
+    for k, v in settings:
+        setattr(twin, k, v)
+    return settings
+
+
+def planned_method(manager: HookManager, comp: ComponentRuntime, method: str):
+    """``comp.module.method`` (``encode``, ``decode``) planning its activations first
+    (:meth:`HookManager.plan_method`): diffusers' hook on these runs without their inputs."""
+    original = getattr(comp.module, method)
+
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        manager.plan_method(comp, method, args, kwargs)
+        return original(*args, **kwargs)
+
+    call._tritoff = True
+    return call
 
 
 def _shapes(args, kwargs) -> tuple:
@@ -198,15 +229,22 @@ class HookManager:
             g.tier = "bf16" if new.modes[comp.name] == "resident" else tiers.get(g.name, "pool")
         comp.stats.replans += 1
 
-    def _plan_activations(self, comp: ComponentRuntime, args, kwargs) -> None:
+    def plan_method(self, comp: ComponentRuntime, method: str, args, kwargs) -> None:
+        """Before ``comp.method(*args, **kwargs)`` (a VAE's ``encode`` or ``decode``, whose hook diffusers calls
+        without the inputs): plan its activations as a forward's are."""
+        with self.lock, _normal_mode():
+            self._plan_activations(comp, args, kwargs, method)
+
+    def _plan_activations(self, comp: ComponentRuntime, args, kwargs, method: str = "forward") -> None:
         """Before a call with new input shapes: estimate its activations and re-plan the phase around them."""
         if not (self.auto_reserve and self.replan is not None and (args or kwargs)) or comp.active:
             return
-        key = _shapes(args, kwargs)
+        if comp.twin is None:
+            comp.twin = meta_twin(comp.module) or False
+        # settings such as enable_tiling()'s change what a call allocates: the twin takes them, the key holds them
+        key = (method, _settings(comp.module, comp.twin), _shapes(args, kwargs))
         if key not in comp.estimates:
-            if comp.twin is None:
-                comp.twin = meta_twin(comp.module) or False
-            comp.estimates[key] = estimate(comp.twin or None, args, kwargs, cuda=self.device.type == "cuda")
+            comp.estimates[key] = estimate(comp.twin or None, args, kwargs, method, cuda=self.device.type == "cuda")
         needed = comp.estimates[key]
         if comp.measured is not None:
             needed = max(needed or 0, int(comp.measured * MARGIN))

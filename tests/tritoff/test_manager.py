@@ -8,6 +8,7 @@ import tritoff
 from tritoff.onload import is_placeholder
 from tritoff.planner import BudgetError
 from tritoff.tiny import realistic_init, tiny_umt5
+from tritoff.warn import TritoffWarning
 
 from .helpers import dequantize_in_place, dequantized_pipeline, run, wan
 
@@ -102,6 +103,40 @@ def test_a_forward_that_calls_what_is_inside_its_blocks_but_no_block_is_refused_
     reference = dequantize_in_place(realistic_init(Inside()).to(torch.bfloat16).eval())
     tritoff.enable(model, mode="leaf", budget="1GB", progress=False, kernels="reference")
     assert torch.equal(_output(model, x), _output(reference, x))
+
+
+def test_a_vaes_decode_is_planned_from_its_inputs_and_its_tiling_before_its_phase_is_entered():
+    """diffusers calls the hook of ``encode``/``decode`` without their inputs: tritoff's wrapper plans from them."""
+    from tritoff.activations import estimate, meta_twin
+
+    pipe = wan()
+    engine = tritoff.enable(pipe, budget="8MB", progress=False, kernels="reference")
+    latents = []
+    decode = pipe.vae.decode  # tritoff's: plans, then runs diffusers' decode
+
+    def spy(z, *args, **kwargs):
+        latents.append(z)
+        return decode(z, *args, **kwargs)
+
+    pipe.vae.decode = spy
+    call = dict(num_frames=17, height=96, width=96, num_inference_steps=1)
+    reference = dequantized_pipeline(wan)
+    assert torch.equal(run(pipe, **call), run(reference, **call))
+    vae = engine.manager.components["vae"]
+    twin = meta_twin(pipe.vae)
+    untiled = estimate(twin, (latents[-1],), dict(return_dict=False), "decode", cuda=False)
+    assert vae.plan.reserve == engine.stats["components"]["vae"]["activation_estimate_bytes"] == untiled
+    assert not any(c.loaded for c in engine.manager.components.values() if c is not vae)  # it needs the room
+    tiles = dict(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=16)
+    for vaes in (pipe.vae, reference.vae, twin):
+        vaes.enable_tiling(**tiles, tile_sample_stride_width=16)
+    with pytest.warns(TritoffWarning, match="vae: this call needs about"):  # small tiles overlap: more here
+        assert torch.equal(run(pipe, **call), run(reference, **call))
+    tiled = estimate(twin, (latents[-1],), dict(return_dict=False), "decode", cuda=False)
+    assert tiled != untiled and engine.stats["components"]["vae"]["activation_estimate_bytes"] == tiled
+    pipe.vae.decode = decode
+    tritoff.disable(pipe)
+    assert "decode" not in vars(pipe.vae) and "encode" not in vars(pipe.vae)
 
 
 def test_prefetch_runs_depth_groups_ahead_and_wraps_around():
