@@ -93,6 +93,7 @@ class ComponentRuntime:
     unplannable: set = field(default_factory=set)  # (input shapes, reserve) the budget could not fit: warned once
     twin: object = None  # meta twin for estimates (False: cannot be built)
     measured: int | None = None  # activations of the first forward, measured on CUDA
+    reserve_traced: bool = False  # the reserve was planned from a call's estimate (the default's placeholder before)
     stats: ComponentStats = field(default_factory=ComponentStats)
     stalls: StallClock = field(default_factory=StallClock)
 
@@ -250,6 +251,8 @@ class HookManager:
             needed = max(needed or 0, int(comp.measured * MARGIN))
         if needed is None or needed == comp.plan.reserve or (key, needed) in comp.unplannable:
             return
+        if comp.reserve_traced and needed < comp.plan.reserve:
+            return  # a reserve planned from a call only grows: calls alternating shapes would re-upload every time
         if self.capturing():
             if needed <= comp.plan.reserve:
                 return  # the plan has room for this call: a smaller reserve waits for a call outside the capture
@@ -267,6 +270,7 @@ class HookManager:
             )
             return
         self.apply_plan(comp, new)
+        comp.reserve_traced = True
 
     # component entry and exit -----------------------------------------------------------------------------------
     def component_pre(self, comp: ComponentRuntime, args, kwargs):

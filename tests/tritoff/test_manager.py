@@ -139,6 +139,35 @@ def test_a_vaes_decode_is_planned_from_its_inputs_and_its_tiling_before_its_phas
     assert "decode" not in vars(pipe.vae) and "encode" not in vars(pipe.vae)
 
 
+def test_calls_alternating_shapes_plan_once_each_then_move_nothing_more():
+    from tritoff.tiny import tiny_wan_transformer
+
+    from .helpers import BIG_WAN
+
+    model = tiny_wan_transformer(**BIG_WAN).eval()
+    reference = dequantize_in_place(tiny_wan_transformer(**BIG_WAN).eval())
+
+    def inputs(frames, size):
+        gen = torch.Generator().manual_seed(frames)
+        shape = (1, model.config.in_channels, frames, size, size)
+        return dict(
+            hidden_states=torch.randn(shape, generator=gen).bfloat16(),
+            timestep=torch.tensor([500]),
+            encoder_hidden_states=torch.randn(1, 16, model.config.text_dim, generator=gen).bfloat16(),
+            return_dict=False,
+        )
+
+    small, large = inputs(2, 8), inputs(5, 32)
+    engine = tritoff.enable(model, mode="auto", budget=12_000_000, progress=False, kernels="reference")
+    for step, x in enumerate([small, large] * 3):
+        with torch.no_grad():
+            assert torch.equal(model(**x)[0], reference(**x)[0])
+        if step == 1:
+            planned = {k: engine.stats["components"]["model"][k] for k in ("replans", "evictions", "entry_bytes")}
+    # the larger call's reserve stays: the smaller one fits in it, nothing is planned, evicted or uploaded again
+    assert {k: engine.stats["components"]["model"][k] for k in planned} == planned
+
+
 def test_prefetch_runs_depth_groups_ahead_and_wraps_around():
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     model = _stack()
