@@ -242,7 +242,8 @@ def plan(
         # the smallest budget b whose reserve int(b * fraction) (as tritoff.enable computes it) leaves the rest of
         # need: b - int(b * fraction) grows by 0 or 1 with b, so every smaller budget fails
         rest, f = need - reserve, reserve_fraction
-        b = max(int(rest / (1 - f)) - 2, 0)
+        # b - int(b * f) < b * (1 - f) + 1: no budget below (rest - 1) / (1 - f) leaves rest; count up from there
+        b = max(int((rest - 1) / (1 - f)) - 2, 0)
         while b - int(b * f) < rest:
             b += 1
         return b
@@ -280,7 +281,7 @@ def plan(
     # in auto mode a budget too small to split may still hold everything resident (tiny models): name the smaller
     resident_need = smallest(everything + staging + reserve + fixed) if mode == "auto" else None
     blocks = [g for c in split for g in c.blocks]
-    slots = depth + 1
+    slots = min(depth + 1, len(blocks))  # the running block and those ahead of it: never more than there are
     slot_bytes = max(g.unpacked for g in blocks)
     minimum = reserve + slots * slot_bytes + staging + units + fixed
     if minimum > budget:

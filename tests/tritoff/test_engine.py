@@ -267,7 +267,9 @@ def test_bad_options_are_one_line_errors(kwargs, message):
 
 
 @pytest.mark.parametrize("mode", ["group", "model", "leaf"])
-@pytest.mark.parametrize("reserve", ["25%", None, 1000], ids=["percent", "default", "bytes"])
+@pytest.mark.parametrize(
+    "reserve", ["25%", "90%", "99%", None, 1000], ids=["percent", "most", "nearly-all", "default", "bytes"]
+)
 def test_the_minimum_budget_named_works_and_one_byte_less_does_not(mode, reserve):
     options = dict(mode=mode, reserve=reserve)
     with pytest.raises(BudgetError) as info:

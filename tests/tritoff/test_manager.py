@@ -190,6 +190,21 @@ def test_prefetch_runs_depth_groups_ahead_and_wraps_around():
     assert engine.stats["components"]["model"]["onloads"] == 10 + 2
 
 
+@pytest.mark.parametrize("prefetch", [4, 5, 20])
+def test_prefetch_beyond_the_blocks_keeps_one_slot_per_block_and_runs_exactly(prefetch):
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    expected = _output(dequantize_in_place(_stack()), x)
+    options = dict(mode="group", reserve=1000, progress=False, kernels="reference", prefetch=prefetch)
+    with pytest.raises(BudgetError) as info:
+        tritoff.enable(_stack(), budget=1000, **options)
+    model = _stack()
+    engine = tritoff.enable(model, budget=info.value.minimum, **options)
+    assert engine.plan.phases["model"].ring_slots == 5  # the 5 blocks: the running one and the 4 others ahead
+    for _ in range(3):
+        assert torch.equal(_output(model, x), expected)
+    assert engine.stats["components"]["model"]["sync_onloads"] == 0
+
+
 def test_umt5_in_fp8_storage():
     """UMT5's feed-forward casts activations to ``wo``'s dtype: a whole block is upcast before it runs."""
     ids = torch.randint(0, 256, (2, 12))
