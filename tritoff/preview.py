@@ -367,7 +367,7 @@ def _phase(name: str, p, size, calls: int, reserve: int, together: bool) -> Phas
     # entering the phase uploads its resident blocks (fp8 packs, or bf16 upcast from the packs) and its unit: once
     # per pipeline call when the phases do not fit together, else once
     kept = [g for g in size.blocks if mode == "resident" or tiers.get(g.name) in ("bf16", "fp8")]
-    entry = p.pool_bytes + sum(g.packed for g in kept)
+    entry = (size.rest.packed if size.rest else 0) + sum(g.packed for g in kept)  # host bytes, as the engine counts
     counts = p.tier_counts(name) if mode == "group" else {}
     return PhasePreview(
         [name], mode, counts, p.planned_bytes, reserve, p.resident_bytes, streamed, calls, 0 if together else entry

@@ -67,6 +67,25 @@ def test_a_directory_plans_from_its_configs_as_enable_packs(tmp_path):
     assert [ph.components[0] for ph in preview.phases] == ["text_encoder", "transformer", "vae"]
 
 
+@pytest.mark.parametrize("mode", ["auto", "group"])
+def test_the_bytes_each_phase_uploads_when_entered_are_what_enable_uploads(tmp_path, mode):
+    from diffusers import WanPipeline
+
+    from tritoff.activations import CUDA_SLACK
+
+    wan().save_pretrained(tmp_path / "pipe")
+    budget = 19_000_000  # no two phases fit together: each is uploaded when entered, resident ones too
+    call = dict(frames=5, height=16, width=16, steps=2, mode=mode)
+    preview = tritoff.plan(tmp_path / "pipe", budget + CUDA_SLACK, **call)
+    pipe = WanPipeline.from_pretrained(tmp_path / "pipe", torch_dtype=torch.bfloat16)
+    engine = tritoff.enable(pipe, budget=budget, mode=mode, progress=False, kernels="reference")
+    pipe(prompt="a cat", num_frames=5, height=16, width=16, num_inference_steps=2, max_sequence_length=16)
+    stats = engine.stats["components"]
+    entered = {p.components[0]: (p.mode, p.entry_bytes) for p in preview.phases}
+    assert entered == {name: (stats[name]["mode"], stats[name]["entry_bytes"]) for name in entered}
+    assert all(bytes_ > 0 for _, bytes_ in entered.values())
+
+
 def test_a_directory_missing_a_models_config_or_with_a_broken_index_is_refused(tmp_path):
     """Not planned without the component (which would understate memory and say it fits)."""
     wan().save_pretrained(tmp_path / "pipe")
