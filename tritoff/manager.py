@@ -94,6 +94,7 @@ class ComponentRuntime:
     twin: object = None  # meta twin for estimates (False: cannot be built)
     measured: int | None = None  # activations of the first forward, measured on CUDA
     reserve_traced: bool = False  # the reserve was planned from a call's estimate (the default's placeholder before)
+    last_ran: int | None = None  # the block that ran last in the current call
     stats: ComponentStats = field(default_factory=ComponentStats)
     stalls: StallClock = field(default_factory=StallClock)
 
@@ -287,6 +288,7 @@ class HookManager:
             table.check()
         self._plan_activations(comp, args, kwargs)  # may refuse a capture: before anything is counted or changed
         comp.stats.calls += 1
+        comp.last_ran = None
         if comp.blocks:  # encode/decode run pre_forward only (diffusers' apply_forward_hook): never marked active
             comp.active += 1
         self.enter(comp)
@@ -485,11 +487,17 @@ class HookManager:
                 else:
                     comp.stats.trace_sync_onloads += 1
                 self._issue(group)
-                position = comp.order.index(self.index[id(group)]) if self.index[id(group)] in comp.order else -1
-                self.cursor = (comp.name, position)
+                index = self.index[id(group)]
+                if index not in comp.order and comp.trace is None:
+                    # a block the traced call skipped (a condition): it goes after the block that ran before it in
+                    # this call, so later calls prefetch it
+                    after = comp.order.index(comp.last_ran) if comp.last_ran in comp.order else -1
+                    comp.order.insert(after + 1, index)
+                self.cursor = (comp.name, comp.order.index(index) if index in comp.order else -1)
             comp.ring.wait(group)
             group.bind_slot(comp.ring.parameters(group))
             self._top_up()
+        comp.last_ran = self.index[id(group)]
         # host time in the hook itself: synchronous fills (the CPU path) are the transfer, not overhead
         end = time.perf_counter_ns() - self.transfer_ns
         if comp.traced:  # steady state only: the first forward also pays for warm-up and tracing

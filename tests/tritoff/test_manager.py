@@ -168,6 +168,23 @@ def test_calls_alternating_shapes_plan_once_each_then_move_nothing_more():
     assert {k: engine.stats["components"]["model"][k] for k in planned} == planned
 
 
+def test_blocks_the_traced_call_skipped_join_the_order_where_they_run():
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    reference = dequantize_in_place(_stack())
+    model = _stack()
+    engine = _enable(model, _minimum(_stack()))
+    model.skip = {1, 3}  # the first, traced call runs blocks 0, 2 and 4 only
+    with torch.no_grad():
+        model(x)
+        model.skip = set()
+        assert torch.equal(model(x), reference(x))  # blocks 1 and 3 load when they run, and join the order
+        synchronous = engine.stats["components"]["model"]["sync_onloads"]
+        assert synchronous == 2 and engine.manager.components["model"].order == [0, 1, 2, 3, 4]
+        for _ in range(2):
+            assert torch.equal(model(x), reference(x))
+    assert engine.stats["components"]["model"]["sync_onloads"] == synchronous  # prefetched from then on
+
+
 def test_prefetch_runs_depth_groups_ahead_and_wraps_around():
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     model = _stack()
