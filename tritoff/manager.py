@@ -9,7 +9,7 @@ everything, nothing depends on the order features were enabled in.
 Prefetch: the order of a component's groups starts as their module order and is replaced by the order traced during
 its first forward. After a group's forward starts, the next ``depth`` groups in that order (wrapping to the first
 block of the next forward) are already being written into ring slots on the side stream. A group that runs out of that
-order is loaded synchronously and counted.
+order is loaded synchronously and counted; one the traced forward skipped then joins the order where it ran.
 
 Under ``torch.compile`` the hooks stay outside the compiled regions (``torch.compiler.disable``): a block's body
 compiles to one graph, reused for every block of the same class whatever slot its weights sit in, and the binding of
