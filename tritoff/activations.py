@@ -131,12 +131,21 @@ def meta_twin(module: nn.Module) -> nn.Module | None:
 
 
 def _to_meta(value):
+    if _generators(value):  # the caller's: drawing from them on the meta twin would change their noise
+        return None
     return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+
+def _generators(value) -> bool:
+    """A generator, or a list of them (one per batch item, as diffusers takes them)."""
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(isinstance(v, torch.Generator) for v in value)
+    return isinstance(value, torch.Generator)
 
 
 def peak_bytes(twin: nn.Module, args=(), kwargs=None, method: str = "forward") -> int:
     """Peak bytes of the tensors ``twin.method(*args, **kwargs)`` creates (run on the meta device)."""
-    args, kwargs = tree_map(_to_meta, (tuple(args), dict(kwargs or {})))
+    args, kwargs = tree_map(_to_meta, (tuple(args), dict(kwargs or {})), is_leaf=_generators)
     tracker = _PeakBytes()
     try:
         with torch.no_grad(), _FusedAttention(), tracker:

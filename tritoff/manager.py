@@ -231,6 +231,7 @@ class HookManager:
             g.tier = "bf16" if new.modes[comp.name] == "resident" else tiers.get(g.name, "pool")
         comp.stats.replans += 1
 
+    @torch.compiler.disable  # outside a compiled decode's graph, as the hooks are
     def plan_method(self, comp: ComponentRuntime, method: str, args, kwargs) -> None:
         """Before ``comp.method(*args, **kwargs)`` (a VAE's ``encode`` or ``decode``, whose hook diffusers calls
         without the inputs): plan its activations as a forward's are."""
@@ -310,7 +311,9 @@ class HookManager:
             self._finish_activation_measure(comp)
             traced, comp.trace = comp.trace, None
             comp.traced = bool(traced)
-            if not traced:
+            if not traced and any(g.tier in ("fp8", "stream") for g in comp.blocks):
+                # resident blocks hold their weights from the phase's entry: only those moving through slots need
+                # their hooks (a forward that calls none is traced again, so a re-plan that streams them is seen)
                 raise _blocks_never_called(comp)
             if traced and traced != comp.order:
                 comp.order = traced

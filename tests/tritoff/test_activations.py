@@ -230,3 +230,19 @@ def test_the_twin_of_a_wan_transformer_never_holds_a_score_matrix():
     scores = 2 * tokens * tokens * 2  # heads x tokens x tokens in bf16: 100 MiB
     hidden = tokens * 24 * 2  # one hidden state of the 24-wide model
     assert 4 * hidden < peak < scores // 10
+
+
+def test_a_callers_generator_is_not_drawn_from():
+    """Noise a decode draws from the caller's generator (diffusers' randn_tensor draws on the generator's device):
+    tracing the call on the meta twin must leave the generator as it was, or the real call gets other noise."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    class Noisy(nn.Module):
+        def forward(self, x, generator=None):
+            return x + randn_tensor(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+
+    generator = torch.Generator().manual_seed(0)
+    state = generator.get_state()
+    for given in (generator, [generator]):
+        assert estimate(Noisy().to("meta"), (torch.ones(1, 3),), dict(generator=given), cuda=False) is not None
+    assert torch.equal(generator.get_state(), state)

@@ -103,6 +103,15 @@ def test_a_forward_that_calls_what_is_inside_its_blocks_but_no_block_is_refused_
     reference = dequantize_in_place(realistic_init(Inside()).to(torch.bfloat16).eval())
     tritoff.enable(model, mode="leaf", budget="1GB", progress=False, kernels="reference")
     assert torch.equal(_output(model, x), _output(reference, x))
+    # every block resident: their weights are in place from the phase's entry, no hook needed
+    model = realistic_init(Inside()).to(torch.bfloat16).eval()
+    engine = tritoff.enable(model, mode="group", budget="1GB", reserve=1000, progress=False, kernels="reference")
+    assert engine.plan.tier_counts("model")["bf16"] == 5
+    for _ in range(2):
+        assert torch.equal(_output(model, x), _output(reference, x))
+    _enable(model, _minimum(_stack()))  # a re-plan that streams them: refused at the next call
+    with pytest.raises(RuntimeError, match="called none of its blocks"):
+        _output(model, x)
 
 
 def test_a_vaes_decode_is_planned_from_its_inputs_and_its_tiling_before_its_phase_is_entered():
@@ -137,6 +146,19 @@ def test_a_vaes_decode_is_planned_from_its_inputs_and_its_tiling_before_its_phas
     pipe.vae.decode = decode
     tritoff.disable(pipe)
     assert "decode" not in vars(pipe.vae) and "encode" not in vars(pipe.vae)
+
+
+def test_a_compiled_decode_is_planned_outside_its_graph():
+    from tritoff.activations import estimate, meta_twin
+
+    pipe, reference = wan(), dequantized_pipeline(wan)
+    engine = tritoff.enable(pipe, budget="8MB", progress=False, kernels="reference")
+    z = torch.randn(1, pipe.vae.config.z_dim, 2, 12, 12, generator=torch.Generator().manual_seed(0))
+    compiled = torch.compile(pipe.vae.decode, backend="eager")  # its first call: the twin is built here
+    with torch.no_grad():
+        assert torch.equal(compiled(z, return_dict=False)[0], reference.vae.decode(z, return_dict=False)[0])
+    expected = estimate(meta_twin(pipe.vae), (z,), dict(return_dict=False), "decode", cuda=False)
+    assert engine.stats["components"]["vae"]["activation_estimate_bytes"] == expected
 
 
 def test_calls_alternating_shapes_plan_once_each_then_move_nothing_more():
