@@ -309,8 +309,8 @@ def _load_pipeline(model: str, dtype, store: str | None):
     # what diffusers raises on missing or malformed files (an unknown class, a config of the wrong types), or a package
     # the pipeline needs
     except (OSError, ValueError, ImportError, AttributeError, TypeError) as err:
-        lines = [line for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
-        raise CliError(f"cannot load {model}: {lines[0].strip()}") from None
+        message = _one_line(err)  # every line: some libraries list their reasons below the first
+        raise CliError(f"cannot load {model}: {message[:400]}{'...' if len(message) > 400 else ''}") from None
     if not any(isinstance(getattr(pipe, n, None), torch.nn.Module) for n in ("transformer", "unet")):
         raise CliError(f"{model} has no transformer or unet: tritoff runs diffusion pipelines")
     return pipe
@@ -840,6 +840,8 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, ValueError, OSError) as err:
         if _interrupted:
             return _interrupted_exit()
+        if os.environ.get("TRITOFF_TRACEBACK") and not isinstance(err, CliError):
+            raise
         print(f"tritoff: error: {_one_line(err)}", file=sys.stderr)
         # an OSError a library raised about the input (diffusers: a model directory without its weights) carries no
         # errno; the machine's errors (a full disk, an I/O error) do

@@ -773,6 +773,8 @@ def enable(
     sizes = _sizes(components, group_lists, layouts, options.mode)
     _check_callable(components, sizes)
     operations.check_compiled(_hooked_modules(components, group_lists, sizes), components)
+    wrapped = {"model": target} if isinstance(target, nn.Module) else dict(getattr(target, "components", {}))
+    operations.check_compiled_wrappers({n: m for n, m in wrapped.items() if n in components})
     the_plan, chunks = _plan(sizes, group_lists, layouts, components, options)
     looped = {name: _looped(name) for name in components}
     in_ram = None if reuse else hold_plan(group_lists, layouts, the_plan, looped, options.host_budget)

@@ -113,6 +113,8 @@ def _checked(owner, engine, what: str):
             names = (arguments or {}).get("components") or ()
             _compiled_whole(owner, f"{what}_lora", names)
         wanted = (arguments or kwargs).get("adapter_names")
+        scale = (arguments or kwargs).get("lora_scale", 1.0)
+        scale = scale if isinstance(scale, (int, float)) else 1.0
         for component, module in _targets(owner, engine, arguments).items():
             for layer_name, layer in module.named_modules():
                 if not is_tuner_layer(layer):
@@ -126,7 +128,7 @@ def _checked(owner, engine, what: str):
                 for adapter in wanted if wanted is not None else layer.active_adapters:
                     if adapter in getattr(layer, "merged_adapters", ()) or adapter not in getattr(layer, "lora_A", ()):
                         continue
-                    if not torch.isfinite(layer.get_delta_weight(adapter)).all():
+                    if not torch.isfinite(layer.get_delta_weight(adapter) * scale).all():
                         raise ValueError(
                             f"fuse_lora: adapter {adapter!r} has NaN or Inf in its delta for {component}.{layer_name}; "
                             "nothing was fused: fix or unload that adapter"
@@ -241,7 +243,8 @@ def _edit(layer, change, what: str):
                 raise ValueError(f"{what} changed the shape of {g.component}.{e.name}; tritoff cannot store that")
             if e.kind == KIND_FP8 and not torch.isfinite(new).all():
                 raise ValueError(
-                    f"{what} gives NaN or Inf in {g.component}.{e.name}: the adapter is broken; nothing was changed"
+                    f"{what} gives NaN or Inf in {g.component}.{e.name}: the adapter is broken; this layer was left "
+                    "as it was"
                 )
             if not torch.equal(new, old):
                 changed.append((g, i, new))

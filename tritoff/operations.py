@@ -199,6 +199,19 @@ def check_compiled(hooked: dict[str, list[torch.nn.Module]], components: dict[st
         )
 
 
+def check_compiled_wrappers(wrapped: dict[str, torch.nn.Module]) -> None:
+    """Refuse a component given as ``torch.compile(component, fullgraph=True)``: tritoff's hooks, on the component
+    itself and its blocks, run inside that graph and break it (``wrapped``: the components as the pipeline holds
+    them)."""
+    for name, module in wrapped.items():
+        if type(module).__name__ == "OptimizedModule" and getattr(getattr(module, "dynamo_ctx", None), "fullgraph", 0):
+            raise ValueError(
+                f"{name} is torch.compile(..., fullgraph=True): tritoff's hooks on it and its blocks would be graph "
+                f"breaks inside that graph; compile it without fullgraph, or compile each block after tritoff.enable "
+                f"({name}.compile_repeated_blocks(fullgraph=True))"
+            )
+
+
 def compiled_inside_hooks(module: torch.nn.Module) -> Recompile | None:
     """How a module's own forward was compiled inside tritoff's hooks (of an engine enabled now, or torn down for a
     re-plan), or None."""

@@ -251,7 +251,8 @@ def check_target(directory: str | Path, overwrite: bool = False, model: str | Pa
             raise StoreError(f"{target} is not empty and holds no tritoff store: choose a new or empty directory")
         if not overwrite:
             raise StoreError(f"{target} already holds a store: pass --overwrite (overwrite=True) to replace it")
-        others = sorted(p.name for p in target.iterdir() if p.name != INDEX and not _is_store_file(p))
+        own = _store_files(target)
+        others = sorted(p.name for p in target.iterdir() if p.name != INDEX and p.name not in own)
         if others:
             raise StoreError(
                 f"{target} holds files that are not the store's ({', '.join(others[:3])}"
@@ -271,8 +272,14 @@ def check_target(directory: str | Path, overwrite: bool = False, model: str | Pa
     return target
 
 
-def _is_store_file(path: Path) -> bool:
-    return path.suffix == ".safetensors" and path.is_file() and not path.is_symlink()
+def _store_files(directory: Path) -> set[str]:
+    """The files a store's index lists (its components' files); with an unreadable index, every ``*.safetensors``
+    file in it (the index cannot say which are the store's)."""
+    try:
+        components = json.loads((directory / INDEX).read_text())["components"]
+        return {info["file"] for info in components.values()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {p.name for p in directory.glob("*.safetensors") if p.is_file() and not p.is_symlink()}
 
 
 def _is_mount_point(path: Path) -> bool:

@@ -256,6 +256,12 @@ def test_an_error_no_check_foresaw_is_one_line_unless_its_traceback_is_asked_for
     monkeypatch.setenv("TRITOFF_TRACEBACK", "1")
     with pytest.raises(RuntimeError, match="size of tensor a"):
         cli.main(["info"])
+    # a library's ValueError (bad input to it) too; tritoff's own one-line errors stay one line
+    monkeypatch.setattr(cli, "_cmd_info", lambda args: (_ for _ in ()).throw(ValueError("`mu` must be passed")))
+    with pytest.raises(ValueError, match="`mu` must be passed"):
+        cli.main(["info"])
+    monkeypatch.setattr(cli, "_cmd_info", lambda args: (_ for _ in ()).throw(cli.CliError("--steps is wrong")))
+    assert cli.main(["info"]) == 2 and capsys.readouterr().err == "tritoff: error: --steps is wrong\n"
 
 
 @pytest.mark.parametrize("when", ["placing", "generating"])

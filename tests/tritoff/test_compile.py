@@ -167,6 +167,11 @@ def test_what_cannot_compile_inside_the_hooks_is_refused_before_enable_changes_a
         tritoff.enable(pipe, **options)
     assert "compile_repeated_blocks(fullgraph=True)" in str(info.value) and "\n" not in str(info.value)
     assert not hasattr(pipe, "_tritoff_engine") and pipe.transformer._compiled_call_impl is compiled
+    pipe = factory()  # the wrapper's form, torch.compile(module, fullgraph=True): refused too
+    wrapper = pipe.transformer = torch.compile(pipe.transformer, backend="aot_eager", fullgraph=True)
+    with pytest.raises(ValueError, match=r"^transformer is torch.compile\(..., fullgraph=True\): tritoff's hooks"):
+        tritoff.enable(pipe, **options)
+    assert not hasattr(pipe, "_tritoff_engine") and pipe.transformer is wrapper
     assert not hasattr(pipe.transformer, "_hf_hook") and pipe.transformer.blocks[0].ffn.net[2].weight.numel() > 0
     # compiled in a way tritoff cannot read (an older torch's): left around the hooks, as it was, and said
     pipe = factory()

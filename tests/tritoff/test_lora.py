@@ -163,6 +163,21 @@ def test_a_broken_adapter_is_refused_and_changes_nothing():
     assert torch.equal(run(pipe, LATENTS), run(dequantized_pipeline(wan), LATENTS))
 
 
+def test_an_adapter_that_overflows_only_at_the_calls_scale_is_refused_before_any_layer_changes():
+    lora = _lora()
+    b, a = (f"transformer.blocks.2.attn1.to_v.lora_{x}.weight" for x in "BA")
+    lora[b], lora[a] = lora[b].clone(), lora[a].clone()
+    lora[b][0, 0], lora[a][0, 0] = 1e38, 1.0  # finite, and its delta too, until lora_scale=8 takes it past the largest
+    pipe = wan()
+    engine = _enable(pipe, mode="group", budget="6MB")
+    pipe.load_lora_weights(lora, adapter_name="big")
+    arena = {n: p.arena.buffer.clone() for n, p in engine.packed.items()}
+    with pytest.raises(ValueError, match="'big' has NaN or Inf in its delta for transformer.blocks.2.attn1.to_v"):
+        pipe.fuse_lora(components=["transformer"], lora_scale=8.0)
+    assert all(torch.equal(engine.packed[n].arena.buffer, before) for n, before in arena.items())
+    assert merged_adapters(pipe.transformer) == []
+
+
 def test_fusing_into_packs_read_from_a_store_works_and_into_packs_on_disk_is_refused(tmp_path, expected):
     engine = _enable(wan(), mode="group", budget="4MB")
     engine.save(tmp_path / "store")

@@ -398,6 +398,10 @@ def test_targets_a_store_cannot_be_renamed_into_are_refused_before_any_packing(c
     assert (copy / "NOTES.txt").read_text() == "mine"
     (copy / "NOTES.txt").unlink()
     (copy / "loras").rmdir()
+    (copy / "my_lora.safetensors").write_bytes(b"mine")  # not one the index lists
+    with pytest.raises(StoreError, match=r"holds files that are not the store's \(my_lora.safetensors\)"):
+        save_store(copy, *args, overwrite=True)
+    (copy / "my_lora.safetensors").unlink()
     save_store(copy, *args, overwrite=True)
 
 
