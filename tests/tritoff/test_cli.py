@@ -288,6 +288,21 @@ def test_running_out_of_gpu_memory_says_what_to_change(work, monkeypatch, capsys
     assert code == 2 and expected in lines[-1] and "pass a smaller --budget" in lines[-1] and not out.exists()
 
 
+def test_a_pipeline_that_cannot_load_keeps_the_reasons_its_library_lists(work, tmp_path):
+    import torch
+
+    from tritoff import cli
+
+    root, _ = work
+    shutil.copytree(root / "pipe", tmp_path / "pipe")
+    shutil.rmtree(tmp_path / "pipe" / "tokenizer")
+    with pytest.raises(cli.CliError) as info:  # transformers gives its reasons on the lines below the first
+        cli._load_pipeline(str(tmp_path / "pipe"), torch.bfloat16, None)
+    message = str(info.value)
+    assert message.startswith(f"cannot load {tmp_path / 'pipe'}: Couldn't instantiate the backend tokenizer from one")
+    assert "(1) a `tokenizers` library serialization file" in message and "\n" not in message
+
+
 def test_tritoffs_warnings_print_in_one_line_and_others_as_python_prints_them(capsys):
     import warnings
 
