@@ -85,16 +85,21 @@ def _unwrap(module: nn.Module) -> nn.Module:
     return module._orig_mod if type(module).__name__ == "OptimizedModule" else module
 
 
-def _components(target, caller: str = "enable") -> dict[str, nn.Module]:
+def _wrapped_components(target, caller: str = "enable") -> dict[str, nn.Module]:
+    """The model components of ``target`` as it holds them (a ``torch.compile`` wrapper as such)."""
     if isinstance(target, nn.Module):
-        return {"model": _unwrap(target)}
+        return {"model": target}
     components = getattr(target, "components", None)
     if not isinstance(components, dict):
         raise TypeError(f"tritoff.{caller} needs a diffusers pipeline or an nn.Module, got {type(target).__name__}")
-    modules = {name: _unwrap(m) for name, m in components.items() if isinstance(m, nn.Module)}
+    modules = {name: m for name, m in components.items() if isinstance(m, nn.Module)}
     if not modules:
         raise ValueError("this pipeline has no model components to manage")
     return modules
+
+
+def _components(target, caller: str = "enable") -> dict[str, nn.Module]:
+    return {name: _unwrap(m) for name, m in _wrapped_components(target, caller).items()}
 
 
 def _check_no_foreign_hooks(components: dict[str, nn.Module]) -> None:
@@ -773,8 +778,7 @@ def enable(
     sizes = _sizes(components, group_lists, layouts, options.mode)
     _check_callable(components, sizes)
     operations.check_compiled(_hooked_modules(components, group_lists, sizes), components)
-    wrapped = {"model": target} if isinstance(target, nn.Module) else dict(getattr(target, "components", {}))
-    operations.check_compiled_wrappers({n: m for n, m in wrapped.items() if n in components})
+    operations.check_compiled_wrappers(_wrapped_components(target))
     the_plan, chunks = _plan(sizes, group_lists, layouts, components, options)
     looped = {name: _looped(name) for name in components}
     in_ram = None if reuse else hold_plan(group_lists, layouts, the_plan, looped, options.host_budget)

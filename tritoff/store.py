@@ -289,10 +289,9 @@ def _is_mount_point(path: Path) -> bool:
         return True
     try:
         with open("/proc/self/mountinfo", "rb") as f:
-            # field 5 is the mount point: its bytes, with space, tab, newline and backslash written as octal escapes
-            points = {
-                _OCTAL.sub(lambda m: bytes([int(m[1], 8)]), line.split()[4]) for line in f if len(line.split()) > 4
-            }
+            fields = [line.split() for line in f]
+        # field 5 is the mount point: its bytes, with space, tab, newline and backslash written as octal escapes
+        points = {_OCTAL.sub(lambda m: bytes([int(m[1], 8)]), field[4]) for field in fields if len(field) > 4}
     except OSError:
         return False
     return os.fsencode(path) in points
@@ -656,7 +655,6 @@ def stored_compute_dtype(directory: str | Path) -> str | None:
 
 def stored_dtypes(directory: str | Path, component: str) -> dict[str, torch.dtype]:
     """Each stored parameter's dtype (as the model computes with it), for building a model without weights."""
-
     info = read_index(directory)["components"][component]
     meta = _read_meta(Path(directory) / info["file"])
     return {e["name"]: torch_dtype(e["dtype"], info["file"]) for p in meta["packs"] for e in p["entries"]}
@@ -777,7 +775,6 @@ def load_store(
 
     Only headers are read: every pack starts on disk (:attr:`Pack.on_disk`), and :func:`tritoff.packer.hold_packs`
     reads those the host budget holds. A format-4 pack is checked against its own hash when first read."""
-
     from tritoff.arena import HostArena
     from tritoff.disk import PackFile
     from tritoff.formats import get_format
