@@ -99,10 +99,11 @@ class Preview:
     def text(self) -> str:
         """A readable table: one row per phase, then host memory and the verdict."""
         s = self.shape
+        units = "layers" if any(p.mode == "leaf" for p in self.phases) else "blocks"
         lines = [
             f"{self.model}: {s['frames']} frames at {s['height']}x{s['width']}, {s['steps']} steps, budget "
             f"{format_bytes(self.budget)}, link {self.link_bytes_per_s / 1e9:.0f} GB/s",
-            f"  {'phase':<16}{'mode':<10}{'blocks bf16/fp8/stream':>24}{'activations':>13}{'GPU peak':>12}"
+            f"  {'phase':<16}{'mode':<10}{units + ' bf16/fp8/stream':>24}{'activations':>13}{'GPU peak':>12}"
             f"{'streamed/call':>15}{'calls':>7}{'transfer/run':>14}",
         ]
         for p in self.phases:
@@ -317,7 +318,7 @@ def plan(
             too_small.append(f"{name} needs {format_bytes(err.minimum)}")
     together = not too_small and fit_together(phases.values(), fixed, reserves, budget_bytes)
     preview.phases = [
-        _phase(name, phases[name], by_name[name], calls[name], reserves[name], together) for name in components
+        _phase(name, phases[name], by_name[name], calls[name], reserves[name], together, mode) for name in components
     ]
     if host_bytes_budget is not None:
         preview.disk_bytes_per_s = disk_rate
@@ -351,14 +352,14 @@ def _disk_reads(preview: Preview, group_lists, layouts, phases, looped) -> None:
         on_disk = [
             (g, lay) for g, lay in zip(group_lists[name], layouts[name], strict=True) if g.name not in held[name]
         ]
-        streamed = [lay.nbytes for g, lay in on_disk if row.mode == "group" and tiers.get(g.name) == "stream"]
+        streamed = [lay.nbytes for g, lay in on_disk if row.mode in ("group", "leaf") and tiers.get(g.name) == "stream"]
         row.disk_bytes_per_call = sum(streamed)
         entry = sum(lay.nbytes for g, lay in on_disk if not is_host(g)) - row.disk_bytes_per_call
         row.disk_entry_bytes = entry if row.entry_bytes else 0  # phases that fit together are entered once
 
 
-def _phase(name: str, p, size, calls: int, reserve: int, together: bool) -> PhasePreview:
-    """One row of the preview (``p`` None: the phase does not fit the budget)."""
+def _phase(name: str, p, size, calls: int, reserve: int, together: bool, requested: str) -> PhasePreview:
+    """One row of the preview (``p`` None: the phase does not fit the budget); ``requested``: the mode asked for."""
     if p is None:
         return PhasePreview([name], "too small", {}, 0, reserve, 0, 0, calls, 0)
     tiers = p.tiers.get(name, {})
@@ -369,6 +370,7 @@ def _phase(name: str, p, size, calls: int, reserve: int, together: bool) -> Phas
     kept = [g for g in size.blocks if mode == "resident" or tiers.get(g.name) in ("bf16", "fp8")]
     entry = (size.rest.packed if size.rest else 0) + sum(g.packed for g in kept)  # host bytes, as the engine counts
     counts = p.tier_counts(name) if mode == "group" else {}
+    label = "leaf" if requested == "leaf" and mode == "group" else mode  # a split component streams layer by layer
     return PhasePreview(
-        [name], mode, counts, p.planned_bytes, reserve, p.resident_bytes, streamed, calls, 0 if together else entry
+        [name], label, counts, p.planned_bytes, reserve, p.resident_bytes, streamed, calls, 0 if together else entry
     )

@@ -67,7 +67,7 @@ def test_a_directory_plans_from_its_configs_as_enable_packs(tmp_path):
     assert [ph.components[0] for ph in preview.phases] == ["text_encoder", "transformer", "vae"]
 
 
-@pytest.mark.parametrize("mode", ["auto", "group"])
+@pytest.mark.parametrize("mode", ["auto", "group", "leaf"])
 def test_the_bytes_each_phase_uploads_when_entered_are_what_enable_uploads(tmp_path, mode):
     from diffusers import WanPipeline
 
@@ -84,6 +84,7 @@ def test_the_bytes_each_phase_uploads_when_entered_are_what_enable_uploads(tmp_p
     entered = {p.components[0]: (p.mode, p.entry_bytes) for p in preview.phases}
     assert entered == {name: (stats[name]["mode"], stats[name]["entry_bytes"]) for name in entered}
     assert all(bytes_ > 0 for _, bytes_ in entered.values())
+    assert ("layers bf16/fp8/stream" in preview.text()) == (mode == "leaf")  # leaf mode streams layers, not blocks
 
 
 def test_a_directory_missing_a_models_config_or_with_a_broken_index_is_refused(tmp_path):
