@@ -461,10 +461,10 @@ class Engine:
         return plan([size], opts.budget, opts.mode, opts.prefetch, reserve, staged, None, self.plan.fixed_bytes)
 
     def _hook(self, module: nn.Module, hook) -> None:
+        self._hooked.append(module)  # first: a teardown after an interruption in the middle unhooks it too
         add_hook_to_module(module, hook)
         guard_forward(module, self.manager)
         operations.compile_inside_hooks(module)  # compiled before enable: its compiled call would hold the hooks
-        self._hooked.append(module)
 
     def move_hook(self, src: nn.Module, dst: nn.Module) -> None:
         """Move a leaf layer's hook to the module its parent now calls: peft wrapped it in a tuner layer (whose
@@ -812,6 +812,8 @@ def enable(
     if reuse:
         _check_zero_copy(options, previous.packed)
         previous._teardown()
+        for module in previous._unhooked:  # the new plan may hook fewer (group -> model): none keeps a forward of ours
+            operations.restore_forward(module)
         packed, snr = previous.packed, previous.snr
         requires_grad = previous.requires_grad
         requantized = previous.requantized
@@ -883,9 +885,11 @@ def enable(
         engine.requantized = requantized
     try:
         engine._build_runtime()
+        _install(engine)
     except BaseException:
         # a failure while placing the packs (an out-of-memory GPU, Ctrl-C): leave ordinary modules holding the
-        # (dequantized) weights rather than placeholders, on the CPU if the device has no room for them
+        # (dequantized) weights rather than placeholders, on the CPU if the device has no room for them; what
+        # _install shadowed goes with the teardown
         try:
             _restore(engine, options.device)
         except BaseException:
@@ -893,7 +897,6 @@ def enable(
         if hasattr(target, ENGINE_ATTR):  # a re-plan: the previous engine was torn down already
             delattr(target, ENGINE_ATTR)
         raise
-    _install(engine)
     return engine
 
 

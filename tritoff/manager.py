@@ -457,10 +457,9 @@ class HookManager:
         """Before a block's forward: make sure it is loaded (or loading), wait for it on the GPU, bind, prefetch."""
         start = time.perf_counter_ns() - self.transfer_ns
         comp = self.components[group.component]
-        if group.tier in ("fp8", "stream"):
-            self._refuse_capture(comp, group)  # first: a block called on its own would otherwise load its phase
-        elif not comp.active:  # a resident block called on its own: its component's hook did not check
-            self._refuse_capture(comp)
+        if not comp.active:  # called on its own (inside its component's call, the component's hook checked)
+            # first: a block called on its own would otherwise load its phase
+            self._refuse_capture(comp, group if group.tier in ("fp8", "stream") else None)
         if torch.is_grad_enabled():
             _check_frozen(group)
         if not comp.loaded:  # a block called on its own, outside its component's forward

@@ -114,6 +114,10 @@ def test_compile_then_replan_then_disable():
     compiled = len(recorder.graphs)
     assert torch.equal(_run(pipe, call, "latent")[1], expected)
     assert len(recorder.graphs) == compiled
+    # whole components on the GPU: the blocks are hooked no more, and compile as torch compiles a module again
+    tritoff.enable(pipe, mode="model", budget="64MB", progress=False, kernels="reference")
+    assert all("forward" not in vars(b) and b._compiled_call_impl is not None for b in pipe.transformer.blocks)
+    assert torch.equal(_run(pipe, call, "latent")[1], expected)
     tritoff.disable(pipe)  # ordinary modules holding the dequantized weights, blocks still compiled
     assert torch.equal(_run(pipe, call, "latent")[1], expected)
     assert recorder.traced_tritoff() == []

@@ -496,9 +496,13 @@ def test_a_pool_unit_larger_than_staging_moves_in_chunks(kernels):
         assert torch.equal(net(ids), reference(ids))
 
 
+@pytest.mark.parametrize("where", ["placing", "hooking", "installing"])
 @pytest.mark.parametrize("replan", [False, True], ids=["first-enable", "re-plan"])
-def test_a_failure_after_packing_leaves_ordinary_modules(wan_reference, monkeypatch, replan):
+def test_a_failure_after_packing_leaves_ordinary_modules(wan_reference, monkeypatch, replan, where):
+    """An out-of-memory GPU while placing the packs, or Ctrl-C between two hooks or while the pipeline's operations
+    are wrapped: no hook, wrapper or placeholder is left."""
     import tritoff.engine as engine_module
+    from tritoff import operations
 
     pipe = wan()
     if replan:
@@ -510,12 +514,29 @@ def test_a_failure_after_packing_leaves_ordinary_modules(wan_reference, monkeypa
     def no_memory(*args, **kwargs):
         raise OutOfMemory("simulated: the GPU is full")
 
-    monkeypatch.setattr(engine_module, "GroupRuntime", no_memory)
-    with pytest.raises(OutOfMemory):
+    calls = []
+
+    def interrupted_second_hook(module, manager):
+        calls.append(module)
+        if len(calls) == 2:  # the second module hooked, after accelerate's hook and before tritoff's guard
+            raise KeyboardInterrupt
+        guard(module, manager)
+
+    guard = engine_module.guard_forward
+    if where == "placing":
+        monkeypatch.setattr(engine_module, "GroupRuntime", no_memory)
+    elif where == "hooking":
+        monkeypatch.setattr(engine_module, "guard_forward", interrupted_second_hook)
+    else:
+        monkeypatch.setattr(operations, "install", lambda *args: no_memory())
+    with pytest.raises(KeyboardInterrupt if where == "hooking" else OutOfMemory):
         _enable(pipe, mode="group", budget="5MB")
     monkeypatch.undo()
     # packing had already released the original weights: ordinary modules hold their dequantized values instead
     assert not hasattr(pipe, "_tritoff_engine")
-    assert not any(hasattr(m, "_hf_hook") for m in pipe.transformer.modules())
+    assert not any(hasattr(m, "_hf_hook") or "forward" in vars(m) for m in pipe.transformer.modules())
     assert not any(is_placeholder(p) for p in pipe.transformer.parameters())
+    assert not any(getattr(f, "_tritoff", False) for obj in (pipe, pipe.transformer) for f in vars(obj).values())
+    assert torch.equal(run(pipe), wan_reference)
+    _enable(pipe, mode="group", budget="5MB")  # and it can be enabled again
     assert torch.equal(run(pipe), wan_reference)
