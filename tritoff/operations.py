@@ -12,7 +12,8 @@ methods; :func:`remove` gives the originals back):
   slot it computes from);
 - diffusers' offloading (``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``, ``enable_group_offload``),
   ``enable_layerwise_casting`` and ``remove_all_hooks``: refused, since they would strip or fight tritoff's hooks;
-- ``fuse_qkv_projections``: refused, since it would concatenate placeholders; fusing before ``enable`` works;
+- ``fuse_qkv_projections``, and an attention module's own ``fuse_projections``: refused, since they would
+  concatenate placeholders; fusing before ``enable`` works;
 - ``save_pretrained``: refused, since it would write placeholders as weights; ``Engine.save`` writes the packs;
 - copying and pickling (``copy.deepcopy``, ``pickle``, ``torch.save`` of a module, all through ``__reduce_ex__``):
   refused, since the copy would hold placeholders and share the original's hooks;
@@ -56,6 +57,12 @@ REFUSED = {
     "__reduce_ex__": f"the weights live in tritoff's packs, not in the modules; {DISABLE_FIRST} (it restores them), "
     "then copy or save",
 }
+# on every submodule of a component: diffusers' per-attention fusing (what fuse_qkv_projections calls on each)
+SUBMODULE_REFUSED = {
+    "__reduce_ex__": REFUSED["__reduce_ex__"],
+    "fuse_projections": "fusing an attention's projections after tritoff.enable would concatenate weights that live "
+    "in tritoff's packs: fuse them before tritoff.enable (the fused projections are then packed)",
+}
 # how a refusal names what was called
 CALLED = {"__reduce_ex__": "copying or pickling (copy.deepcopy, pickle, torch.save of a module)"}
 
@@ -91,7 +98,7 @@ def install(target, components: dict, device: torch.device, blocks=(), managed: 
             if "load_state_dict" not in sub.__dict__:
                 sub.load_state_dict = _guarded_load_state_dict(sub, where)
         # or copied or pickled on its own: its copy would hold placeholders (and could not pickle the guards above)
-        refuse(list(module.modules()), {"__reduce_ex__": REFUSED["__reduce_ex__"]})
+        refuse(list(module.modules()), SUBMODULE_REFUSED)
         inside = {id(m) for m in module.modules()}
         if "compile" not in module.__dict__ and any(id(b) in inside for b in blocks):
             module.compile = _compile_around_hooks(module, name)
@@ -104,7 +111,7 @@ def remove(target, components: dict, blocks=(), also=()) -> None:
     ``also`` that :func:`refuse` shadowed."""
     subs = [sub for module in components.values() for sub in module.modules()]
     for obj in (target, *components.values(), *blocks, *subs):
-        for name in (*REFUSED, "_apply", "to", "compile", "load_state_dict", *also):
+        for name in (*REFUSED, *SUBMODULE_REFUSED, "_apply", "to", "compile", "load_state_dict", *also):
             if getattr(obj.__dict__.get(name), "_tritoff", False):
                 delattr(obj, name)
 

@@ -79,6 +79,7 @@ def test_a_move_that_changes_nothing_keeps_the_managed_parameters_when_torch_wou
         ),
         (lambda p: p.remove_all_hooks(), r"remove_all_hooks\(\): the hooks on this pipeline are tritoff's"),
         (lambda p: p.transformer.fuse_qkv_projections(), r"call it before tritoff.enable"),
+        (lambda p: p.transformer.blocks[0].attn1.fuse_projections(), r"fuse them before tritoff.enable"),
     ],
 )
 def test_operations_that_would_break_the_engine_are_refused_in_one_line(enabled, operation, message):
@@ -129,7 +130,7 @@ def test_disable_gives_the_operations_back():
     tritoff.enable(pipe, mode="group", budget="4MB", progress=False, kernels="reference")
     tritoff.disable(pipe)
     shadowed = ("to", "_apply", "enable_model_cpu_offload", "remove_all_hooks", "fuse_qkv_projections", "compile")
-    shadowed += ("__reduce_ex__", "load_state_dict")
+    shadowed += ("__reduce_ex__", "load_state_dict", "fuse_projections")
     modules = [m for c in pipe.components.values() if isinstance(c, torch.nn.Module) for m in c.modules()]
     for obj in (pipe, *modules):
         assert not any(name in vars(obj) for name in shadowed), obj
