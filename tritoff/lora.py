@@ -145,7 +145,10 @@ def _on_register(module, name, submodule):
     if not len(_ENGINES) or not isinstance(submodule, torch.nn.Module):
         return None
     if name == "base_layer" and is_tuner_layer(module):
-        _wrap(module)  # peft builds a tuner layer around its base layer: ``self.base_layer = base_layer``
+        # peft builds a tuner layer around its base layer (``self.base_layer = base_layer``): wrapped when an engine
+        # holds the base layer's weights, never in a model tritoff does not manage
+        if _owner(list(submodule.parameters()))[0] is not None:
+            _wrap(module)
     elif is_tuner_layer(submodule):  # peft puts the adapted layer where the base layer was
         _move_hook(submodule.get_base_layer(), submodule)
     else:  # unloading puts the base layer back where its tuner layer was

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tritoff
-from tritoff.adapters import merged_adapters, named_parameters
+from tritoff.adapters import merged_adapters, named_parameters, tuner_layers
 from tritoff.store import fingerprint
 
 from .helpers import WAN_CALL, dequantize_in_place, dequantized_pipeline, lora_state_dict, run, wan
@@ -289,3 +289,25 @@ def test_dora_in_leaf_mode_hooks_around_the_adapter(before):
     pipe.load_lora_weights(dora, adapter_name="dora")
     pipe.fuse_lora(components=["transformer"])
     assert torch.equal(run(pipe, LATENTS), expected_fused)
+
+
+def test_adapters_of_a_model_tritoff_does_not_manage_stay_peft_s_own():
+    """Another model given a LoRA while an engine lives keeps peft's merge: it pickles, and a copy fuses into itself."""
+    import copy
+    import io
+
+    from peft import LoraConfig, inject_adapter_in_model
+
+    pipe = wan()
+    _enable(pipe, mode="group", budget="4MB")
+    other = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    config = LoraConfig(r=2, target_modules=["0"], init_lora_weights=False)
+    other = inject_adapter_in_model(config, other)
+    assert "merge" not in vars(other[0])
+    torch.save(other, io.BytesIO())
+    weight = other[0].base_layer.weight.detach().clone()
+    twin = copy.deepcopy(other)
+    twin[0].merge()
+    assert torch.equal(other[0].base_layer.weight, weight) and not torch.equal(twin[0].base_layer.weight, weight)
+    pipe.load_lora_weights(_lora(), adapter_name="style")  # the enabled pipeline's own layers are still wrapped
+    assert all("merge" in vars(layer) for layer in tuner_layers(pipe.transformer))
