@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
-from accelerate.hooks import add_hook_to_module, remove_hook_from_module
 
-from tritoff import disk, operations, torn_down
+from tritoff import chain, disk, operations, torn_down
 from tritoff.adapters import adapter_bytes, merged_adapters, move_adapters, named_parameters, outer_modules
 from tritoff.arena import HostArena
 from tritoff.budget import default_budget, device_memory, format_bytes, parse_host_budget, parse_size, percentage
@@ -47,6 +47,14 @@ from tritoff.storage import describe_storage, resolve_storage
 from tritoff.warn import warn
 
 ENGINE_ATTR = "_tritoff_engine"
+# diffusers' registry hooks that move or cast weights: group offloading and layerwise casting
+WEIGHT_HOOKS = {
+    "group_offloading",
+    "layer_execution_tracker",
+    "lazy_prefetch_group_offloading",
+    "layerwise_casting",
+    "peft_autocast_disable",
+}
 # every engine made by enable; those still their target's engine own their components' parameters
 _ENGINES: weakref.WeakSet = weakref.WeakSet()
 TRANSPORTS = ("auto", "staged", "zero_copy")
@@ -116,12 +124,13 @@ def _check_no_foreign_hooks(components: dict[str, nn.Module]) -> None:
                     f"{where} carries accelerate hooks (enable_model_cpu_offload, enable_sequential_cpu_offload or "
                     "cpu_offload); call pipe.remove_all_hooks() first"
                 )
-            registry = getattr(module, "_diffusers_hook", None)
-            if registry is not None and getattr(registry, "hooks", None):
-                names = ", ".join(registry.hooks)
+            # diffusers' caches and layer skip compose with tritoff (chain.py); its offloading and casting move or
+            # cast the weights tritoff holds
+            moving = [n for n in getattr(getattr(module, "_diffusers_hook", None), "hooks", ()) if n in WEIGHT_HOOKS]
+            if moving:
                 raise ValueError(
-                    f"{where} carries diffusers hooks ({names}); undo enable_group_offload / enable_layerwise_casting "
-                    "(e.g. reload the model) before tritoff.enable"
+                    f"{where} carries diffusers hooks ({', '.join(moving)}); undo enable_group_offload / "
+                    "enable_layerwise_casting (e.g. reload the model) before tritoff.enable"
                 )
 
 
@@ -345,6 +354,7 @@ class Engine:
         # in a module's place after enable (refused at the next forward) stays theirs, untouched
         self._own_params = {name: dict(named_parameters(module)) for name, module in components.items()}
         self._hooked: list[nn.Module] = []
+        self._installed: dict[int, Callable] = {}  # id(module) -> the forward tritoff installed on it
         self._unhooked: list[nn.Module] = []  # what teardown unhooked: disable gives their forwards back
         self._runtimes: list[ComponentRuntime] = []
         self.manager: HookManager | None = None
@@ -462,8 +472,7 @@ class Engine:
 
     def _hook(self, module: nn.Module, hook) -> None:
         self._hooked.append(module)  # first: a teardown after an interruption in the middle unhooks it too
-        add_hook_to_module(module, hook)
-        guard_forward(module, self.manager)
+        self._installed[id(module)] = chain.hook_innermost(module, hook, lambda m: guard_forward(m, self.manager))
         operations.compile_inside_hooks(module)  # compiled before enable: its compiled call would hold the hooks
 
     def move_hook(self, src: nn.Module, dst: nn.Module) -> None:
@@ -471,7 +480,7 @@ class Engine:
         adapter may read the base weights outside the base layer's forward), or unwrapped it again."""
         hook = src._hf_hook
         operations.remove_block(src)
-        remove_hook_from_module(src)
+        chain.unhook(src, self._installed.pop(id(src), None))
         self._hooked.remove(src)
         self._hook(dst, hook)
         operations.install_block(dst)
@@ -529,9 +538,10 @@ class Engine:
         lora.detach(self, unwrap=False)
         blocks = [m for m in self._hooked if isinstance(getattr(m, "_hf_hook", None), GroupHook)]
         operations.remove(self.target, self.components, blocks, also=PLANNED_METHODS)
-        for module in self._hooked:
-            remove_hook_from_module(module)
-        self._unhooked, self._hooked = self._hooked, []
+        replaced = [m for m in self._hooked if not chain.unhook(m, self._installed.get(id(m)))]
+        self._unhooked, self._hooked, self._installed = self._hooked, [], {}
+        if replaced:
+            warn(_forward_replaced(self.components, replaced))
         if self.options.device.type == "cuda":
             torch.cuda.synchronize(self.options.device)
         if self.manager is not None:
@@ -543,6 +553,16 @@ class Engine:
         if self.disk is not None:
             self.disk.close()
             self.disk = None
+
+
+def _forward_replaced(components: dict[str, nn.Module], modules: list[nn.Module]) -> str:
+    """What a teardown says of hooked ``modules`` whose forward was replaced after enable (:func:`chain.unhook`)."""
+    names = {id(m): f"{c}.{n}".rstrip(".") for c, comp in components.items() for n, m in comp.named_modules()}
+    where = ", ".join(names.get(id(m), type(m).__name__) for m in modules)
+    return (
+        f"{where}: forward was replaced after tritoff.enable (tritoff's hook no longer ran in it); tritoff put back "
+        "the forward it had hooked: replace it again now, or before tritoff.enable"
+    )
 
 
 def _move_buffers(module: nn.Module, device: torch.device) -> None:

@@ -36,6 +36,8 @@ from typing import NamedTuple
 
 import torch
 
+from tritoff.chain import registry_slot
+
 DISABLE_FIRST = "call tritoff.disable(pipe) first"
 REFUSED = {
     "enable_model_cpu_offload": f"tritoff already places every weight within its budget; {DISABLE_FIRST} to use "
@@ -263,7 +265,8 @@ def restore_forward(module: torch.nn.Module) -> None:
     the class's own forward, and turn a forward compiled inside tritoff's hooks into an ordinary ``module.compile``
     with the same options. A compiled closure over the module would otherwise follow it into copies (which would then
     compute with this module's weights) and make it unpicklable."""
-    forward = module.__dict__.get("forward")
+    slot = registry_slot(module)  # under diffusers' hooks (a cache), the forward is the one their innermost calls
+    forward = module.__dict__.get("forward") if slot is None else getattr(*slot)
     compiled = getattr(forward, "_tritoff_compile", None)
     original = compiled[0] if compiled is not None else forward
     own = getattr(original, "__self__", None) is module and getattr(original, "__func__", None) is getattr(
@@ -271,7 +274,10 @@ def restore_forward(module: torch.nn.Module) -> None:
     )
     if not own:  # someone else's forward (a patch from before enable): left as it is
         return
-    del module.forward
+    if slot is None:
+        del module.forward
+    else:
+        setattr(*slot, original)
     if compiled is not None:
         how = compiled[1]
         module._compiled_call_impl = how.compile(module._call_impl)  # what module.compile(...) does

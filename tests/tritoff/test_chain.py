@@ -1,0 +1,102 @@
+"""tritoff's hooks among diffusers' own (a cache): innermost whichever came first, and each side removable alone."""
+
+import types
+
+import pytest
+import torch
+from diffusers import FirstBlockCacheConfig
+
+import tritoff
+from tritoff.warn import TritoffWarning
+
+from .helpers import WAN_CALL, run, wan
+
+pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
+
+CALL = dict(WAN_CALL, num_inference_steps=6, output_type="latent")
+CACHE = FirstBlockCacheConfig(threshold=50.0)  # every step after the first skips the blocks after the first
+
+
+def _enable(pipe, **kwargs):
+    return tritoff.enable(pipe, "bf16", mode="group", budget="5MB", progress=False, kernels="reference", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """Latents of the plain pipeline without and with the cache (which changes them)."""
+    pipe = wan()
+    out = {"plain": run(pipe, CALL)}
+    pipe.transformer.enable_cache(CACHE)
+    out["cached"] = run(pipe, CALL)
+    assert not torch.equal(out["cached"], out["plain"])
+    return out
+
+
+def _streamed_onloads(engine) -> int:
+    return engine.stats["components"]["transformer"]["onloads"]
+
+
+@pytest.mark.parametrize("first", ["tritoff", "cache"])
+def test_a_cache_runs_outside_tritoff_whichever_was_enabled_first(expected, first):
+    pipe = wan()
+    if first == "cache":
+        pipe.transformer.enable_cache(CACHE)
+    engine = _enable(pipe)
+    assert engine.plan.tier_counts("transformer")["stream"] >= 3
+    if first == "tritoff":
+        pipe.transformer.enable_cache(CACHE)
+    assert torch.equal(run(pipe, CALL), expected["cached"])
+    # the blocks the cache skips are not loaded either: each call after the first streams one block, not all
+    cached = _streamed_onloads(engine)
+    pipe.transformer.disable_cache()  # tritoff's hooks stay
+    assert torch.equal(run(pipe, CALL), expected["plain"])
+    assert cached < _streamed_onloads(engine) - cached
+
+
+def test_disable_and_enable_again_keep_a_cache_enabled_after_tritoff(expected):
+    pipe = wan()
+    _enable(pipe)
+    pipe.transformer.enable_cache(CACHE)
+    _enable(pipe, reserve=2000)  # a re-plan
+    assert torch.equal(run(pipe, CALL), expected["cached"])
+    tritoff.disable(pipe)
+    assert torch.equal(run(pipe, CALL), expected["cached"])
+    pipe.transformer.disable_cache()  # diffusers' removal finds its own forward below its hooks, not tritoff's
+    for module in pipe.transformer.modules():  # diffusers leaves the bound forward it found as an attribute
+        assert not hasattr(module, "_hf_hook") and module.forward.__func__ is type(module).forward
+    assert torch.equal(run(pipe, CALL), expected["plain"])
+
+
+def test_a_forward_replaced_after_enable_is_named_when_disable_puts_the_hooked_one_back(expected):
+    pipe = wan()
+    _enable(pipe)
+    block = pipe.transformer.blocks[1]
+    block.forward = types.MethodType(type(block).forward, block)  # tritoff's hook no longer runs in it
+    with pytest.warns(TritoffWarning, match=r"transformer\.blocks\.1: forward was replaced after tritoff.enable"):
+        tritoff.disable(pipe)
+    assert "forward" not in vars(block)
+    assert torch.equal(run(pipe, CALL), expected["plain"])
+
+
+def test_offloading_hooks_of_diffusers_are_refused():
+    pipe = wan()
+    pipe.transformer.enable_cache(CACHE)
+    pipe.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"carries diffusers hooks \(layerwise_casting\)"):
+        _enable(pipe)
+
+
+def test_blocks_compiled_inside_the_hooks_under_a_cache_compile_as_modules_after_disable(expected):
+    torch._dynamo.reset()
+    pipe = wan()
+    _enable(pipe)
+    pipe.transformer.enable_cache(CACHE)
+    for block in pipe.transformer.blocks:
+        block.compile(backend="aot_eager")  # the block's own forward, inside tritoff's hooks
+    assert torch.equal(run(pipe, CALL), expected["cached"])
+    tritoff.disable(pipe)
+    for block in pipe.transformer.blocks:  # below the cache's hooks: the block's own forward, compiled as a module
+        holder = block._diffusers_hook._fn_refs[0]
+        assert holder.original_forward.__func__ is type(block).forward and block._compiled_call_impl is not None
+    assert torch.equal(run(pipe, CALL), expected["cached"])
+    torch._dynamo.reset()
