@@ -69,3 +69,17 @@ def unhook(module: nn.Module, installed: Callable | None) -> bool:
                 return True
     remove_hook_from_module(module)
     return False
+
+
+def reaches(module: nn.Module, installed: Callable) -> bool:
+    """Whether calling ``module`` still runs the forward tritoff ``installed``: it is ``module.forward``, is wrapped
+    by it (``__wrapped__``: diffusers' and ``functools.wraps`` wrappers), or sits under diffusers' registry hooks."""
+    forward = module.__dict__.get("forward")
+    for _ in range(64):  # a wrapper chain, never a cycle in practice
+        if forward is None:
+            break
+        if forward is installed:
+            return True
+        forward = getattr(forward, "__wrapped__", None)
+    refs = getattr(module.__dict__.get("_diffusers_hook"), "_fn_refs", None) or ()
+    return any(installed is ref.forward or installed is ref.original_forward for ref in refs)

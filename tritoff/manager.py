@@ -23,6 +23,7 @@ import functools
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,7 @@ from accelerate.utils import send_to_device
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_leaves
 
+from tritoff import chain
 from tritoff.activations import MARGIN, estimate, meta_twin
 from tritoff.budget import format_bytes
 from tritoff.host_lookup import HostTable
@@ -95,6 +97,7 @@ class ComponentRuntime:
     measured: int | None = None  # activations of the first forward, measured on CUDA
     reserve_traced: bool = False  # the reserve was planned from a call's estimate (the default's placeholder before)
     last_ran: int | None = None  # the block that ran last in the current call
+    hooked_forward: Callable | None = None  # the forward tritoff installed on the root (chain.hook_innermost)
     stats: ComponentStats = field(default_factory=ComponentStats)
     stalls: StallClock = field(default_factory=StallClock)
 
@@ -280,6 +283,8 @@ class HookManager:
         its first blocks."""
         # named by a block that streams, not one that may be resident
         self._refuse_capture(comp, next((g for g in comp.blocks if g.tier in ("fp8", "stream")), None))
+        for other in self.components.values():  # one whose hook is bypassed has computed with placeholders
+            _check_hook_reached(other)
         if torch.is_grad_enabled():
             for g in comp.unit:
                 _check_frozen(g)
@@ -458,6 +463,7 @@ class HookManager:
         start = time.perf_counter_ns() - self.transfer_ns
         comp = self.components[group.component]
         if not comp.active:  # called on its own (inside its component's call, the component's hook checked)
+            _check_hook_reached(comp)  # or inside a component forward that no longer runs tritoff's hook
             # first: a block called on its own would otherwise load its phase
             self._refuse_capture(comp, group if group.tier in ("fp8", "stream") else None)
         if torch.is_grad_enabled():
@@ -597,6 +603,17 @@ def _check_frozen(group: GroupRuntime) -> None:
                 "overwrites them from its packs): set requires_grad_(False), or call tritoff.disable(pipe) first to "
                 "train"
             )
+
+
+def _check_hook_reached(comp: ComponentRuntime) -> None:
+    """Refuse a component whose forward was replaced after enable by one that no longer calls tritoff's hook (a
+    cache patch assigned to ``module.forward``): its layers outside the blocks would compute with placeholders."""
+    if comp.hooked_forward is not None and not chain.reaches(comp.module, comp.hooked_forward):
+        raise RuntimeError(
+            f"{comp.name}.forward was replaced after tritoff.enable by a function that does not call the forward "
+            "tritoff hooked, so its weights were not loaded (NaN); call tritoff.disable(pipe), replace it, then "
+            "tritoff.enable again (or wrap the forward it replaced)"
+        )
 
 
 def _blocks_never_called(comp: ComponentRuntime) -> RuntimeError:

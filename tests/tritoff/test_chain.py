@@ -1,5 +1,6 @@
 """tritoff's hooks among diffusers' own (a cache): innermost whichever came first, and each side removable alone."""
 
+import functools
 import types
 
 import pytest
@@ -18,7 +19,8 @@ CACHE = FirstBlockCacheConfig(threshold=50.0)  # every step after the first skip
 
 
 def _enable(pipe, **kwargs):
-    return tritoff.enable(pipe, "bf16", mode="group", budget="5MB", progress=False, kernels="reference", **kwargs)
+    options = dict(mode="group", budget="5MB", progress=False, kernels="reference") | kwargs
+    return tritoff.enable(pipe, "bf16", **options)
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +102,29 @@ def test_blocks_compiled_inside_the_hooks_under_a_cache_compile_as_modules_after
         assert holder.original_forward.__func__ is type(block).forward and block._compiled_call_impl is not None
     assert torch.equal(run(pipe, CALL), expected["cached"])
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["group", "model"])
+def test_a_component_forward_replaced_after_enable_is_refused_not_run_on_placeholders(expected, mode):
+    pipe = wan()
+    _enable(pipe, mode=mode, budget="5MB" if mode == "group" else "64MB")
+    transformer = pipe.transformer
+    hooked = transformer.forward
+    # a cache patch as community code writes it: the class's forward, which never calls tritoff's hook
+    transformer.forward = types.MethodType(lambda self, *a, **k: type(self).forward(self, *a, **k), transformer)
+    calls = [lambda: run(pipe, CALL)]
+    if mode == "group":  # a block of the bypassed forward, or called on its own, is refused by its own hook too
+        calls.append(lambda: transformer.blocks[0](*_block_inputs(transformer)))
+    for call in calls:
+        with pytest.raises(RuntimeError, match=r"transformer\.forward was replaced after tritoff\.enable") as info:
+            call()
+        assert "\n" not in str(info.value)
+    transformer.forward = functools.wraps(hooked)(lambda *a, **k: hooked(*a, **k))  # a wrapper calling it runs
+    assert torch.equal(run(pipe, CALL), expected["plain"])
+
+
+def _block_inputs(transformer):
+    dims = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+    tokens = torch.randn(1, 4, dims, dtype=torch.bfloat16)
+    rotary = (torch.ones(1, 4, 1, transformer.config.attention_head_dim),) * 2
+    return tokens, tokens, torch.randn(1, 6, dims, dtype=torch.bfloat16), rotary
