@@ -357,6 +357,7 @@ class Engine:
         self._installed: dict[int, Callable] = {}  # id(module) -> the forward tritoff installed on it
         self._unhooked: list[nn.Module] = []  # what teardown unhooked: disable gives their forwards back
         self._runtimes: list[ComponentRuntime] = []
+        self._released = False  # disable dropped the packs
         self.manager: HookManager | None = None
         self.disk: DiskRing | None = None
         self._torn_down = False
@@ -507,8 +508,20 @@ class Engine:
         ``directory`` must be new or empty; an existing store is replaced only with ``overwrite``."""
         from tritoff.store import save_store
 
+        if self._released:
+            raise RuntimeError(
+                "engine.save: tritoff.disable released this engine's packs; save before disable, or enable again and "
+                "save that engine"
+            )
         grouping = "leaf" if self.options.mode == "leaf" else "block"
         save_store(directory, self.fingerprints, self.packed, self.options.skip, grouping, overwrite=overwrite)
+
+    def _release_packs(self) -> None:
+        """After disable, whose modules hold their weights again: drop the packs (the host arena, spill and store
+        files) and the runtime that refers to them, so an engine still referenced (a notebook's output) does not keep
+        a second copy of the model in host memory. Its report and stats stay readable."""
+        self.packed, self._runtimes, self._released = {}, [], True
+        self.__dict__.pop("_param_places", None)  # lora's index of the runtime's groups
 
     def teardown(self) -> None:
         """Remove every hook and release every GPU buffer (slots, staging, pool units, resident tiers, cached views,
@@ -1085,6 +1098,7 @@ def disable(target, device: str | torch.device | None = None) -> None:
         raise
     lora.detach(engine, unwrap=True)
     delattr(target, ENGINE_ATTR)
+    engine._release_packs()
     reset_placeholders()  # a fill into one of this engine's placeholders no forward refused
 
 

@@ -154,6 +154,27 @@ def test_disable_round_trip(wan_reference):
         torch.save(component.state_dict(), io.BytesIO())
 
 
+def test_disable_releases_the_packs_of_an_engine_still_referenced(tmp_path):
+    """A notebook keeps the engine enable returned: after disable it holds neither the packs nor their spill file."""
+    import gc
+    import weakref
+
+    pipe = wan()
+    engine = _enable(pipe, mode="group", budget="4MB", host_budget="1MB", spill_dir=tmp_path)
+    arenas = [weakref.ref(p.arena) for p in engine.packed.values()]
+    spilled = [p.file for packed in engine.packed.values() for p in packed.packs if p.on_disk]
+    assert spilled and len(arenas) == 3
+    files = {id(f): weakref.ref(f) for f in spilled}
+    del spilled
+    run(pipe)
+    tritoff.disable(pipe)
+    gc.collect()
+    assert not any(ref() for ref in arenas) and not any(ref() for ref in files.values())
+    assert "transformer" in engine.report()  # still readable
+    with pytest.raises(RuntimeError, match="save before disable"):
+        engine.save(tmp_path / "store")
+
+
 def test_enable_twice_replans(wan_reference):
     pipe = wan()
     first = _enable(pipe, mode="group", budget="4MB")
