@@ -156,6 +156,16 @@ def _check_components(components: dict[str, nn.Module], previous) -> None:
                 )
 
 
+def _managed_elsewhere(target) -> str | None:
+    """A module of ``target`` (not hooked itself: a layer of a block, a component's ``proj_out``) whose weights an
+    engine manages, named by its class; None when none is, or ``target`` is not a module."""
+    if not isinstance(target, nn.Module):
+        return None
+    ids = {id(p) for p in target.parameters()}
+    managed = any(ids & engine.managed_ids for engine in list(_ENGINES) if engine.manager is not None)
+    return type(target).__name__ if managed else None
+
+
 def _hooked_elsewhere(components: dict[str, nn.Module], own) -> str | None:
     """The first module of ``components`` that an engine other than the one of manager ``own`` hooked, named as that
     engine names it (``transformer.blocks.0``, not ``model.blocks.0`` for a component passed on its own)."""
@@ -1067,7 +1077,7 @@ def disable(target, device: str | torch.device | None = None) -> None:
         components = getattr(target, "components", None)
         if isinstance(components, dict) and not any(isinstance(m, nn.Module) for m in components.values()):
             return  # a pipeline without models: nothing tritoff could have enabled
-        where = _hooked_elsewhere(_components(target, "disable"), None)
+        where = _hooked_elsewhere(_components(target, "disable"), None) or _managed_elsewhere(target)
         if where is not None:
             raise ValueError(
                 f"tritoff is enabled on the pipeline or module holding {where}, not on this one; call tritoff.disable "

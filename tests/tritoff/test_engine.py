@@ -384,6 +384,8 @@ def test_a_module_shared_with_an_enabled_pipeline_is_refused():
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="^tritoff is enabled on the pipeline or module holding transformer, not on"):
         tritoff.disable(pipe.transformer)  # it would do nothing: the pipeline stays enabled
+    with pytest.raises(ValueError, match="^tritoff is enabled on the pipeline or module holding Linear, not on"):
+        tritoff.disable(pipe.transformer.proj_out)  # a layer of the component's unit, not hooked itself
     with pytest.raises(TypeError, match="^tritoff.disable needs a diffusers pipeline or an nn.Module, got str"):
         tritoff.disable("pipe")
     other = wan()
