@@ -10,6 +10,7 @@ would drop every registry hook added after tritoff's, and leave the registry cal
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch.nn as nn
@@ -23,7 +24,10 @@ def registry_slot(module: nn.Module) -> tuple[object, str] | None:
     if not refs:
         return None
     first = refs[0]  # the first registered: the one whose forward is the module's own
-    return first, "original_forward" if first.original_forward is not None else "forward"
+    # a hook with its own new_forward calls original_forward; once diffusers removed the hook before it, the registry
+    # calls forward directly (it rewrites that one), and original_forward is stale
+    calls_original = getattr(getattr(first.forward, "func", None), "__name__", None) == "new_forward"
+    return first, "original_forward" if calls_original and first.original_forward is not None else "forward"
 
 
 def hook_innermost(module: nn.Module, hook: ModelHook, wrap: Callable[[nn.Module], None]) -> Callable:
@@ -71,15 +75,18 @@ def unhook(module: nn.Module, installed: Callable | None) -> bool:
     return False
 
 
-def reaches(module: nn.Module, installed: Callable) -> bool:
-    """Whether calling ``module`` still runs the forward tritoff ``installed``: it is ``module.forward``, is wrapped
-    by it (``__wrapped__``: diffusers' and ``functools.wraps`` wrappers), or sits under diffusers' registry hooks."""
-    forward = module.__dict__.get("forward")
-    for _ in range(64):  # a wrapper chain, never a cycle in practice
-        if forward is None:
-            break
-        if forward is installed:
+def inside_forward(module: nn.Module) -> bool:
+    """Whether the current call runs inside ``module``'s forward: its class's, or a function assigned in its place
+    (a frame of either on the stack, with ``module`` as its first argument)."""
+    codes = set()
+    for forward in (type(module).forward, module.__dict__.get("forward")):
+        code = getattr(getattr(forward, "__func__", forward), "__code__", None)
+        if code is not None and code.co_argcount:
+            codes.add(code)
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code in codes and frame.f_locals.get(code.co_varnames[0]) is module:
             return True
-        forward = getattr(forward, "__wrapped__", None)
-    refs = getattr(module.__dict__.get("_diffusers_hook"), "_fn_refs", None) or ()
-    return any(installed is ref.forward or installed is ref.original_forward for ref in refs)
+        frame = frame.f_back
+    return False

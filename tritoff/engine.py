@@ -445,7 +445,6 @@ class Engine:
             for table in comp.host:
                 self._hook(modules[table.group.modules[0][0]], HostLookupHook(device))
             self._hook(comp.module, ComponentHook(self.manager, comp))
-            comp.hooked_forward = self._installed[id(comp.module)]
 
     def _disk_ring(self) -> DiskRing | None:
         """The bounce ring packs served from disk are read into (None when the host budget holds every pack), with

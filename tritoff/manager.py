@@ -23,7 +23,6 @@ import functools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -97,7 +96,6 @@ class ComponentRuntime:
     measured: int | None = None  # activations of the first forward, measured on CUDA
     reserve_traced: bool = False  # the reserve was planned from a call's estimate (the default's placeholder before)
     last_ran: int | None = None  # the block that ran last in the current call
-    hooked_forward: Callable | None = None  # the forward tritoff installed on the root (chain.hook_innermost)
     stats: ComponentStats = field(default_factory=ComponentStats)
     stalls: StallClock = field(default_factory=StallClock)
 
@@ -283,8 +281,6 @@ class HookManager:
         its first blocks."""
         # named by a block that streams, not one that may be resident
         self._refuse_capture(comp, next((g for g in comp.blocks if g.tier in ("fp8", "stream")), None))
-        for other in self.components.values():  # one whose hook is bypassed has computed with placeholders
-            _check_hook_reached(other)
         if torch.is_grad_enabled():
             for g in comp.unit:
                 _check_frozen(g)
@@ -463,7 +459,8 @@ class HookManager:
         start = time.perf_counter_ns() - self.transfer_ns
         comp = self.components[group.component]
         if not comp.active:  # called on its own (inside its component's call, the component's hook checked)
-            _check_hook_reached(comp)  # or inside a component forward that no longer runs tritoff's hook
+            if chain.inside_forward(comp.module):  # inside a component forward that no longer runs tritoff's hook
+                raise _forward_bypassed(comp)
             # first: a block called on its own would otherwise load its phase
             self._refuse_capture(comp, group if group.tier in ("fp8", "stream") else None)
         if torch.is_grad_enabled():
@@ -605,15 +602,15 @@ def _check_frozen(group: GroupRuntime) -> None:
             )
 
 
-def _check_hook_reached(comp: ComponentRuntime) -> None:
-    """Refuse a component whose forward was replaced after enable by one that no longer calls tritoff's hook (a
-    cache patch assigned to ``module.forward``): its layers outside the blocks would compute with placeholders."""
-    if comp.hooked_forward is not None and not chain.reaches(comp.module, comp.hooked_forward):
-        raise RuntimeError(
-            f"{comp.name}.forward was replaced after tritoff.enable by a function that does not call the forward "
-            "tritoff hooked, so its weights were not loaded (NaN); call tritoff.disable(pipe), replace it, then "
-            "tritoff.enable again (or wrap the forward it replaced)"
-        )
+def _forward_bypassed(comp: ComponentRuntime) -> RuntimeError:
+    """A block ran inside its component's forward while the component's hook did not run: the forward was replaced
+    after enable by one that does not call the forward tritoff hooked (a cache patch assigned to ``module.forward``),
+    so the component's layers outside the blocks computed with placeholders."""
+    return RuntimeError(
+        f"{comp.name}.forward was replaced after tritoff.enable by a function that does not call the forward tritoff "
+        "hooked, so its weights were not loaded (NaN); call tritoff.disable(pipe), replace it, then tritoff.enable "
+        "again (or make it call the forward it replaced)"
+    )
 
 
 def _blocks_never_called(comp: ComponentRuntime) -> RuntimeError:
