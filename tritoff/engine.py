@@ -157,13 +157,19 @@ def _check_components(components: dict[str, nn.Module], previous) -> None:
 
 
 def _managed_elsewhere(target) -> str | None:
-    """A module of ``target`` (not hooked itself: a layer of a block, a component's ``proj_out``) whose weights an
-    engine manages, named by its class; None when none is, or ``target`` is not a module."""
+    """``target`` (a module not hooked itself: a layer of a block, a component's ``proj_out``) named as the engine
+    managing its weights names it, or None when no engine (enabled, or torn down) manages them."""
     if not isinstance(target, nn.Module):
         return None
     ids = {id(p) for p in target.parameters()}
-    managed = any(ids & engine.managed_ids for engine in list(_ENGINES) if engine.manager is not None)
-    return type(target).__name__ if managed else None
+    for engine in list(_ENGINES):
+        if not engine._released and getattr(engine.target, ENGINE_ATTR, None) is engine and ids & engine.managed_ids:
+            for name, component in engine.components.items():
+                for module_name, module in component.named_modules():
+                    if module is target:
+                        return f"{name}.{module_name}" if module_name else name
+            return type(target).__name__
+    return None
 
 
 def _hooked_elsewhere(components: dict[str, nn.Module], own) -> str | None:
@@ -519,8 +525,8 @@ class Engine:
 
         if self._released:
             raise RuntimeError(
-                "engine.save: tritoff.disable released this engine's packs; save before disable, or enable again and "
-                "save that engine"
+                "engine.save: this engine no longer holds packs (tritoff.disable released them, or enable again "
+                "handed them to the engine it returned); save the pipeline's current engine, before disable"
             )
         grouping = "leaf" if self.options.mode == "leaf" else "block"
         save_store(directory, self.fingerprints, self.packed, self.options.skip, grouping, overwrite=overwrite)
@@ -860,6 +866,7 @@ def enable(
         packed, snr = previous.packed, previous.snr
         requires_grad = previous.requires_grad
         requantized = previous.requantized
+        previous._release_packs()  # they are the new engine's: a disable of it must free them, however held
     elif store is not None:
         packed, snr = stored, {}
         requires_grad = _freeze(components)
@@ -937,6 +944,9 @@ def enable(
             _restore(engine, options.device)
         except BaseException:
             _restore(engine, torch.device("cpu"))
+        from tritoff import lora
+
+        lora.detach(engine, unwrap=True)  # ordinary modules: peft's own merge again (a copy would fuse into these)
         if hasattr(target, ENGINE_ATTR):  # a re-plan: the previous engine was torn down already
             delattr(target, ENGINE_ATTR)
         raise

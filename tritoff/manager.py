@@ -189,6 +189,7 @@ class HookManager:
         # one forward at a time: calls from several threads take turns (the slots, the prefetch queue and the phases
         # are shared state); re-entrant, since a component's forward calls its blocks' hooks
         self.lock = threading.RLock()
+        self.guarded_calls = 0  # hooked forwards running (guard_forward): nested ones inside a component's
 
     @property
     def transfer_ns(self) -> int:
@@ -357,13 +358,14 @@ class HookManager:
         return max(self.peak_seen, torch.cuda.max_memory_allocated(self.device))
 
     # failures and teardown --------------------------------------------------------------------------------------
-    def recover(self) -> None:
+    def recover(self, outermost: bool = True) -> None:
         """After an exception escaped a forward (an error in a block, Ctrl-C, a CUDA OOM a caller catches): release
         what the interrupted call held, so the next call runs exactly as on a fresh engine.
 
         Slots the interrupted blocks held are freed behind whatever the compute stream had queued; a partial trace
-        is discarded (the next call traces again); nothing stays marked active; every phase is evicted (its memory is
-        what a caller retrying after an out-of-memory error needs back).
+        is discarded (the next call traces again); every phase is evicted (its memory is what a caller retrying after
+        an out-of-memory error needs back). Leaving the ``outermost`` hooked forward, nothing stays marked active;
+        leaving a block, the components whose forwards are still running (and may catch it and retry) stay active.
         """
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
@@ -371,7 +373,7 @@ class HookManager:
             # an error inside a capture (which tritoff let start: every block resident, nothing in flight): only the
             # host's bookkeeping is reset, since freeing or waiting on the capturing stream is itself an error there
             for comp in self.components.values():
-                comp.trace, comp.active = None, 0
+                comp.trace, comp.active = None, comp.active if not outermost else 0
                 self._activation_base.pop(comp.name, None)
             return
         inflight = {id(g) for g in self.inflight}
@@ -383,7 +385,8 @@ class HookManager:
                     comp.ring.done(g)
                     g.release()
             comp.trace = None
-            comp.active = 0
+            if outermost:
+                comp.active = 0
             self._activation_base.pop(comp.name, None)
         self.release()
 
@@ -710,13 +713,16 @@ def guard_forward(module: torch.nn.Module, manager: HookManager) -> None:
     @functools.wraps(hooked)
     def forward(*args, **kwargs):
         with manager.lock:
+            manager.guarded_calls += 1
             try:
                 return hooked(*args, **kwargs)
             except CaptureRefused:
                 raise
             except BaseException:
-                manager.recover()
+                manager.recover(outermost=manager.guarded_calls == 1)
                 raise
+            finally:
+                manager.guarded_calls -= 1
 
     # the wrapper itself is never traced (its try block would split graphs) but what it calls still compiles
     module.forward = torch.compiler.disable(forward, recursive=False)

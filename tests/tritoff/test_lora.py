@@ -311,3 +311,26 @@ def test_adapters_of_a_model_tritoff_does_not_manage_stay_peft_s_own():
     assert torch.equal(other[0].base_layer.weight, weight) and not torch.equal(twin[0].base_layer.weight, weight)
     pipe.load_lora_weights(_lora(), adapter_name="style")  # the enabled pipeline's own layers are still wrapped
     assert all("merge" in vars(layer) for layer in tuner_layers(pipe.transformer))
+
+
+def test_an_enable_interrupted_after_wrapping_the_adapters_gives_peft_its_merge_back(monkeypatch):
+    import copy
+
+    from tritoff import operations
+
+    pipe = wan()
+    pipe.load_lora_weights(_lora(), adapter_name="style")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(operations, "install", interrupted)  # after lora.attach wrapped every tuner layer
+    with pytest.raises(KeyboardInterrupt):
+        _enable(pipe, mode="group", budget="4MB")
+    monkeypatch.undo()
+    layers = tuner_layers(pipe.transformer)
+    assert layers and not any("merge" in vars(layer) or "unmerge" in vars(layer) for layer in layers)
+    twin = copy.deepcopy(pipe.transformer)  # an ordinary model again: a copy fuses into itself
+    weight = layers[0].get_base_layer().weight.detach().clone()
+    twin.fuse_lora()
+    assert torch.equal(layers[0].get_base_layer().weight, weight)

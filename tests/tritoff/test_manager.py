@@ -371,6 +371,35 @@ def test_after_an_exception_the_next_call_runs_as_on_a_fresh_engine(failing_call
     assert engine.stats["components"]["model"]["sync_onloads"] == 0
 
 
+class Retrying(Stack):
+    """A forward that tries each block with a keyword first and calls it again without on TypeError (a common
+    compatibility probe): the block's exception is caught inside the component's forward, which goes on."""
+
+    def forward(self, x):
+        x = self.proj_in(x)
+        for block in self.blocks:
+            try:
+                x = x + block(x, scale=1.0)
+            except TypeError:
+                x = x + block(x)
+        return self.head(x)
+
+
+def test_a_forward_that_catches_a_blocks_exception_and_calls_it_again_runs_exactly():
+    def retrying():
+        torch.manual_seed(0)
+        return realistic_init(Retrying()).to(torch.bfloat16).eval()
+
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    expected = _output(dequantize_in_place(retrying()), x)
+    model = retrying()
+    engine = _enable(model, _minimum(retrying()))
+    assert engine.plan.tier_counts("model")["stream"] == 5
+    for _ in range(2):
+        assert torch.equal(_output(model, x), expected)
+    assert engine.manager.components["model"].active == 0
+
+
 def test_weights_are_frozen_and_never_saved_for_backward():
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     reference = dequantize_in_place(_stack())
