@@ -164,12 +164,17 @@ def _managed_elsewhere(target) -> str | None:
     ids = {id(p) for p in target.parameters()}
     for engine in list(_ENGINES):
         if not engine._released and getattr(engine.target, ENGINE_ATTR, None) is engine and ids & engine.managed_ids:
-            for name, component in engine.components.items():
-                for module_name, module in component.named_modules():
-                    if module is target:
-                        return f"{name}.{module_name}" if module_name else name
-            return type(target).__name__
+            return _name_in(engine, target)
     return None
+
+
+def _name_in(engine: Engine, module: nn.Module) -> str:
+    """``module`` named as ``engine`` names it (``transformer.blocks.0``), or by its class when it holds none."""
+    for name, component in engine.components.items():
+        for module_name, candidate in component.named_modules():
+            if candidate is module:
+                return f"{name}.{module_name}" if module_name else name
+    return type(module).__name__
 
 
 def _hooked_elsewhere(components: dict[str, nn.Module], own) -> str | None:
@@ -179,13 +184,8 @@ def _hooked_elsewhere(components: dict[str, nn.Module], own) -> str | None:
         for module in component.modules():
             hook = getattr(module, "_hf_hook", None)
             if isinstance(hook, (ComponentHook, GroupHook)) and hook.manager is not own:
-                for engine in list(_ENGINES):
-                    if engine.manager is hook.manager:
-                        for name, theirs in engine.components.items():
-                            for module_name, candidate in theirs.named_modules():
-                                if candidate is module:
-                                    return f"{name}.{module_name}" if module_name else name
-                return type(module).__name__
+                owner = next((e for e in list(_ENGINES) if e.manager is hook.manager), None)
+                return _name_in(owner, module) if owner is not None else type(module).__name__
     return None
 
 
