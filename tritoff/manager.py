@@ -136,10 +136,13 @@ def planned_method(manager: HookManager, comp: ComponentRuntime, method: str):
     (:meth:`HookManager.plan_method`): diffusers' hook on these runs without their inputs."""
     original = getattr(comp.module, method)
 
-    @functools.wraps(original)
-    def call(*args, **kwargs):
+    def planned(*args, **kwargs):
         manager.plan_method(comp, method, args, kwargs)
         return original(*args, **kwargs)
+
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        return manager.call_guarded(planned, args, kwargs)  # diffusers' hook on it runs inside: no forward guard
 
     call._tritoff = True
     return call
@@ -358,14 +361,33 @@ class HookManager:
         return max(self.peak_seen, torch.cuda.max_memory_allocated(self.device))
 
     # failures and teardown --------------------------------------------------------------------------------------
+    def call_guarded(self, fn, args, kwargs, comp: ComponentRuntime | None = None):
+        """``fn(*args, **kwargs)``, a hooked forward (of ``comp``'s root, if given) or encode/decode: calls from
+        several threads take turns (the lock), and an exception escaping it resets the manager (:meth:`recover`)
+        before it propagates. ``comp`` counts as running again as before the call (its exit hook did not run)."""
+        with self.lock:
+            self.guarded_calls += 1
+            active = comp.active if comp is not None else 0
+            try:
+                return fn(*args, **kwargs)
+            except CaptureRefused:
+                raise
+            except BaseException:
+                if comp is not None:
+                    comp.active = active
+                self.recover(outermost=self.guarded_calls == 1)
+                raise
+            finally:
+                self.guarded_calls -= 1
+
     def recover(self, outermost: bool = True) -> None:
         """After an exception escaped a forward (an error in a block, Ctrl-C, a CUDA OOM a caller catches): release
         what the interrupted call held, so the next call runs exactly as on a fresh engine.
 
         Slots the interrupted blocks held are freed behind whatever the compute stream had queued; a partial trace
         is discarded (the next call traces again); every phase is evicted (its memory is what a caller retrying after
-        an out-of-memory error needs back). Leaving the ``outermost`` hooked forward, nothing stays marked active;
-        leaving a block, the components whose forwards are still running (and may catch it and retry) stay active.
+        an out-of-memory error needs back), except those of components whose forwards are still running (the
+        exception left a block or a nested call, which their forward may catch and go on from).
         """
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
@@ -373,7 +395,8 @@ class HookManager:
             # an error inside a capture (which tritoff let start: every block resident, nothing in flight): only the
             # host's bookkeeping is reset, since freeing or waiting on the capturing stream is itself an error there
             for comp in self.components.values():
-                comp.trace, comp.active = None, comp.active if not outermost else 0
+                comp.trace = None
+                comp.active = 0 if outermost else comp.active
                 self._activation_base.pop(comp.name, None)
             return
         inflight = {id(g) for g in self.inflight}
@@ -385,10 +408,12 @@ class HookManager:
                     comp.ring.done(g)
                     g.release()
             comp.trace = None
-            if outermost:
-                comp.active = 0
             self._activation_base.pop(comp.name, None)
-        self.release()
+        for comp in self.components.values():
+            if outermost:
+                comp.active = 0  # whatever the exception skipped, nothing runs any more
+            if not comp.active:
+                self.residency.leave(comp)
 
     def capturing(self) -> bool:
         """Whether the compute stream (the engine device's current stream) is being captured into a CUDA graph."""
@@ -709,20 +734,12 @@ def guard_forward(module: torch.nn.Module, manager: HookManager) -> None:
     an exception escaping it resets the manager (:meth:`HookManager.recover`) before it propagates.
     ``remove_hook_from_module`` restores the original forward."""
     hooked = module.forward
+    hook = getattr(module, "_hf_hook", None)
+    comp = hook.component if isinstance(hook, ComponentHook) else None
 
     @functools.wraps(hooked)
     def forward(*args, **kwargs):
-        with manager.lock:
-            manager.guarded_calls += 1
-            try:
-                return hooked(*args, **kwargs)
-            except CaptureRefused:
-                raise
-            except BaseException:
-                manager.recover(outermost=manager.guarded_calls == 1)
-                raise
-            finally:
-                manager.guarded_calls -= 1
+        return manager.call_guarded(hooked, args, kwargs, comp)
 
     # the wrapper itself is never traced (its try block would split graphs) but what it calls still compiles
     module.forward = torch.compiler.disable(forward, recursive=False)

@@ -385,19 +385,81 @@ class Retrying(Stack):
         return self.head(x)
 
 
-def test_a_forward_that_catches_a_blocks_exception_and_calls_it_again_runs_exactly():
-    def retrying():
+class Skipping(Stack):
+    """A forward that leaves out the blocks refusing a keyword (their TypeError caught), then runs its head."""
+
+    def forward(self, x):
+        x = self.proj_in(x)
+        for block in self.blocks:
+            try:
+                x = x + block(x, scale=1.0)
+            except TypeError:
+                pass
+        return self.head(x)
+
+
+@pytest.mark.parametrize("kind", [Retrying, Skipping])
+@pytest.mark.parametrize("tier", ["stream", "bf16"])
+def test_a_forward_that_catches_a_blocks_exception_and_goes_on_runs_exactly(kind, tier):
+    """The component is still running: its layers outside the blocks (the head) keep their weights."""
+
+    def model():
         torch.manual_seed(0)
-        return realistic_init(Retrying()).to(torch.bfloat16).eval()
+        return realistic_init(kind()).to(torch.bfloat16).eval()
 
     x = torch.randn(4, 16, dtype=torch.bfloat16)
-    expected = _output(dequantize_in_place(retrying()), x)
-    model = retrying()
-    engine = _enable(model, _minimum(retrying()))
-    assert engine.plan.tier_counts("model")["stream"] == 5
+    expected = _output(dequantize_in_place(model()), x)
+    net = model()
+    engine = _enable(net, _minimum(model()) if tier == "stream" else "100MB")
+    assert engine.plan.tier_counts("model")[tier] == 5
     for _ in range(2):
-        assert torch.equal(_output(model, x), expected)
+        assert torch.equal(_output(net, x), expected)
     assert engine.manager.components["model"].active == 0
+
+
+def test_a_component_whose_exception_another_components_forward_catches_runs_as_fresh_next():
+    class Outer(Stack):
+        def forward(self, x):
+            try:
+                self.inner[0](x)
+            except RuntimeError:
+                pass
+            return super().forward(x)
+
+    class Inner(Stack):
+        fail = False
+
+        def forward(self, x):
+            if self.fail:
+                self.blocks[0](self.proj_in(x))
+                raise RuntimeError("in the inner component")
+            return super().forward(x)
+
+    class Pair:
+        def __init__(self):
+            torch.manual_seed(0)
+            self.outer = realistic_init(Outer()).to(torch.bfloat16).eval()
+            torch.manual_seed(1)
+            self.inner = realistic_init(Inner()).to(torch.bfloat16).eval()
+            object.__setattr__(self.outer, "inner", [self.inner])  # called, not owned
+
+        @property
+        def components(self):
+            return {"outer": self.outer, "inner": self.inner}
+
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    reference = Pair()
+    for module in reference.components.values():
+        dequantize_in_place(module)
+    pair = Pair()
+    engine = tritoff.enable(pair, mode="group", budget="300KB", reserve=1000, progress=False, kernels="reference")
+    pair.inner.fail = True
+    assert torch.equal(_output(pair.outer, x), _output(reference.outer, x))
+    pair.inner.fail = False
+    inner = engine.manager.components["inner"]
+    assert inner.active == 0 and engine.manager.components["outer"].active == 0
+    assert torch.equal(_output(pair.inner, x), _output(reference.inner, x))
+    assert inner.traced and inner.trace is None
 
 
 def test_weights_are_frozen_and_never_saved_for_backward():
@@ -1056,3 +1118,26 @@ def test_whether_the_phases_fit_together_follows_their_re_plans():
     held = sum(p.need_bytes for p in phased.phases.values()) + phased.fixed_bytes
     assert held + max(p.reserve for p in phased.phases.values()) <= phased.budget
     assert phased.together and "all fit at once" in engine.report()
+
+
+def test_an_exception_in_a_vae_decode_gives_back_what_a_retry_needs():
+    """diffusers calls the VAE's decode without its forward (no forward guard): an out-of-memory error there, caught
+    to retry with tiling, still finds every phase evicted, and the retry decodes exactly."""
+    reference = dequantized_pipeline(wan)
+    expected = run(reference)
+    pipe = wan()
+    engine = tritoff.enable(pipe, mode="group", budget="4MB", progress=False, kernels="reference")
+    decoder = pipe.vae.decoder
+    decode = decoder.forward
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated")
+
+    decoder.forward = out_of_memory
+    with pytest.raises(torch.OutOfMemoryError):
+        run(pipe)
+    del decoder.forward
+    assert decoder.forward == decode
+    components = engine.manager.components.values()
+    assert not any(c.loaded or c.active for c in components) and not engine.manager.inflight
+    assert torch.equal(run(pipe), expected)
