@@ -142,7 +142,7 @@ def planned_method(manager: HookManager, comp: ComponentRuntime, method: str):
 
     @functools.wraps(original)
     def call(*args, **kwargs):
-        return manager.call_guarded(planned, args, kwargs)  # diffusers' hook on it runs inside: no forward guard
+        return manager.call_guarded(planned, args, kwargs, comp)  # diffusers' hook on it runs inside: no guard
 
     call._tritoff = True
     return call
@@ -193,6 +193,7 @@ class HookManager:
         # are shared state); re-entrant, since a component's forward calls its blocks' hooks
         self.lock = threading.RLock()
         self.guarded_calls = 0  # hooked forwards running (guard_forward): nested ones inside a component's
+        self.running: list[ComponentRuntime] = []  # components whose hooked forward (or encode/decode) is running
 
     @property
     def transfer_ns(self) -> int:
@@ -361,13 +362,16 @@ class HookManager:
         return max(self.peak_seen, torch.cuda.max_memory_allocated(self.device))
 
     # failures and teardown --------------------------------------------------------------------------------------
-    def call_guarded(self, fn, args, kwargs, comp: ComponentRuntime | None = None):
-        """``fn(*args, **kwargs)``, a hooked forward (of ``comp``'s root, if given) or encode/decode: calls from
-        several threads take turns (the lock), and an exception escaping it resets the manager (:meth:`recover`)
-        before it propagates. ``comp`` counts as running again as before the call (its exit hook did not run)."""
+    def call_guarded(self, fn, args, kwargs, comp: ComponentRuntime | None = None, group: GroupRuntime | None = None):
+        """``fn(*args, **kwargs)``, a hooked forward or encode/decode (of ``comp``'s root, or of block ``group``):
+        calls from several threads take turns (the lock), and an exception escaping it resets the manager
+        (:meth:`recover`) before it propagates. ``comp`` counts as running again as before the call (its exit hook
+        did not run)."""
         with self.lock:
             self.guarded_calls += 1
-            active = comp.active if comp is not None else 0
+            if comp is not None:
+                self.running.append(comp)
+                active = comp.active
             try:
                 return fn(*args, **kwargs)
             except CaptureRefused:
@@ -375,19 +379,24 @@ class HookManager:
             except BaseException:
                 if comp is not None:
                     comp.active = active
-                self.recover(outermost=self.guarded_calls == 1)
+                    self.running.pop()
+                    comp = None
+                self.recover(outermost=self.guarded_calls == 1, left=group)
                 raise
             finally:
                 self.guarded_calls -= 1
+                if comp is not None:
+                    self.running.pop()
 
-    def recover(self, outermost: bool = True) -> None:
+    def recover(self, outermost: bool = True, left: GroupRuntime | None = None) -> None:
         """After an exception escaped a forward (an error in a block, Ctrl-C, a CUDA OOM a caller catches): release
         what the interrupted call held, so the next call runs exactly as on a fresh engine.
 
         Slots the interrupted blocks held are freed behind whatever the compute stream had queued; a partial trace
         is discarded (the next call traces again); every phase is evicted (its memory is what a caller retrying after
         an out-of-memory error needs back), except those of components whose forwards are still running (the
-        exception left a block or a nested call, which their forward may catch and go on from).
+        exception left a block or a nested call, which their forward may catch and go on from): their blocks keep
+        their slots, but for the one the exception left (``left``).
         """
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
@@ -400,19 +409,20 @@ class HookManager:
                 self._activation_base.pop(comp.name, None)
             return
         inflight = {id(g) for g in self.inflight}
+        running = {id(c) for c in self.running} if not outermost else set()
         self._invalidate()
         self.cursor = None
         for comp in self.components.values():
             for g in comp.blocks:
-                if g.slot is not None and id(g) not in inflight and comp.ring is not None:
+                bound = g.slot is not None and id(g) not in inflight and comp.ring is not None
+                if bound and (id(comp) not in running or g is left):
                     comp.ring.done(g)
                     g.release()
             comp.trace = None
-            self._activation_base.pop(comp.name, None)
-        for comp in self.components.values():
             if outermost:
                 comp.active = 0  # whatever the exception skipped, nothing runs any more
-            if not comp.active:
+            self._activation_base.pop(comp.name, None)
+            if id(comp) not in running:
                 self.residency.leave(comp)
 
     def capturing(self) -> bool:
@@ -736,10 +746,11 @@ def guard_forward(module: torch.nn.Module, manager: HookManager) -> None:
     hooked = module.forward
     hook = getattr(module, "_hf_hook", None)
     comp = hook.component if isinstance(hook, ComponentHook) else None
+    group = hook.group if isinstance(hook, GroupHook) else None
 
     @functools.wraps(hooked)
     def forward(*args, **kwargs):
-        return manager.call_guarded(hooked, args, kwargs, comp)
+        return manager.call_guarded(hooked, args, kwargs, comp, group)
 
     # the wrapper itself is never traced (its try block would split graphs) but what it calls still compiles
     module.forward = torch.compiler.disable(forward, recursive=False)

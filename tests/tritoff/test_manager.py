@@ -417,7 +417,10 @@ def test_a_forward_that_catches_a_blocks_exception_and_goes_on_runs_exactly(kind
     assert engine.manager.components["model"].active == 0
 
 
-def test_a_component_whose_exception_another_components_forward_catches_runs_as_fresh_next():
+@pytest.mark.parametrize("mode,budget", [("group", "300KB"), ("model", "100MB")])
+def test_a_component_whose_exception_another_components_forward_catches_runs_as_fresh_next(mode, budget):
+    """The catching component keeps its phase (in model mode too, where it counts no blocks) and goes on exactly."""
+
     class Outer(Stack):
         def forward(self, x):
             try:
@@ -452,14 +455,14 @@ def test_a_component_whose_exception_another_components_forward_catches_runs_as_
     for module in reference.components.values():
         dequantize_in_place(module)
     pair = Pair()
-    engine = tritoff.enable(pair, mode="group", budget="300KB", reserve=1000, progress=False, kernels="reference")
+    engine = tritoff.enable(pair, mode=mode, budget=budget, reserve=1000, progress=False, kernels="reference")
     pair.inner.fail = True
     assert torch.equal(_output(pair.outer, x), _output(reference.outer, x))
     pair.inner.fail = False
     inner = engine.manager.components["inner"]
     assert inner.active == 0 and engine.manager.components["outer"].active == 0
     assert torch.equal(_output(pair.inner, x), _output(reference.inner, x))
-    assert inner.traced and inner.trace is None
+    assert inner.trace is None and inner.traced == (mode == "group")
 
 
 def test_weights_are_frozen_and_never_saved_for_backward():
@@ -1141,3 +1144,53 @@ def test_an_exception_in_a_vae_decode_gives_back_what_a_retry_needs():
     components = engine.manager.components.values()
     assert not any(c.loaded or c.active for c in components) and not engine.manager.inflight
     assert torch.equal(run(pipe), expected)
+
+
+def test_a_block_that_catches_another_components_exception_keeps_its_weights():
+    """A streamed block calling a component that raises, and going on: its slot stays bound (only the slot of the
+    block the exception left is freed)."""
+
+    class Probing(nn.Module):
+        def __init__(self, width=64):
+            super().__init__()
+            self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+            object.__setattr__(self, "other", None)  # called, not owned
+
+        def forward(self, x):
+            h = torch.nn.functional.gelu(self.a(x))
+            if self.other is not None:
+                try:
+                    h = h + 0 * self.other(h[:, :16]).sum()
+                except RuntimeError:
+                    pass
+            return self.b(h)
+
+    class Failing(Stack):
+        def forward(self, x):
+            x = self.proj_in(x)
+            x = x + self.blocks[0](x)
+            raise RuntimeError("in the called component")
+
+    class Pair:
+        def __init__(self):
+            torch.manual_seed(0)
+            self.caller = realistic_init(Stack()).to(torch.bfloat16).eval()
+            self.caller.blocks = nn.ModuleList(realistic_init(Probing()).to(torch.bfloat16) for _ in range(5))
+            torch.manual_seed(1)
+            self.failing = realistic_init(Failing()).to(torch.bfloat16).eval()
+            object.__setattr__(self.caller.blocks[1], "other", self.failing)
+
+        @property
+        def components(self):
+            return {"caller": self.caller, "failing": self.failing}
+
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    expected = _output(Pair().caller, x)
+    pair = Pair()
+    options = dict(storage="bf16", mode="group", reserve=1000, progress=False, kernels="reference")
+    with pytest.raises(BudgetError) as info:
+        tritoff.enable(Pair(), budget=1000, **options)
+    engine = tritoff.enable(pair, budget=info.value.minimum, **options)
+    assert engine.manager.components["caller"].blocks[1].tier == "stream"
+    for _ in range(2):
+        assert torch.equal(_output(pair.caller, x), expected)
