@@ -157,24 +157,25 @@ def _check_components(components: dict[str, nn.Module], previous) -> None:
 
 
 def _managed_elsewhere(target) -> str | None:
-    """``target`` (a module not hooked itself: a layer of a block, a component's ``proj_out``) named as the engine
-    managing its weights names it, or None when no engine (enabled, or torn down) manages them."""
+    """``target`` (a module not hooked itself: a layer of a block, a component's ``proj_out``, an activation) named
+    as the engine holding it names it, or None when no engine (enabled, or torn down) holds it."""
     if not isinstance(target, nn.Module):
         return None
-    ids = {id(p) for p in target.parameters()}
     for engine in list(_ENGINES):
-        if not engine._released and getattr(engine.target, ENGINE_ATTR, None) is engine and ids & engine.managed_ids:
-            return _name_in(engine, target)
+        if not engine._released and getattr(engine.target, ENGINE_ATTR, None) is engine:
+            name = _name_in(engine, target)
+            if name is not None:
+                return name
     return None
 
 
-def _name_in(engine: Engine, module: nn.Module) -> str:
-    """``module`` named as ``engine`` names it (``transformer.blocks.0``), or by its class when it holds none."""
+def _name_in(engine: Engine, module: nn.Module) -> str | None:
+    """``module`` named as ``engine`` names it (``transformer.blocks.0``), or None when its components hold none."""
     for name, component in engine.components.items():
         for module_name, candidate in component.named_modules():
             if candidate is module:
                 return f"{name}.{module_name}" if module_name else name
-    return type(module).__name__
+    return None
 
 
 def _hooked_elsewhere(components: dict[str, nn.Module], own) -> str | None:
@@ -185,7 +186,7 @@ def _hooked_elsewhere(components: dict[str, nn.Module], own) -> str | None:
             hook = getattr(module, "_hf_hook", None)
             if isinstance(hook, (ComponentHook, GroupHook)) and hook.manager is not own:
                 owner = next((e for e in list(_ENGINES) if e.manager is hook.manager), None)
-                return _name_in(owner, module) if owner is not None else type(module).__name__
+                return (_name_in(owner, module) if owner is not None else None) or type(module).__name__
     return None
 
 

@@ -391,6 +391,10 @@ def test_a_module_shared_with_an_enabled_pipeline_is_refused():
         tritoff.disable(pipe.transformer)  # it would do nothing: the pipeline stays enabled
     with pytest.raises(ValueError, match=r"^tritoff is enabled on the .* holding transformer\.proj_out, not on"):
         tritoff.disable(pipe.transformer.proj_out)  # a layer of the component's unit, not hooked itself
+    with pytest.raises(ValueError, match=r"holding transformer\.blocks\.0\.ffn\.net\.0\.proj, not on"):
+        tritoff.disable(pipe.transformer.blocks[0].ffn.net[0].proj)
+    with pytest.raises(ValueError, match=r"holding transformer\.blocks\.0\.ffn\.net\.1, not on"):
+        tritoff.disable(pipe.transformer.blocks[0].ffn.net[1])  # a module holding no parameter
     with pytest.raises(TypeError, match="^tritoff.disable needs a diffusers pipeline or an nn.Module, got str"):
         tritoff.disable("pipe")
     other = wan()
