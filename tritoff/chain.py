@@ -17,10 +17,15 @@ import torch.nn as nn
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 
 
+def _registry_refs(module: nn.Module) -> list:
+    """The references diffusers' hook registry on ``module`` keeps of each hook's forwards, innermost first."""
+    return getattr(module.__dict__.get("_diffusers_hook"), "_fn_refs", None) or []
+
+
 def registry_slot(module: nn.Module) -> tuple[object, str] | None:
     """(holder, attribute) of the forward that diffusers' innermost registry hook on ``module`` calls, or None when
     ``module`` carries no registry hook."""
-    refs = getattr(module.__dict__.get("_diffusers_hook"), "_fn_refs", None)
+    refs = _registry_refs(module)
     if not refs:
         return None
     first = refs[0]  # the first registered: the one whose forward is the module's own
@@ -63,8 +68,7 @@ def unhook(module: nn.Module, installed: Callable | None) -> bool:
     if below is None or installed is None or current is installed:
         remove_hook_from_module(module)
         return True
-    refs = getattr(module.__dict__.get("_diffusers_hook"), "_fn_refs", None) or ()
-    for ref in refs:
+    for ref in _registry_refs(module):
         for attribute in ("original_forward", "forward"):
             if getattr(ref, attribute) is installed:
                 remove_hook_from_module(module)

@@ -571,7 +571,7 @@ class Engine:
         replaced = [m for m in self._hooked if not chain.unhook(m, self._installed.get(id(m)))]
         self._unhooked, self._hooked, self._installed = self._hooked, [], {}
         if replaced:
-            warn(_forward_replaced(self.components, replaced))
+            warn(_forward_replaced(self, replaced))
         if self.options.device.type == "cuda":
             torch.cuda.synchronize(self.options.device)
         if self.manager is not None:
@@ -585,10 +585,9 @@ class Engine:
             self.disk = None
 
 
-def _forward_replaced(components: dict[str, nn.Module], modules: list[nn.Module]) -> str:
+def _forward_replaced(engine: Engine, modules: list[nn.Module]) -> str:
     """What a teardown says of hooked ``modules`` whose forward was replaced after enable (:func:`chain.unhook`)."""
-    names = {id(m): f"{c}.{n}".rstrip(".") for c, comp in components.items() for n, m in comp.named_modules()}
-    where = ", ".join(names.get(id(m), type(m).__name__) for m in modules)
+    where = ", ".join(_name_in(engine, m) or type(m).__name__ for m in modules)
     return (
         f"{where}: forward was replaced after tritoff.enable (tritoff's hook no longer ran in it); tritoff put back "
         "the forward it had hooked: replace it again now, or before tritoff.enable"
@@ -945,9 +944,6 @@ def enable(
             _restore(engine, options.device)
         except BaseException:
             _restore(engine, torch.device("cpu"))
-        from tritoff import lora
-
-        lora.detach(engine, unwrap=True)  # ordinary modules: peft's own merge again (a copy would fuse into these)
         if hasattr(target, ENGINE_ATTR):  # a re-plan: the previous engine was torn down already
             delattr(target, ENGINE_ATTR)
         raise
@@ -1040,6 +1036,8 @@ def _restore(engine: Engine, device: torch.device) -> None:
 
     If that fails (no room on ``device``, Ctrl-C), every parameter points at its placeholder again, the packs are as
     they were, and the error propagates: nothing is lost."""
+    from tritoff import lora
+
     engine._teardown()
     try:
         for name in engine.components:
@@ -1062,6 +1060,7 @@ def _restore(engine: Engine, device: torch.device) -> None:
         packed.arena.close()
     for module in engine._unhooked:  # ordinary modules again: no forward of tritoff's left on the instances
         operations.restore_forward(module)
+    lora.detach(engine, unwrap=True)  # and peft's own merge on their tuner layers (a copy would fuse into these)
 
 
 def _release(engine: Engine) -> None:
@@ -1094,7 +1093,6 @@ def disable(target, device: str | torch.device | None = None) -> None:
                 "on that one"
             )
         return
-    from tritoff import lora
 
     device = _check_device(device) if device is not None else engine.options.device
     was_torn_down = engine._torn_down
@@ -1116,7 +1114,6 @@ def disable(target, device: str | torch.device | None = None) -> None:
                 "call tritoff.disable(pipe, device='cpu')"
             ) from err
         raise
-    lora.detach(engine, unwrap=True)
     delattr(target, ENGINE_ATTR)
     engine._release_packs()
     reset_placeholders()  # a fill into one of this engine's placeholders no forward refused

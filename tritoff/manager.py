@@ -2,7 +2,7 @@
 
 Every component's root module carries a :class:`ComponentHook`, which enters its phase (``tritoff/residency.py``);
 every block of a split component carries a :class:`GroupHook` (whatever its tier, so a re-plan can move it). Both
-are accelerate ``ModelHook``s (removable with ``remove_hook_from_module``) whose
+are accelerate ``ModelHook``s (put under diffusers' own hooks, and taken off, by ``tritoff/chain.py``) whose
 ``execution_device`` is the GPU, so diffusers pipelines create latents and embeddings there. Because one manager does
 everything, nothing depends on the order features were enabled in.
 
@@ -369,7 +369,8 @@ class HookManager:
         did not run)."""
         with self.lock:
             self.guarded_calls += 1
-            if comp is not None:
+            running = comp is not None
+            if running:
                 self.running.append(comp)
                 active = comp.active
             try:
@@ -377,15 +378,15 @@ class HookManager:
             except CaptureRefused:
                 raise
             except BaseException:
-                if comp is not None:
+                if running:  # no longer running: recover may evict its phase
                     comp.active = active
                     self.running.pop()
-                    comp = None
+                    running = False
                 self.recover(outermost=self.guarded_calls == 1, left=group)
                 raise
             finally:
                 self.guarded_calls -= 1
-                if comp is not None:
+                if running:
                     self.running.pop()
 
     def recover(self, outermost: bool = True, left: GroupRuntime | None = None) -> None:
@@ -741,8 +742,8 @@ def _holdings(plan: Plan) -> tuple:
 
 def guard_forward(module: torch.nn.Module, manager: HookManager) -> None:
     """Wrap ``module.forward`` (already hooked) so that calls from several threads take turns (the manager's lock) and
-    an exception escaping it resets the manager (:meth:`HookManager.recover`) before it propagates.
-    ``remove_hook_from_module`` restores the original forward."""
+    an exception escaping it resets the manager (:meth:`HookManager.call_guarded`) before it propagates.
+    :func:`tritoff.chain.unhook` restores the original forward."""
     hooked = module.forward
     hook = getattr(module, "_hf_hook", None)
     comp = hook.component if isinstance(hook, ComponentHook) else None

@@ -119,6 +119,12 @@ class Plan:
         return "\n".join(lines)
 
 
+def mode_label(requested: str, planned: str) -> str:
+    """How a phase's mode is shown: a component split in leaf mode streams layer by layer, so "leaf", not the
+    planner's "group"."""
+    return "leaf" if requested == "leaf" and planned == "group" else planned
+
+
 def _tier_text(plan: Plan, name: str) -> str:
     if plan.modes.get(name) != "group":
         return ""

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from tritoff.activations import estimate, meta_twin
 from tritoff.budget import format_bytes, parse_host_budget, parse_size
 from tritoff.groups import is_host
-from tritoff.planner import BudgetError, fit_together
+from tritoff.planner import BudgetError, fit_together, mode_label
 from tritoff.planner import plan as phase_plan
 from tritoff.shapes import check_dimensions
 
@@ -370,7 +370,7 @@ def _phase(name: str, p, size, calls: int, reserve: int, together: bool, request
     kept = [g for g in size.blocks if mode == "resident" or tiers.get(g.name) in ("bf16", "fp8")]
     entry = (size.rest.packed if size.rest else 0) + sum(g.packed for g in kept)  # host bytes, as the engine counts
     counts = p.tier_counts(name) if mode == "group" else {}
-    label = "leaf" if requested == "leaf" and mode == "group" else mode  # a split component streams layer by layer
+    label = mode_label(requested, mode)
     return PhasePreview(
         [name], label, counts, p.planned_bytes, reserve, p.resident_bytes, streamed, calls, 0 if together else entry
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tritoff.budget import format_bytes
+from tritoff.planner import mode_label
 from tritoff.storage import describe_storage
 
 
@@ -30,12 +31,10 @@ class Report:
         engine = self.engine
         manager = engine.manager
         components = {}
-        leaf = engine.options.mode == "leaf"
         for comp in manager.components.values() if manager else []:
             s = comp.stats
             components[comp.name] = {
-                # a split component streams layer by layer in leaf mode: say so rather than "group"
-                "mode": "leaf" if leaf and comp.mode == "group" else comp.mode,
+                "mode": mode_label(engine.options.mode, comp.mode),
                 "calls": s.calls,
                 "bytes_h2d": s.bytes_h2d,
                 "onloads": s.onloads,
