@@ -525,6 +525,8 @@ class HookManager:
                     self.inflight.popleft().slot = None
                 self.inflight.popleft()
             else:
+                if group.bound and group.slot is not None:  # (an interrupted unbind leaves it bound, its slot freed)
+                    raise _called_inside_itself(group)
                 self._invalidate()
                 if comp.trace is None:
                     comp.stats.sync_onloads += 1
@@ -611,6 +613,8 @@ class HookManager:
                 continue
             if group.pack.on_disk and not self.disk.ready(group.pack) and (self.inflight or not block):
                 break
+            if comp.ring.free_slot() is None:  # blocks bound inside other blocks' forwards hold the rest
+                break
             position = step
             self._issue(group)
             self.inflight.append(group)
@@ -649,6 +653,15 @@ def _forward_bypassed(comp: ComponentRuntime) -> RuntimeError:
         f"{comp.name}.forward was replaced after tritoff.enable by a function that does not call the forward tritoff "
         "hooked, so its weights were not loaded (NaN); call tritoff.disable(pipe), replace it, then tritoff.enable "
         "again (or make it call the forward it replaced)"
+    )
+
+
+def _called_inside_itself(group: GroupRuntime) -> RuntimeError:
+    """A streamed block called again while its own forward runs: its weights come from a slot bound for one call at
+    a time, which the inner call would take over and give back before the outer call uses them."""
+    return RuntimeError(
+        f"{group.component}.{group.name} was called inside its own forward, but a streamed block lends its weights "
+        "to one call at a time; enable with mode='model', or a budget that keeps it resident"
     )
 
 

@@ -201,6 +201,11 @@ class GroupRuntime:
         ]
 
     @property
+    def bound(self) -> bool:
+        """Whether the modules hold a slot's parameters (between :meth:`bind_slot` and :meth:`unbind_slot`)."""
+        return self._bound is not None
+
+    @property
     def packed_bytes(self) -> int:
         """Bytes of the pack (what crosses PCIe when streamed)."""
         return self.layout.nbytes

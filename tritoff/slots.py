@@ -1,8 +1,8 @@
 """The slot ring: preallocated GPU buffers that streamed groups land in, filled on side streams, CUDA events only.
 
-A streamed group is written into the next slot by the transfer streams (``tritoff/transfer.py``); the upcast into the
-slot first waits (on the GPU) for the event marking the end of the slot's previous use on the compute stream. The
-compute stream waits (on the GPU) for the group's ready event before its forward. The host never synchronizes. Slots
+A streamed group is written into the next free slot by the transfer streams (``tritoff/transfer.py``); the upcast
+into the slot first waits (on the GPU) for the event marking the end of the slot's previous use on the compute stream.
+The compute stream waits (on the GPU) for the group's ready event before its forward. The host never synchronizes. Slots
 and staging are allocated once, so there is no allocator churn and no ``record_stream``.
 
 On the CPU the same bookkeeping runs with synchronous fills, so the ring logic is tested without a GPU.
@@ -78,6 +78,9 @@ class SlotRing:
         self.timing = timing and self.cuda
         self.stalls = stalls if stalls is not None else StallClock()
         self.seq = 0
+        # the group each slot was last loaded for: it holds the slot while its ``slot`` still names it (in flight or
+        # bound), so a block loaded while another is bound (a block calling a block) never overwrites it
+        self.holders: list[GroupRuntime | None] = [None] * n_slots
         # (slot, view layout) -> parameters viewing that slot: blocks of one shape share them, so they are all built
         # during the first forward (a group lands in a different slot on every pass when the ring's size does not
         # divide the number of blocks)
@@ -89,10 +92,26 @@ class SlotRing:
         """Slots in the ring."""
         return len(self.buffers)
 
+    def free_slot(self) -> int | None:
+        """The next slot in ring order that no group holds, or None when every one is in flight or bound."""
+        for offset in range(self.n_slots):
+            slot = (self.seq + offset) % self.n_slots
+            holder = self.holders[slot]
+            if holder is None or holder.slot != slot:
+                return slot
+        return None
+
     def load(self, group: GroupRuntime) -> int:
-        """Start writing ``group`` into the next slot (asynchronously on CUDA); returns the host bytes it reads."""
-        slot = self.seq % self.n_slots
-        self.seq += 1
+        """Start writing ``group`` into the next free slot (asynchronously on CUDA); returns the host bytes it reads."""
+        slot = self.free_slot()
+        if slot is None:
+            raise RuntimeError(
+                f"{group.component}: {group.name} was called while blocks held all {self.n_slots} of the slots its "
+                "blocks stream through (blocks called inside other blocks' forwards); enable with a larger prefetch "
+                "(one more slot each) or mode='model'"
+            )
+        self.seq = slot + 1
+        self.holders[slot] = group
         group.slot = slot
         # the DMA into staging may run ahead; only the upcast into the slot waits for the slot's last use to end
         after = self.free_events[slot] if self.cuda and self.used[slot] else None
@@ -137,6 +156,7 @@ class SlotRing:
         """Free the slots (teardown)."""
         self._params, self._users = {}, {}
         self.buffers = []
+        self.holders = []
         self.free_events = []
         self.used = []
 

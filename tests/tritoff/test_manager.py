@@ -67,6 +67,88 @@ def _streamed_stack():
     return model, engine, x, expected
 
 
+class _Calling(nn.Module):
+    """A block whose forward calls other blocks of its stack (``calls``, not re-entering itself) before it uses its own
+    weight."""
+
+    def __init__(self, stack, calls):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.stack = [stack]  # a list: not a submodule
+        self.calls = calls
+        self.running = False
+
+    def forward(self, x):
+        inner = torch.zeros_like(x)
+        if not self.running:
+            self.running = True
+            try:
+                for i in self.calls:
+                    inner = inner + self.stack[0].blocks[i](x)
+            finally:
+                self.running = False
+        return self.lin(x) + inner
+
+
+def _calling(calls: dict[int, list[int]]):
+    """A Stack whose blocks ``calls`` keys call the blocks their values name (each still a Sequential, as blocks of one
+    list are grouped when they are of one class)."""
+    torch.manual_seed(0)
+    model = Stack()
+    for i, inner in calls.items():
+        model.blocks[i] = nn.Sequential(_Calling(model, inner))
+    return realistic_init(model).to(torch.bfloat16).eval()
+
+
+def _enable_streamed(model, make, prefetch):
+    """Enable ``model`` in group mode at the smallest budget for ``prefetch``: every block streamed."""
+    options = dict(mode="group", reserve=1000, progress=False, kernels="reference", prefetch=prefetch)
+    with pytest.raises(BudgetError) as info:
+        tritoff.enable(make(), budget=1000, **options)
+    engine = tritoff.enable(model, budget=info.value.minimum, **options)
+    assert engine.plan.tier_counts("model")["stream"] == 5
+    return engine
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("inner", [0, 3, 4])
+def test_a_block_calling_another_block_keeps_its_own_weights(inner, prefetch):
+    # block 1 is bound when it calls the other block, which loads synchronously: into a slot block 1 does not hold
+    # (round-robin put it in block 1's slot whenever the ring came round, and block 1 computed with its weights)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    expected = _output(dequantize_in_place(_calling({1: [inner]})), x)
+    model = _calling({1: [inner]})
+    _enable_streamed(model, lambda: _calling({1: [inner]}), prefetch)
+    for _ in range(3):
+        assert torch.equal(_output(model, x), expected)
+
+
+def test_blocks_nested_deeper_than_the_ring_are_refused_and_the_next_call_is_exact():
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    model = _calling({1: [3], 3: [4]})
+    _enable_streamed(model, lambda: _calling({1: [3], 3: [4]}), prefetch=1)  # two slots: 1 and 3 hold both
+    with pytest.raises(RuntimeError, match=r"^model: blocks\.4 was called while blocks held all 2 of the") as info:
+        _output(model, x)
+    assert "\n" not in str(info.value) and "prefetch" in str(info.value)
+    model.blocks[3][0].calls = []  # one level of nesting fits
+    reference = _calling({1: [3], 3: [4]})
+    reference.blocks[3][0].calls = []
+    assert torch.equal(_output(model, x), _output(dequantize_in_place(reference), x))
+
+
+def test_a_streamed_block_called_inside_its_own_forward_is_refused():
+    # the inner call would take the block's slot over and give its placeholders back before the outer call used them
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    model = _calling({1: [1]})
+    _enable_streamed(model, lambda: _calling({1: [1]}), prefetch=2)
+    for _ in range(2):  # each call, after the first one's recovery too
+        with pytest.raises(RuntimeError, match=r"^model\.blocks\.1 was called inside its own forward.*mode='model'"):
+            _output(model, x)
+    model.blocks[1][0].calls = []
+    reference = _calling({1: []})
+    assert torch.equal(_output(model, x), _output(dequantize_in_place(reference), x))
+
+
 def test_conditional_and_unused_groups_work_and_are_counted():
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     reference = dequantize_in_place(_stack())
