@@ -938,6 +938,11 @@ def main() -> None:
     for r in args.rows or ():
         if r not in known:
             raise SystemExit(f"--rows: unknown row kind {r!r}; known: {', '.join(known)}")
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit(
+            "bench/e2e.py measures full-size models on a GPU, and no CUDA device is here: run it on a GPU, or with "
+            "--smoke for small models on the CPU"
+        )
     if args.smoke:
         args.reps = 1
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")

@@ -244,6 +244,11 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="where kernels.json and .png go (default bench/results)")
     parser.add_argument("--deadline", type=float, default=None, help="epoch seconds: start no pack size after this")
     args = parser.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit(
+            "bench/kernels.py measures a GPU's transfers and kernels, and no CUDA device is here: run it on a GPU, or "
+            "with --smoke for tiny packs on the CPU (Triton's interpreter)"
+        )
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     sizes = [2**16, 2**18] if args.smoke else [mb * 2**20 for mb in SIZES_MB]
     width = 256 if args.smoke else WIDTH

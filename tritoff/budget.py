@@ -23,7 +23,7 @@ _UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
-_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*|%)\s*$")
+_PATTERN = re.compile(r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*|%)\s*$")  # 12GB, 1.5e9
 
 
 def parse_size(value: int | float | str, *, what: str = "budget", total: int | None = None) -> int:
@@ -41,6 +41,8 @@ def parse_size(value: int | float | str, *, what: str = "budget", total: int | N
     if not match or (unit not in _UNITS and unit != "%"):
         raise ValueError(f"invalid {what} {value!r}: give bytes, e.g. '12GB', '12GiB' or '80%'")
     number = float(match.group(1))
+    if not math.isfinite(number * _UNITS.get(unit, 1)):  # 1e999
+        raise ValueError(f"invalid {what} {value!r}: give a finite number of bytes, e.g. '12GB'")
     if number <= 0:
         raise ValueError(f"invalid {what} {value!r}: it must be positive")
     if unit == "%":

@@ -212,12 +212,17 @@ def _print_rows(rows: dict) -> None:
         print(f"  {key:<{width}}  {value}")
 
 
+DEMO_VAE = {"temperal_downsample": [False, True, True]}  # the demo's VAE (tritoff.tiny), read before torch is imported
+
+
 def _cmd_demo(args) -> int:
+    from tritoff.shapes import check_dimensions
     from tritoff.video import check_writable
 
     _check_budget(args.budget)
     check_writable(args.out)
     _check_storage(args.storage)
+    check_dimensions(DEMO_VAE, {}, "--", frames=args.frames)
     _check_device(args.device)
     _check_percentage(args.budget, args.device)
     _prepare_backend(args.device)
@@ -273,7 +278,7 @@ def _json(path: Path) -> dict:
 def _check_dimensions(args, vae: dict, denoiser: dict) -> None:
     from tritoff.shapes import check_dimensions
 
-    check_dimensions(vae, denoiser, "--", height=args.height, width=args.width)
+    check_dimensions(vae, denoiser, "--", frames=args.frames, height=args.height, width=args.width)
 
 
 def _local_configs(local: Path) -> tuple[dict, dict]:
@@ -456,13 +461,13 @@ def _cmd_convert(args) -> int:
     from tritoff.store import check_target
 
     local = _check_model(args.model)
-    target = check_target(args.out_dir, args.overwrite, model=local)
     _check_storage(args.storage, local)
     for pattern in args.skip:
         try:
             re.compile(pattern)
         except re.error as err:
             raise CliError(f"--skip {pattern!r} is not a valid regular expression: {err}") from None
+    target = check_target(args.out_dir, args.overwrite, model=local)  # after the arguments: none needs another try
     real = real_target(target)
     parent = real.parent if str(real.parent) else Path(".")
     removed = left_behind(real)  # the conversion removes these
@@ -549,7 +554,7 @@ def _cmd_plan(args) -> int:
             progress=True,
         )
     print(preview.json() if args.json else preview.text())
-    return 0
+    return 0 if preview.feasible else 1  # a script can ask before it downloads
 
 
 def _cmd_info(args) -> int:
@@ -653,7 +658,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("row", "tensor", "none"),
         help="one fp8 scale per row or tensor, or none",
     )
-    convert.add_argument("--skip", nargs="*", default=[], help="extra regexes of module names to keep unquantized")
+    convert.add_argument("--skip", nargs="+", default=[], help="extra regexes of module names to keep unquantized")
     convert.add_argument("--mode", default="group", choices=("group", "leaf"), help="grouping of the packs")
     convert.add_argument(
         "--dtype",

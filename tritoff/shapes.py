@@ -1,4 +1,5 @@
-"""Video shapes a pipeline accepts: height and width are multiples of its VAE's downscale times its patch size.
+"""Video shapes a pipeline accepts: height and width are multiples of its VAE's downscale times its patch size, and
+the frame count is one more than a multiple of its VAE's time compression.
 
 Read from configs (plain dicts) only, so the command line checks its arguments before torch is imported.
 """
@@ -20,9 +21,28 @@ def spatial_multiple(vae: dict, denoiser: dict) -> int | None:
     return scale * int(patch)
 
 
-def check_dimensions(vae: dict, denoiser: dict, prefix: str = "", **dims: int | None) -> None:
-    """Refuse a height or width (``dims``) the pipeline cannot make, naming the two nearest that work; ``prefix``
-    (``"--"`` on the command line) goes before each name."""
+def temporal_multiple(vae: dict) -> int | None:
+    """The VAE's time compression from its config: frames after the first go into latents this many at a time (None
+    when the config says nothing of it)."""
+    if isinstance(vae.get("temperal_downsample"), list):  # Wan: a 2x time downscale per stage that has one
+        return 2 ** sum(bool(down) for down in vae["temperal_downsample"])
+    ratio = vae.get("temporal_compression_ratio")  # CogVideoX
+    return int(ratio) if isinstance(ratio, (int, float)) and ratio >= 1 else None
+
+
+def check_dimensions(
+    vae: dict, denoiser: dict, prefix: str = "", frames: int | None = None, **dims: int | None
+) -> None:
+    """Refuse a frame count, height or width (``dims``) the pipeline cannot make, naming the two nearest that work
+    (the pipeline would round it, or drop frames, with a warning at most); ``prefix`` (``"--"`` on the command line)
+    goes before each name."""
+    step = temporal_multiple(vae)
+    if step and step > 1 and frames is not None and (frames - 1) % step:
+        lower = frames - (frames - 1) % step
+        raise ValueError(
+            f"{prefix}frames {frames} is not one more than a multiple of {step} (the VAE compresses time {step}x after "
+            f"the first frame); use {lower} or {lower + step}"
+        )
     multiple = spatial_multiple(vae, denoiser)
     for key, value in dims.items():
         if multiple and value is not None and value % multiple:

@@ -320,7 +320,11 @@ def _replace_dir(tmp: Path, target: Path) -> None:
     except BaseException:
         os.replace(old, target)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    try:
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:  # Ctrl-C with the new store in place: the old one goes whole, never half deleted
+        shutil.rmtree(old, ignore_errors=True)
+        raise
 
 
 def _write_hashed(path: Path, chunks) -> tuple[int, str]:
@@ -561,6 +565,8 @@ def read_index(directory: str | Path) -> dict:
     path = Path(directory) / INDEX
     if path.exists() and not path.is_file():
         raise StoreError(f"{path} is not a file; {RECREATE}")
+    if not Path(directory).exists():
+        raise StoreError(f"{directory} does not exist; create a store there with `tritoff convert`, or check the path")
     if not path.is_file():
         raise StoreError(f"{directory} is not a tritoff store (no {INDEX}); create one with `tritoff convert`")
     try:

@@ -27,6 +27,8 @@ def test_the_default_budget_leaves_five_percent_of_free_memory_and_at_least_512_
         (".5GB", 5 * 10**8),
         ("1000", 1000),
         ("2.7B", 2),  # whole bytes, rounded down
+        ("1e9", 10**9),  # what Python prints for 1e9
+        ("2.5E3 MB", 2_500_000_000),
         ("25%", GiB),
     ],
     ids=str,
@@ -45,6 +47,9 @@ def test_sizes_in_every_spelling(value, expected):
         (0, "it must be positive"),
         (True, "invalid budget True"),
         (float("nan"), "give a finite number"),
+        ("1e999", "give a finite number"),
+        ("1e308GB", "give a finite number"),
+        ("12e", "invalid budget '12e': give bytes"),
         ("120%", "at most 100%"),
         (0.5, "less than one byte; give a unit"),
         ("0.0001KB", "less than one byte"),

@@ -146,6 +146,11 @@ BAD = [
     (["demo", "--budget", "0.5"], "invalid budget '0.5': that is less than one byte; give a unit"),
     (["demo", "--steps", "0"], "--steps: must be an integer >= 1"),
     (["demo", "--frames", "0"], "--frames: must be an integer >= 1"),
+    (["demo", "--frames", "4"], "--frames 4 is not one more than a multiple of 4 (the VAE compresses time 4x after"),
+    (["run", "{pipe}", "--prompt", "x", "--frames", "6"], "--frames 6 is not one more than a multiple of 4"),
+    (["run", "{pipe}", "--prompt", "x", "--store", "{tmp}/nosuch"], "nosuch does not exist; create a store there"),
+    (["convert", "{pipe}", "{tmp}", "--skip", "("], "--skip '(' is not a valid regular"),  # before the target's check
+    (["convert", "{pipe}", "{tmp}/s", "--skip"], "argument --skip: expected at least one argument"),
     (["demo", "--device", "cuda"], "CUDA is not available"),
     (["demo", "--out", "{tmp}/demo.webm"], "name the video .mp4 or .gif"),
     (["convert", "{pipe}", "{tmp}/s", "--storage", "int3"], "unknown storage"),
@@ -536,6 +541,16 @@ def test_bench_smoke_runs(work):
     assert code == 0, err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_a_gpu_benchmark_without_a_gpu_says_so_in_one_line():
+    done = subprocess.run([sys.executable, "-m", "tritoff", "bench", "kernels"], capture_output=True, text=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "bench/kernels.py measures a GPU's transfers and kernels, and no CUDA device is here: run it on a GPU, or "
+        "with --smoke for tiny packs on the CPU (Triton's interpreter)"
+    ]
+
+
 def test_an_interrupt_landing_in_a_finalizer_stops_the_command(monkeypatch, capsys, tmp_path):
     """A KeyboardInterrupt that the signal handler raises inside a ``__del__`` is dropped there by Python: it is raised
     again in the code that runs next, so the command stops before publishing anything, with no traceback."""
@@ -564,3 +579,10 @@ def test_an_interrupt_landing_in_a_finalizer_stops_the_command(monkeypatch, caps
         assert cli.main(["info"]) == 130
         time.sleep(0.01)  # the caller's code: nothing arrives here
     assert capsys.readouterr().err.strip().splitlines() == ["tritoff: interrupted"] * 20
+
+
+def test_the_demos_frame_check_reads_the_demos_vae():
+    from tritoff import cli
+    from tritoff.tiny import WAN_VAE_TINY
+
+    assert cli.DEMO_VAE["temperal_downsample"] == WAN_VAE_TINY["temperal_downsample"]

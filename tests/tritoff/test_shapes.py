@@ -2,7 +2,7 @@
 
 import pytest
 
-from tritoff.shapes import check_dimensions, spatial_multiple
+from tritoff.shapes import check_dimensions, spatial_multiple, temporal_multiple
 
 WAN_VAE = {"temperal_downsample": [False, True, True]}  # three 2x spatial stages
 WAN_DIT = {"patch_size": [1, 2, 2]}
@@ -20,3 +20,15 @@ def test_a_shape_off_the_multiple_names_the_two_nearest_that_work():
         check_dimensions(WAN_VAE, WAN_DIT, "--", height=480, width=830)
     with pytest.raises(ValueError, match="height 8 is not a multiple of 16 .*; use 16 or 32"):
         check_dimensions(WAN_VAE, WAN_DIT, height=8)
+
+
+def test_a_frame_count_the_vae_would_round_names_the_two_nearest_that_work():
+    assert temporal_multiple(WAN_VAE) == 4 and temporal_multiple({"temporal_compression_ratio": 4}) == 4  # CogVideoX
+    assert temporal_multiple({"temperal_downsample": [False, False, False]}) == 1 and temporal_multiple({}) is None
+    for frames in (1, 5, 81):
+        check_dimensions(WAN_VAE, WAN_DIT, frames=frames)
+    with pytest.raises(ValueError, match=r"^--frames 80 is not one more than a multiple of 4 .*; use 77 or 81$"):
+        check_dimensions(WAN_VAE, WAN_DIT, "--", frames=80)
+    with pytest.raises(ValueError, match="frames 50 .* use 49 or 53"):
+        check_dimensions({"temporal_compression_ratio": 4}, {}, frames=50)
+    check_dimensions({}, WAN_DIT, frames=80)  # an unknown VAE: nothing is refused

@@ -347,6 +347,27 @@ def test_overwrite_replaces_a_store_and_only_a_store(copy, tmp_path):
         check_target(tmp_path / "mine", overwrite=True, model=tmp_path / "mine")
 
 
+def test_ctrl_c_while_the_old_store_is_deleted_leaves_no_part_of_it(copy, monkeypatch):
+    # the new store is in place when the interrupt lands in the old one's deletion: the old one still goes, whole
+    args = _packed_store_args("fp8_e5m2")
+    real = shutil.rmtree
+    interrupted = []
+
+    def rmtree(path, *a, **k):
+        if str(path).endswith(".old") and not interrupted:
+            interrupted.append(path)
+            next(p for p in Path(path).iterdir() if p.suffix == ".safetensors").unlink()  # part way through
+            raise KeyboardInterrupt
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        save_store(copy, *args, overwrite=True)
+    assert interrupted and sorted(p.name for p in copy.parent.iterdir()) == ["copy"]
+    assert read_index(copy)["storage"] == "fp8_e5m2"
+    verify_store(copy)
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.complex64, torch.uint16])
 def test_parameters_of_any_dtype_are_stored_and_read_back(tmp_path, dtype):
     def with_extra():
