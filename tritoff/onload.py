@@ -245,7 +245,6 @@ class GroupRuntime:
 
     def bind_slot(self, slot: SlotParameters) -> None:
         """Put ``slot``'s parameters (from :meth:`slot_parameters`) in the modules for one forward."""
-        self.check_writes()
         self._bound = slot  # first: whatever interrupts the loop part way, release() undoes what it stored
         for (owner, key, param), bound in zip(self.homes, slot.params, strict=True):
             if owner.get(key) is not param:
@@ -283,9 +282,10 @@ class GroupRuntime:
         self.check_data()
 
     def check_before_forward(self) -> None:
-        """What a forward checks before it runs: everything (:meth:`check_homes`) for a group bound in place; only the
-        data of a streamed one, whose entries and in-place writes :meth:`bind_slot` checks."""
+        """What a forward checks before it runs: everything (:meth:`check_homes`) for a group bound in place; the data
+        and in-place writes of a streamed one, whose entries :meth:`bind_slot` checks as it sets them."""
         if self.tier in ("fp8", "stream"):
+            self.check_writes()
             self.check_data()
         else:
             self.check_homes()
