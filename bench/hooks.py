@@ -2,8 +2,9 @@
 
 Builds a Wan-shaped transformer (``tritoff.tiny``, ``--layers`` blocks of 27 tensors) and enables tritoff at the
 smallest budget that works, so every block streams through the slot ring. Runs ``--forwards`` forwards on a tiny
-input and reports the engine's own counter: host time in the group hooks (pre + post) per group, after the first
-forward, synchronous fills (the CPU's transfer) excluded. For scale, it also times the parameter swaps alone: binding
+input and reports the engine's own counter: host time in tritoff's hooks per group (each block's pre and post, and
+its share of the component's entry and exit, where the weights' checks run once per call), after the first forward,
+synchronous fills (the CPU's transfer) excluded. For scale, it also times the parameter swaps alone: binding
 a block's tensors to slot views and back to placeholders, in a tight loop; and, on CUDA, the host time to issue one
 block's transfer (copy, upcast launch, events), which the hooks do for the blocks ahead, and each of those calls
 alone. Target: ≤ 20 µs per group.

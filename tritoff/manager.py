@@ -46,7 +46,17 @@ from tritoff.warn import warn
 PLANNED_METHODS = ("encode", "decode")
 
 
-class CaptureRefused(RuntimeError):
+class RefusedUnchanged(RuntimeError):
+    """A call refused before its hook changed anything: that call needs no recovery, which would release what the
+    calls around it still hold (a block whose forward catches the refusal goes on with its weights); the calls it
+    leaves on its way out recover as from any error (``unchanged`` is cleared once it leaves the first)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.unchanged = True
+
+
+class CaptureRefused(RefusedUnchanged):
     """A CUDA graph capture of memory tritoff reuses or frees (streamed blocks, a phase not uploaded yet or evicted
     later, a re-plan), refused before the hook changed anything: the call that raised it needs no recovery (which
     would queue work on the capturing stream, itself an error there)."""
@@ -65,7 +75,7 @@ class ComponentStats:
     evictions: int = 0
     calls: int = 0
     replans: int = 0
-    hook_ns: int = 0  # host time in group hooks after the first (tracing) forward
+    hook_ns: int = 0  # host time in the component's and its groups' hooks after the first (tracing) forward
     hook_calls: int = 0
 
 
@@ -284,6 +294,7 @@ class HookManager:
     def component_pre(self, comp: ComponentRuntime, args, kwargs):
         """Before a component's forward (or encode/decode): plan its activations, enter its phase, start prefetching
         its first blocks."""
+        start, counted = time.perf_counter_ns() - self.transfer_ns, comp.traced and comp.loaded  # (not an upload)
         # named by a block that streams, not one that may be resident
         self._refuse_capture(comp, next((g for g in comp.blocks if g.tier in ("fp8", "stream")), None))
         if torch.is_grad_enabled():
@@ -308,10 +319,13 @@ class HookManager:
             head = self.inflight[0] if self.inflight else None
             if head is None or head.component != comp.name:
                 self._restart_prefetch(comp)
+        if counted:  # the component's hooks count with its blocks': their checks run here, once per call
+            comp.stats.hook_ns += time.perf_counter_ns() - self.transfer_ns - start
         return send_to_device(args, self.device), send_to_device(kwargs, self.device)
 
     def component_post(self, comp: ComponentRuntime) -> None:
         """After a component's forward: finish its trace on the first call; check its slots' parameters."""
+        start, counted = time.perf_counter_ns() - self.transfer_ns, comp.traced
         comp.active = max(comp.active - 1, 0)
         if comp.trace is not None and comp.active == 0:
             self._finish_activation_measure(comp)
@@ -327,6 +341,10 @@ class HookManager:
                     # prefetch was following the module order: restart it on the traced one
                     self._restart_prefetch(comp)
         self._check_slots(comp)
+        for g in comp.groups:  # a write during the call (a hook's fill_): refused before the call returns
+            g.check_writes()
+        if counted:
+            comp.stats.hook_ns += time.perf_counter_ns() - self.transfer_ns - start
 
     def _check_slots(self, comp: ComponentRuntime) -> None:
         """Refuse a forward during which a slot's parameter was given new data (``.data = ...`` from a forward hook):
@@ -375,14 +393,18 @@ class HookManager:
                 active = comp.active
             try:
                 return fn(*args, **kwargs)
-            except CaptureRefused:
-                raise
-            except BaseException:
-                if running:  # no longer running: recover may evict its phase
-                    comp.active = active
-                    self.running.pop()
-                    running = False
-                self.recover(outermost=self.guarded_calls == 1, left=group)
+            except BaseException as err:
+                refused = isinstance(err, RefusedUnchanged) and err.unchanged
+                if isinstance(err, RefusedUnchanged):
+                    # only the call whose hook refused changed nothing; a capture is refused wherever it runs (there,
+                    # recovering would queue work on the capturing stream)
+                    err.unchanged = isinstance(err, CaptureRefused)
+                if not refused:
+                    if running:  # no longer running: recover may evict its phase
+                        comp.active = active
+                        self.running.pop()
+                        running = False
+                    self.recover(outermost=self.guarded_calls == 1, left=group)
                 raise
             finally:
                 self.guarded_calls -= 1
@@ -497,6 +519,10 @@ class HookManager:
         """Before a block's forward: make sure it is loaded (or loading), wait for it on the GPU, bind, prefetch."""
         start = time.perf_counter_ns() - self.transfer_ns
         comp = self.components[group.component]
+        # bound to its slot and not prefetched: its own forward is running (an interrupted unbind leaves a group
+        # bound with its slot freed, and a prefetch then takes it into flight)
+        if group.bound and group.slot is not None and group not in self.inflight:
+            raise _called_inside_itself(group)
         if not comp.active:  # called on its own (inside its component's call, the component's hook checked)
             if chain.inside_forward(comp.module):  # inside a component forward that no longer runs tritoff's hook
                 raise _forward_bypassed(comp)
@@ -525,8 +551,6 @@ class HookManager:
                     self.inflight.popleft().slot = None
                 self.inflight.popleft()
             else:
-                if group.bound and group.slot is not None:  # (an interrupted unbind leaves it bound, its slot freed)
-                    raise _called_inside_itself(group)
                 self._invalidate()
                 if comp.trace is None:
                     comp.stats.sync_onloads += 1
@@ -561,6 +585,7 @@ class HookManager:
             group.unbind_slot()
             if not comp.active:  # called on its own: the component's exit, which checks the slots, will not run
                 self._check_slots(comp)
+                group.check_writes()
         if comp.reads_disk and not self.inflight and self.cursor is not None and self.cursor[0] == comp.name:
             # the block's kernels are queued (whatever its tier): wait for the next pack's disk read now, while the
             # GPU computes, rather than in the next block's hook with nothing queued
@@ -656,10 +681,10 @@ def _forward_bypassed(comp: ComponentRuntime) -> RuntimeError:
     )
 
 
-def _called_inside_itself(group: GroupRuntime) -> RuntimeError:
+def _called_inside_itself(group: GroupRuntime) -> RefusedUnchanged:
     """A streamed block called again while its own forward runs: its weights come from a slot bound for one call at
     a time, which the inner call would take over and give back before the outer call uses them."""
-    return RuntimeError(
+    return RefusedUnchanged(
         f"{group.component}.{group.name} was called inside its own forward, but a streamed block lends its weights "
         "to one call at a time; enable with mode='model', or a budget that keeps it resident"
     )

@@ -77,6 +77,7 @@ class _Calling(nn.Module):
         self.stack = [stack]  # a list: not a submodule
         self.calls = calls
         self.running = False
+        self.catch = False  # a call that raises RuntimeError adds nothing, and the block goes on
 
     def forward(self, x):
         inner = torch.zeros_like(x)
@@ -84,7 +85,11 @@ class _Calling(nn.Module):
             self.running = True
             try:
                 for i in self.calls:
-                    inner = inner + self.stack[0].blocks[i](x)
+                    try:
+                        inner = inner + self.stack[0].blocks[i](x)
+                    except RuntimeError:
+                        if not self.catch:
+                            raise
             finally:
                 self.running = False
         return self.lin(x) + inner
@@ -147,6 +152,17 @@ def test_a_streamed_block_called_inside_its_own_forward_is_refused():
     model.blocks[1][0].calls = []
     reference = _calling({1: []})
     assert torch.equal(_output(model, x), _output(dequantize_in_place(reference), x))
+
+
+def test_a_block_that_catches_the_refusal_of_calling_itself_keeps_its_weights():
+    # the refusal changed nothing, so no recovery releases the slot the calling block still computes with
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    model = _calling({1: [1]})
+    _enable_streamed(model, lambda: _calling({1: [1]}), prefetch=2)
+    model.blocks[1][0].catch = True
+    expected = _output(dequantize_in_place(_calling({1: []})), x)  # the refused call adds nothing
+    for _ in range(3):
+        assert torch.equal(_output(model, x), expected)
 
 
 def test_conditional_and_unused_groups_work_and_are_counted():
@@ -961,6 +977,25 @@ def test_a_parameter_written_in_place_after_enable_is_refused(budget):
         _output(model, x)
     if budget == "streamed":
         assert model.blocks[2][2].weight.isnan().all()  # the scalar its placeholder shares holds NaN again
+    tritoff.disable(model)
+    assert torch.equal(_output(model, x), expected)
+
+
+@pytest.mark.parametrize("hooked", [1, 3, 4], ids=["before-its-block", "its-block", "after-its-block"])
+def test_a_parameter_written_in_place_during_a_call_is_refused_before_the_call_returns(hooked):
+    # a forward pre-hook of a block writes block 3's weight: before block 3 is bound, as it is, or after it ran
+    model, _, x, expected = _streamed_stack()
+    _output(model, x)
+
+    def write(module, args):
+        with torch.no_grad():
+            model.blocks[3][0].weight.fill_(1.0)
+
+    handle = model.blocks[hooked].register_forward_pre_hook(write)
+    with pytest.raises(RuntimeError, match=r"^model\.blocks\.3\.0\.weight was written in place after tritoff"):
+        _output(model, x)
+    handle.remove()
+    assert model.blocks[1][2].weight.isnan().all()  # the scalar every placeholder shares holds NaN again
     tritoff.disable(model)
     assert torch.equal(_output(model, x), expected)
 
