@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from accelerate.hooks import ModelHook
 
-from tritoff.onload import given_new_data, replaced_or_deleted, written_in_place
+from tritoff.onload import given_new_data, replaced_or_deleted
 
 
 class HostTable:
@@ -38,8 +38,12 @@ class HostTable:
         for name, param, pointer, version in zip(self.names, self.params, self.pointers, self.versions, strict=True):
             if param.data_ptr() != pointer:
                 raise given_new_data(f"{self.component}.{name}", "after tritoff.enable")
-            if param._version != version:
-                raise written_in_place(f"{self.component}.{name}")
+            if param._version != version:  # the table is a view of its pack: the write changed the pack too
+                raise RuntimeError(
+                    f"{self.component}.{name} was written in place after tritoff.enable; it is kept in host memory as "
+                    "its own pack, which now holds the write (tritoff.disable keeps it): call tritoff.disable, then "
+                    "enable again to run with it"
+                )
 
 
 class HostLookupHook(ModelHook):

@@ -343,6 +343,8 @@ class HookManager:
         self._check_slots(comp)
         for g in comp.groups:  # a write during the call (a hook's fill_): refused before the call returns
             g.check_writes()
+        for table in comp.host:
+            table.check()
         if counted:
             comp.stats.hook_ns += time.perf_counter_ns() - self.transfer_ns - start
 
@@ -581,8 +583,11 @@ class HookManager:
             self._saved_hooks.pop().__exit__(None, None, None)
         comp = self.components[group.component]
         if group.tier in ("fp8", "stream") and group.slot is not None:
+            written = comp.ring.written(group)
             comp.ring.done(group)
             group.unbind_slot()
+            if written:
+                raise _written_during_forward(group)
             if not comp.active:  # called on its own: the component's exit, which checks the slots, will not run
                 self._check_slots(comp)
                 group.check_writes()
@@ -678,6 +683,16 @@ def _forward_bypassed(comp: ComponentRuntime) -> RuntimeError:
         f"{comp.name}.forward was replaced after tritoff.enable by a function that does not call the forward tritoff "
         "hooked, so its weights were not loaded (NaN); call tritoff.disable(pipe), replace it, then tritoff.enable "
         "again (or make it call the forward it replaced)"
+    )
+
+
+def _written_during_forward(group: GroupRuntime) -> RuntimeError:
+    """A weight of a streamed block written in place while the block ran: the write went to the slot it streams
+    through, which its next load overwrites from the packs."""
+    return RuntimeError(
+        f"a weight of {group.component}.{group.name} was written in place during its forward (a forward hook's "
+        "fill_ or an in-place op on module.weight), into the slot it streams through, which the packs never see; call "
+        "tritoff.disable(pipe) first, change the weights, then enable again"
     )
 
 

@@ -81,6 +81,9 @@ class SlotRing:
         # the group each slot was last loaded for: it holds the slot while its ``slot`` still names it (in flight or
         # bound), so a block loaded while another is bound (a block calling a block) never overwrites it
         self.holders: list[GroupRuntime | None] = [None] * n_slots
+        # each slot's count of in-place writes when its parameters were last handed out: every view of a slot shares
+        # the count, so a write through any of them during the block's forward shows in one read
+        self._versions = [0] * n_slots
         # (slot, view layout) -> parameters viewing that slot: blocks of one shape share them, so they are all built
         # during the first forward (a group lands in a different slot on every pass when the ring's size does not
         # divide the number of blocks)
@@ -142,7 +145,13 @@ class SlotRing:
         if params is None:
             params = self._params[key] = group.slot_parameters(self.buffers[group.slot])
         self._users[key] = group
+        self._versions[group.slot] = self.buffers[group.slot]._version
         return params
+
+    def written(self, group: GroupRuntime) -> bool:
+        """Whether ``group``'s slot was written in place since :meth:`parameters` handed its views out (a forward
+        hook's ``fill_`` on a weight while the block runs): the packs never see it, and the next load drops it."""
+        return self.buffers[group.slot]._version != self._versions[group.slot]
 
     def check_parameters(self) -> RuntimeError | None:
         """The refusal of a slot parameter given new data during a forward (its views put back), or None."""

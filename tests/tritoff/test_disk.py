@@ -178,6 +178,23 @@ def test_packs_several_times_the_host_budget_run_from_a_store_bit_exact(store, e
     assert "of packs served from disk" in engine.report()
 
 
+def test_a_wait_for_the_disk_inside_a_fill_counts_once(tmp_path):
+    # on the CPU a fill takes its pack from the disk ring, waiting for the read: that wait is the ring's, not also
+    # fill time, since both are taken off the hooks' own time (a double count made it negative)
+    from tritoff.planner import BudgetError
+
+    options = dict(mode="group", reserve=1000, progress=False, kernels="reference")
+    with pytest.raises(BudgetError) as info:
+        tritoff.enable(stack(width=1024), budget=1000, **options)
+    model, x = stack(width=1024), torch.randn(4, 16, dtype=torch.bfloat16)
+    engine = tritoff.enable(model, budget=info.value.minimum, host_budget=0, spill_dir=str(tmp_path), **options)
+    with torch.no_grad():
+        for _ in range(4):
+            model(x)
+    assert engine.manager.disk.wait_ns > 0
+    assert engine.stats["components"]["model"]["hook_us_per_group"] > 0
+
+
 def test_without_a_store_the_packs_beyond_the_budget_go_to_a_private_spill_file(tmp_path, expected):
     pipe = wan(**BIG)
     engine = _enable(pipe, host_budget="1MB", spill_dir=str(tmp_path))

@@ -122,3 +122,24 @@ def test_a_host_table_changed_after_enable_is_refused(small_threshold, how):
     if how == "replaced":
         pipe.text_encoder.shared.weight = table
         assert torch.equal(run(pipe), expected)
+    if how == "in place":  # the table is a view of its pack: the pack holds the write, and disable keeps it
+        assert "which now holds the write (tritoff.disable keeps it)" in str(info.value)
+        written = table.detach().clone()
+        tritoff.disable(pipe)
+        assert torch.equal(pipe.text_encoder.shared.weight, written)
+
+
+def test_a_host_table_written_during_a_call_is_refused_before_the_call_returns(small_threshold):
+    pipe = wan()
+    tritoff.enable(pipe, mode="group", progress=False, kernels="reference")
+    run(pipe)
+    table = pipe.text_encoder.shared.weight
+
+    def write(module, args):
+        with torch.no_grad():
+            table.add_(1)
+
+    handle = pipe.text_encoder.encoder.block[0].register_forward_pre_hook(write)
+    with pytest.raises(RuntimeError, match=r"^text_encoder\.shared\.weight was written in place"), torch.no_grad():
+        pipe.text_encoder(torch.tensor([[1, 2, 3]]))  # one call: refused at its exit, not at the next call's entry
+    handle.remove()

@@ -1000,6 +1000,28 @@ def test_a_parameter_written_in_place_during_a_call_is_refused_before_the_call_r
     assert torch.equal(_output(model, x), expected)
 
 
+@pytest.mark.parametrize("called", ["model", "block"])
+def test_a_streamed_weight_written_in_place_while_its_block_runs_is_refused_in_that_call(called):
+    # a pre-hook of a layer inside the block: the block holds its slot's parameters there, and the write lands in the
+    # slot, which computed with it and which the next load overwrites from the packs
+    model, _, x, expected = _streamed_stack()
+    _output(model, x)
+
+    def write(module, args):
+        with torch.no_grad():
+            module.weight.fill_(1.0)
+
+    handle = model.blocks[3][0].register_forward_pre_hook(write)
+    with pytest.raises(RuntimeError, match=r"^a weight of model\.blocks\.3 was written in place during its forward"):
+        if called == "model":
+            _output(model, x)
+        else:
+            _output(model.blocks[3], torch.randn(4, 64, dtype=torch.bfloat16))
+    handle.remove()
+    for _ in range(3):  # every slot comes round: none keeps the write
+        assert torch.equal(_output(model, x), expected)
+
+
 @pytest.mark.parametrize("budget", ["streamed", "resident"])
 @pytest.mark.parametrize("called", ["model", "block"])
 def test_a_parameter_given_new_data_after_enable_is_refused(budget, called):
