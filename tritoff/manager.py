@@ -204,6 +204,7 @@ class HookManager:
         self.lock = threading.RLock()
         self.guarded_calls = 0  # hooked forwards running (guard_forward): nested ones inside a component's
         self.running: list[ComponentRuntime] = []  # components whose hooked forward (or encode/decode) is running
+        self.running_blocks: list[GroupRuntime] = []  # blocks whose hooked forward is running
 
     @property
     def transfer_ns(self) -> int:
@@ -389,10 +390,12 @@ class HookManager:
         did not run)."""
         with self.lock:
             self.guarded_calls += 1
-            running = comp is not None
+            running, block = comp is not None, group is not None
             if running:
                 self.running.append(comp)
                 active = comp.active
+            if block:
+                self.running_blocks.append(group)
             try:
                 return fn(*args, **kwargs)
             except BaseException as err:
@@ -406,12 +409,17 @@ class HookManager:
                         comp.active = active
                         self.running.pop()
                         running = False
+                    if block:
+                        self.running_blocks.pop()
+                        block = False
                     self.recover(outermost=self.guarded_calls == 1, left=group)
                 raise
             finally:
                 self.guarded_calls -= 1
                 if running:
                     self.running.pop()
+                if block:
+                    self.running_blocks.pop()
 
     def recover(self, outermost: bool = True, left: GroupRuntime | None = None) -> None:
         """After an exception escaped a forward (an error in a block, Ctrl-C, a CUDA OOM a caller catches): release
@@ -434,7 +442,9 @@ class HookManager:
                 self._activation_base.pop(comp.name, None)
             return
         inflight = {id(g) for g in self.inflight}
-        running = {id(c) for c in self.running} if not outermost else set()
+        # a block whose forward still runs (one called on its own, which calls another) keeps its component running
+        running = {id(c) for c in self.running} | {id(self.components[g.component]) for g in self.running_blocks}
+        running = running if not outermost else set()
         self._invalidate()
         self.cursor = None
         for comp in self.components.values():

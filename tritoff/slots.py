@@ -81,8 +81,8 @@ class SlotRing:
         # the group each slot was last loaded for: it holds the slot while its ``slot`` still names it (in flight or
         # bound), so a block loaded while another is bound (a block calling a block) never overwrites it
         self.holders: list[GroupRuntime | None] = [None] * n_slots
-        # each slot's count of in-place writes when its parameters were last handed out: every view of a slot shares
-        # the count, so a write through any of them during the block's forward shows in one read
+        # each slot's count of in-place writes as its last load was issued: every view of a slot shares the count,
+        # so a write through any of them before its block ends shows in one read
         self._versions = [0] * n_slots
         # (slot, view layout) -> parameters viewing that slot: blocks of one shape share them, so they are all built
         # during the first forward (a group lands in a different slot on every pass when the ring's size does not
@@ -119,6 +119,7 @@ class SlotRing:
         # the DMA into staging may run ahead; only the upcast into the slot waits for the slot's last use to end
         after = self.free_events[slot] if self.cuda and self.used[slot] else None
         nbytes = self.transfer.fill(group, self.buffers[slot], after)
+        self._versions[slot] = self.buffers[slot]._version  # after the fill's own writes (on the CPU)
         if self.cuda:
             if group.ready is None:
                 group.ready = torch.cuda.Event(enable_timing=False)
@@ -145,12 +146,12 @@ class SlotRing:
         if params is None:
             params = self._params[key] = group.slot_parameters(self.buffers[group.slot])
         self._users[key] = group
-        self._versions[group.slot] = self.buffers[group.slot]._version
         return params
 
     def written(self, group: GroupRuntime) -> bool:
-        """Whether ``group``'s slot was written in place since :meth:`parameters` handed its views out (a forward
-        hook's ``fill_`` on a weight while the block runs): the packs never see it, and the next load drops it."""
+        """Whether ``group``'s slot was written in place since its load (a forward hook's ``fill_`` on a weight while
+        the block runs, or through a slot parameter kept from another block): the packs never see it, and the next
+        load drops it."""
         return self.buffers[group.slot]._version != self._versions[group.slot]
 
     def check_parameters(self) -> RuntimeError | None:

@@ -154,6 +154,18 @@ def test_a_streamed_block_called_inside_its_own_forward_is_refused():
     assert torch.equal(_output(model, x), _output(dequantize_in_place(reference), x))
 
 
+def test_a_block_called_on_its_own_that_catches_an_error_of_a_block_it_calls_keeps_its_weights():
+    # the error leaves the inner block; the outer one, whose forward goes on, keeps its slot and its phase
+    model = _calling({1: [3]})
+    _enable_streamed(model, lambda: _calling({1: [3]}), prefetch=2)
+    _output(model, torch.randn(4, 16, dtype=torch.bfloat16))
+    model.blocks[1][0].catch = True
+    model.blocks[3][0].register_forward_pre_hook(_raise_once(RuntimeError("the inner block fails")))
+    h = torch.randn(4, 64, dtype=torch.bfloat16)
+    assert torch.equal(_output(model.blocks[1], h), _output(dequantize_in_place(_calling({1: []})).blocks[1], h))
+    assert torch.equal(_output(model.blocks[1], h), _output(dequantize_in_place(_calling({1: [3]})).blocks[1], h))
+
+
 def test_a_block_that_catches_the_refusal_of_calling_itself_keeps_its_weights():
     # the refusal changed nothing, so no recovery releases the slot the calling block still computes with
     x = torch.randn(4, 16, dtype=torch.bfloat16)
@@ -1020,6 +1032,30 @@ def test_a_streamed_weight_written_in_place_while_its_block_runs_is_refused_in_t
     handle.remove()
     for _ in range(3):  # every slot comes round: none keeps the write
         assert torch.equal(_output(model, x), expected)
+
+
+def test_a_write_through_a_slot_parameter_kept_from_another_block_is_refused_in_that_call():
+    # a hook keeps block 0's first weight (a view of the slot block 0 ran in); block 2's hook writes through it while
+    # that slot holds a block loaded ahead, which would compute with the write
+    model, _, x, expected = _streamed_stack()
+    _output(model, x)
+    kept = {}
+
+    def keep_weight(module, args):
+        kept.setdefault("weight", module.weight)
+
+    keep = model.blocks[0][0].register_forward_pre_hook(keep_weight)
+
+    def write(module, args):
+        with torch.no_grad():
+            kept["weight"].fill_(1.0)
+
+    handle = model.blocks[2].register_forward_pre_hook(write)
+    with pytest.raises(RuntimeError, match=r"^a weight of model\.blocks\.\d was written in place during its forward"):
+        _output(model, x)
+    keep.remove()
+    handle.remove()
+    assert torch.equal(_output(model, x), expected)
 
 
 @pytest.mark.parametrize("budget", ["streamed", "resident"])
