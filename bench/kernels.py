@@ -79,13 +79,16 @@ def build_pack(target_bytes: int, width: int, register: bool):
     return layout, arena, fmt
 
 
-def timed(fn, device, reps: int) -> float:
-    """Median seconds of ``fn`` (CUDA events on a GPU, wall clock on the CPU), after a warm-up."""
+def timed(fn, device, reps: int, setup=None) -> float:
+    """Median seconds of ``fn`` (CUDA events on a GPU, wall clock on the CPU), after a warm-up; ``setup``, if given,
+    runs before each timed call, outside the window (work it queues on other streams overlaps the call)."""
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
         times = []
         for _ in range(reps):
+            if setup is not None:
+                setup()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -95,6 +98,8 @@ def timed(fn, device, reps: int) -> float:
         return statistics.median(times)
     times = []
     for _ in range(reps):
+        if setup is not None:
+            setup()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -217,21 +222,17 @@ def overlap(device: torch.device, target_bytes: int, reps: int) -> dict:
         ),
         ("zero_copy", lambda: upcast_pack_zero_copy(host_view, out, zc_table, zc_programs, layout.out_dtype, fmt)),
     ):
-        times = []
-        for _ in range(reps):
-            torch.cuda.synchronize(device)
+
+        def queue(onload=onload):
+            torch.cuda.synchronize(device)  # the last rep's onloads too: each rep starts with the side stream idle
             with torch.cuda.stream(side):
                 for _ in range(queued):
                     onload()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            matmuls()
-            end.record()
-            torch.cuda.synchronize(device)  # the onloads too: the next rep starts with the side stream idle
-            times.append(start.elapsed_time(end) / 1e3)
-        with_onload = statistics.median(times)
+
+        with_onload = timed(matmuls, device, reps, setup=queue)
         results[f"matmul_with_{name}_s"] = with_onload
         results[f"slowdown_{name}_pct"] = 100 * (with_onload / alone - 1)
+    torch.cuda.synchronize(device)  # the last onloads, before their buffers and the arena go
     arena.close()
     return results
 

@@ -42,10 +42,10 @@ def _stack():
     return realistic_init(Stack()).to(torch.bfloat16).eval()
 
 
-def _minimum(model) -> int:
+def _minimum(model, **options) -> int:
     """The smallest budget the planner accepts for ``model`` in group mode (every block streamed)."""
     with pytest.raises(BudgetError) as info:
-        _enable(model, 1000)
+        _enable(model, 1000, **options)
     return info.value.minimum
 
 
@@ -54,8 +54,10 @@ def _output(model, x):
         return model(x)
 
 
-def _enable(model, budget):
-    return tritoff.enable(model, mode="group", budget=budget, reserve=1000, progress=False, kernels="reference")
+def _enable(model, budget, **options):
+    return tritoff.enable(
+        model, mode="group", budget=budget, reserve=1000, progress=False, kernels="reference", **options
+    )
 
 
 def _streamed_stack():
@@ -107,10 +109,7 @@ def _calling(calls: dict[int, list[int]]):
 
 def _enable_streamed(model, make, prefetch):
     """Enable ``model`` in group mode at the smallest budget for ``prefetch``: every block streamed."""
-    options = dict(mode="group", reserve=1000, progress=False, kernels="reference", prefetch=prefetch)
-    with pytest.raises(BudgetError) as info:
-        tritoff.enable(make(), budget=1000, **options)
-    engine = tritoff.enable(model, budget=info.value.minimum, **options)
+    engine = _enable(model, _minimum(make(), prefetch=prefetch), prefetch=prefetch)
     assert engine.plan.tier_counts("model")["stream"] == 5
     return engine
 
