@@ -181,7 +181,7 @@ class PhasedPlan:
             lines.append(
                 f"  {name:<16} {(mode_names or {}).get(p.modes[name], p.modes[name]):<9} "
                 f"{format_bytes(p.need_bytes):>11} {format_bytes(p.reserve):>11} {format_bytes(p.planned_bytes):>11}"
-                f"  {tiers}{ring}"
+                f"  {tiers}{ring}".rstrip()
             )
         return "\n".join(lines)
 

@@ -114,7 +114,7 @@ class Report:
             "",
         ]
         header = (
-            f"  {'component':<16}{'mode':<10}{'calls':>6}{'H2D':>12}{'onloads':>9}{'sync':>6}{'loads':>6}"
+            f"  {'component':<16}{'mode':<10}{'calls':>6}{'H2D':>12}{'onloads':>9}{'sync':>6}{'entries':>8}"
             f"{'hook us':>9}{'arena':>12}{'activations est / measured':>30}"
         )
         lines.append(header)
@@ -127,13 +127,13 @@ class Report:
             )
             lines.append(
                 f"  {name:<16}{c['mode']:<10}{c['calls']:>6}{format_bytes(c['bytes_h2d']):>12}{c['onloads']:>9}"
-                f"{c['sync_onloads']:>6}{c['pool_loads']:>6}{hook:>9}{format_bytes(c['host_arena_bytes']):>12}"
+                f"{c['sync_onloads']:>6}{c['pool_loads']:>8}{hook:>9}{format_bytes(c['host_arena_bytes']):>12}"
                 f"{activations:>30}"
             )
         t = d["total"]
         lines.append(
             f"  {'total':<16}{'':<10}{'':>6}{format_bytes(t['bytes_h2d']):>12}{t['onloads']:>9}"
-            f"{t['sync_onloads']:>6}{t['pool_loads']:>6}{'':>9}{format_bytes(t['host_arena_bytes']):>12}"
+            f"{t['sync_onloads']:>6}{t['pool_loads']:>8}{'':>9}{format_bytes(t['host_arena_bytes']):>12}"
         )
         host = {name: c["host_lookup_bytes"] for name, c in d["components"].items() if c["host_lookup_bytes"]}
         if host:
