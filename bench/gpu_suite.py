@@ -61,7 +61,7 @@ ESTIMATES = {
     "host-budget row (writes ~10 GB of spill, reads ~10 GB per forward from disk), which the budget may cut",
     "3": "~6 min: CogVideoX-5B table ~1.5 min; Wan pipeline 5 rows x (build ~3 s, setup <= 30 s, 2 CFG steps "
     "~20 s, tiled VAE decode)",
-    "4": "~4 min: one or two regional compiles (~1 min each) and four rows at 480x832x81",
+    "4": "~4 min: two regional compiles (~1 min each; dynamo reset before each) and four rows at 480x832x81",
     "setup": "~15 s: the installs alone (then run any benchmark with PYTHONPATH=$TRITOFF_SUITE_SITE)",
 }
 
