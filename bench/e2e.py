@@ -298,7 +298,7 @@ class Table:
             "reserve_bytes": self.reserve,
             "reps": self.reps,
             "h2d_GBps": h2d,
-            "h2d_page_locked": h2d_pageable is None,
+            "h2d_page_locked": None if h2d is None else h2d_pageable is None,
             **({"h2d_page_lock_error": h2d_pageable} if h2d_pageable else {}),
             "rows": rows,
         }
@@ -354,8 +354,9 @@ def measure(model, table: Table, kind: str, device, budget: int | None, engine=N
 
     def after_warmup():
         if engine is not None:
-            stats = engine.stats
+            stats, model_stats = engine.stats, engine.manager.components["model"].stats
             warmed.update(stats["total"], replans=stats["components"]["model"]["replans"])
+            warmed.update(hook_ns=model_stats.hook_ns, hook_calls=model_stats.hook_calls)
         if compiled:
             from torch._dynamo.utils import counters
 
@@ -374,6 +375,7 @@ def measure(model, table: Table, kind: str, device, budget: int | None, engine=N
             elif table.frames_hw in reference:  # fp8 rows differ by quantization; a wrong onload differs far more
                 row["rel_err_vs_resident"] = relative_error(out, reference[table.frames_hw])
         row["first_forward_s"] = times[0]  # with compile rows: the compilation
+        row["warmup_seconds"] = times[:warmups]
         if compiled:  # one graph reused by every block, or one per block; and none compiled while timed
             from torch._dynamo.utils import counters
 
@@ -396,7 +398,12 @@ def measure(model, table: Table, kind: str, device, budget: int | None, engine=N
             row["bytes_moved_per_forward"] = per_forward("bytes_h2d")
             row["bytes_moved_in_warmup"] = warmed.get("bytes_h2d", 0)  # the phase's entry, tracing, first onloads
             row["compute_wait_s_per_forward"] = per_forward("compute_wait_s")
-            row["hook_us_per_group"] = stats["components"]["model"]["hook_us_per_group"]
+            counted = engine.manager.components["model"].stats  # the timed forwards' own hook time
+            hook_ns, hook_calls = (
+                counted.hook_ns - warmed.get("hook_ns", 0),
+                counted.hook_calls - warmed.get("hook_calls", 0),
+            )
+            row["hook_us_per_group"] = hook_ns / hook_calls / 1e3 if hook_calls else None
             row["packed_bytes"] = total["packed_bytes"]
             row["reserve_bytes_planned"] = stats["components"]["model"]["reserve_bytes"]
             row["activation_bytes"] = total.get("activation_bytes")
@@ -491,8 +498,11 @@ def transformer_tables(args, device) -> list[dict]:
                 skipped(t, kind, "the part's time budget ran out")
             save()
             continue
-        if kind.endswith("-compile"):  # a row compiles from scratch, not from graphs an earlier row left cached
+        if kind.endswith("-compile"):  # dynamo's graphs and counters start empty (Inductor's disk cache stays)
+            from torch._dynamo.utils import counters
+
             torch._dynamo.reset()
+            counters.clear()
         if kind.startswith("resident"):
             model, info = built(kind.endswith("-compile"))
             done: dict[tuple, dict] = {}
