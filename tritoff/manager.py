@@ -213,7 +213,7 @@ class HookManager:
         waited = self.disk.wait_ns if self.disk is not None else 0
         if self.device.type == "cuda":  # fills are asynchronous there (this runs four times per block)
             return waited
-        return waited + sum(c.transfer.sync_fill_ns for c in self.components.values() if c.transfer is not None)
+        return waited + self.residency.fills.ns
 
     def slot_storages(self) -> set[int]:
         """The storages of every loaded ring slot."""
@@ -305,7 +305,11 @@ class HookManager:
             g.check_before_forward()
         for table in comp.host:
             table.check()
+        shapes_seen = len(comp.estimates)
         self._plan_activations(comp, args, kwargs)  # may refuse a capture: before anything is counted or changed
+        # a call tracing new input shapes (and re-planning around them) is left out, as the first call is: the
+        # counter is the steady state's
+        counted = counted and len(comp.estimates) == shapes_seen and comp.loaded
         comp.stats.calls += 1
         comp.last_ran = None
         if comp.blocks:  # encode/decode run pre_forward only (diffusers' apply_forward_hook): never marked active

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from tritoff.slots import SlotRing
-from tritoff.transfer import Transfer
+from tritoff.transfer import FillClock, Transfer
 
 
 class Residency:
@@ -30,6 +30,7 @@ class Residency:
         self.budget = budget
         self.fixed = fixed
         self.clock = 0
+        self.fills = FillClock()  # every phase's synchronous fills (the CPU path), whichever Transfer made them
         self.warned_over = False
 
     def held(self, components) -> int:
@@ -60,7 +61,7 @@ class Residency:
         """Allocate ``comp``'s phase and upload what its plan keeps resident. A failure part way (out of memory,
         Ctrl-C, a pack on disk failing its check) frees what was allocated, after the uploads already queued."""
         plan, device = comp.plan, self.device
-        transfer = Transfer(device, plan.chunk_bytes, self.disk)
+        transfer = Transfer(device, plan.chunk_bytes, self.disk, self.fills)
         ring = None
         try:
             if plan.ring_slots:

@@ -37,10 +37,19 @@ def side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.St
     return torch.cuda.Stream(device), torch.cuda.Stream(device)
 
 
-class Transfer:
-    """Staging halves of ``chunk_bytes`` each on ``device`` (none when 0), and the copy and upcast streams."""
+class FillClock:
+    """Host time spent filling synchronously (the CPU path): transfer time, not hook overhead. One per engine, shared
+    by the Transfer of every phase it loads, so a phase leaving or entering inside a hook keeps the count whole."""
 
-    def __init__(self, device: torch.device, chunk_bytes: int, disk=None):
+    def __init__(self):
+        self.ns = 0
+
+
+class Transfer:
+    """Staging halves of ``chunk_bytes`` each on ``device`` (none when 0), and the copy and upcast streams.
+    ``clock``: where synchronous fills add their host time (default: its own)."""
+
+    def __init__(self, device: torch.device, chunk_bytes: int, disk=None, clock: FillClock | None = None):
         self.device = device
         self.disk = disk
         self.cuda = device.type == "cuda"
@@ -55,7 +64,7 @@ class Transfer:
         self._half = 0
         # the stream the staging (and the ring's slots) were allocated on: their memory goes back to its pool
         self.home_stream = torch.cuda.current_stream(device) if self.cuda else None
-        self.sync_fill_ns = 0  # time spent filling synchronously (the CPU): transfer time, not hook overhead
+        self.clock = clock if clock is not None else FillClock()
 
     @property
     def staging_bytes(self) -> int:
@@ -88,13 +97,8 @@ class Transfer:
         callers that need the result record an event on :attr:`upcast_stream` after this call.
         """
         if not self.cuda:
-            waited = self.disk.wait_ns if self.disk is not None else 0
-            start = time.perf_counter_ns()
-            moved = self._fill_now(group, dst)
-            # a wait for the disk inside the fill is the disk ring's to count (the hooks' counter takes both off)
-            waited = (self.disk.wait_ns if self.disk is not None else 0) - waited
-            self.sync_fill_ns += time.perf_counter_ns() - start - waited
-            return moved
+            with self._synchronous():
+                return self._fill_now(group, dst)
         if group.device_pack is not None:
             with torch.cuda.stream(self.upcast_stream):
                 if after is not None:
@@ -124,6 +128,18 @@ class Transfer:
                     self._free[half].record(self.upcast_stream)
                 self._used[half] = True
         return group.packed_bytes
+
+    @contextlib.contextmanager
+    def _synchronous(self):
+        """Count a synchronous fill or upload (the CPU path) on :attr:`clock`, less the waits for the disk inside it,
+        which are the disk ring's to count (the hooks' counter takes both off)."""
+        waited = self.disk.wait_ns if self.disk is not None else 0
+        start = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            waited = (self.disk.wait_ns if self.disk is not None else 0) - waited
+            self.clock.ns += time.perf_counter_ns() - start - waited
 
     def _fill_now(self, group: GroupRuntime, dst: torch.Tensor) -> int:
         if group.device_pack is not None:
@@ -174,7 +190,7 @@ class Transfer:
     def upload(self, group: GroupRuntime, dst: torch.Tensor) -> None:
         """Copy ``group``'s pack into device ``dst`` on the copy stream; later fills may read ``dst``."""
         if not self.cuda:
-            with self.host_bytes(group) as host:
+            with self._synchronous(), self.host_bytes(group) as host:
                 dst.copy_(host)
             return
         with self.host_bytes(group, self.copy_stream) as host, torch.cuda.stream(self.copy_stream):

@@ -1,5 +1,7 @@
 """tritoff/manager.py: prefetch order, conditional groups, fp8-casting text encoders, ring slot reuse."""
 
+import time
+
 import pytest
 import torch
 import torch.nn as nn
@@ -565,6 +567,72 @@ def test_a_component_whose_exception_another_components_forward_catches_runs_as_
     assert inner.active == 0 and engine.manager.components["outer"].active == 0
     assert torch.equal(_output(pair.inner, x), _output(reference.inner, x))
     assert inner.trace is None and inner.traced == (mode == "group")
+
+
+def test_the_hooks_time_leaves_out_synchronous_fills_also_across_a_replan(monkeypatch):
+    """On the CPU every fill is synchronous: it is the transfer, not the hooks' overhead, and is taken off their time,
+    also when a call re-plans its phase inside its hook (the phase leaves and enters again with a new Transfer)."""
+    from tritoff.onload import GroupRuntime
+    from tritoff.tiny import tiny_wan_transformer
+
+    from .helpers import BIG_WAN
+
+    model = tiny_wan_transformer(**BIG_WAN).eval()
+
+    def inputs(frames, size):
+        gen = torch.Generator().manual_seed(frames)
+        return dict(
+            hidden_states=torch.randn(1, model.config.in_channels, frames, size, size, generator=gen).bfloat16(),
+            timestep=torch.tensor([500]),
+            encoder_hidden_states=torch.randn(1, 16, model.config.text_dim, generator=gen).bfloat16(),
+            return_dict=False,
+        )
+
+    engine = tritoff.enable(model, mode="group", budget=12_000_000, progress=False, kernels="reference")
+    upcast = GroupRuntime._upcast
+
+    def slow_upcast(self, *args):
+        time.sleep(0.02)
+        return upcast(self, *args)
+
+    monkeypatch.setattr(GroupRuntime, "_upcast", slow_upcast)
+    with torch.no_grad():
+        for x in (inputs(2, 8), inputs(5, 32), inputs(5, 32)):  # the larger call's reserve needs a new plan
+            model(**x)
+    stats = engine.stats["components"]["model"]
+    assert stats["replans"] >= 1 and stats["onloads"] >= 10
+    # every fill sleeps 20 ms; the hooks themselves take microseconds
+    assert 0 < stats["hook_us_per_group"] < 5_000
+
+
+def test_the_hooks_time_leaves_out_the_fills_of_a_phase_evicted_inside_a_hook(monkeypatch):
+    """A block called on its own enters its phase in its hook, evicting another phase: the fills that phase made
+    (transfer time, taken off the hooks' own) stay counted as such when its Transfer goes."""
+    from tritoff.onload import GroupRuntime
+
+    class Pair:
+        def __init__(self):
+            self.components = {"first": _stack(), "second": _stack()}
+
+    pair, x = Pair(), torch.randn(4, 16, dtype=torch.bfloat16)
+    first, second = pair.components.values()
+    engine = _enable(pair, _minimum(Pair()))  # one phase at a time
+    upcast = GroupRuntime._upcast
+
+    def slow_upcast(self, *args):
+        time.sleep(0.02)
+        return upcast(self, *args)
+
+    monkeypatch.setattr(GroupRuntime, "_upcast", slow_upcast)
+    for _ in range(2):
+        _output(first, x)
+        _output(second, x)
+    with torch.no_grad():
+        first.blocks[0](first.proj_in(x))  # evicts the second phase inside the block's hook
+    stats = engine.stats["components"]
+    assert stats["second"]["evictions"] >= 2 and stats["second"]["onloads"] >= 10
+    # every fill sleeps 20 ms; the hooks themselves take microseconds
+    assert 0 < stats["first"]["hook_us_per_group"] < 5_000
 
 
 def test_weights_are_frozen_and_never_saved_for_backward():
