@@ -4,7 +4,8 @@ Builds a Wan-shaped transformer (``tritoff.tiny``, ``--layers`` blocks of 27 ten
 smallest budget that works, so every block streams through the slot ring. Runs ``--forwards`` forwards on a tiny
 input and reports the engine's own counter: host time in tritoff's hooks per group (each block's pre and post, and
 its share of the component's entry and exit, where the weights' checks run once per call), after the first forward,
-synchronous fills (the CPU's transfer) excluded. For scale, it also times the parameter swaps alone: binding
+synchronous fills (the CPU's transfer) excluded; then, over a few more forwards, the same time split by hook method
+(``breakdown_us_per_group``). For scale, it also times the parameter swaps alone: binding
 a block's tensors to slot views and back to placeholders, in a tight loop; and, on CUDA, the host time to issue one
 block's transfer (copy, upcast launch, events), which the hooks do for the blocks ahead, and each of those calls
 alone. Target: ≤ 20 µs per group.
@@ -81,9 +82,12 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         group = next(g for comp in engine.manager.components.values() for g in comp.blocks if g.tier == "stream")
+        hook_us = engine.stats["components"]["model"]["hook_us_per_group"]
         runs.append(
             {
-                "hook_us_per_group": engine.stats["components"]["model"]["hook_us_per_group"],
+                "hook_us_per_group": hook_us,
+                # after the measurement: the wrappers add their own time, which the counter above never sees
+                "breakdown_us_per_group": _diagnostic(_breakdown, engine, model, inputs, min(args.forwards, 10)),
                 "swap_us_per_group": _swap_us(group, device),
                 "issue_us_per_group": _diagnostic(_issue_us, engine, group, device),
                 "issue_steps_us": _diagnostic(_issue_steps_us, engine, group, device),
@@ -105,6 +109,7 @@ def main() -> None:
         "swap_us_per_group": swap,
         "issue_us_per_group": issue,
         "issue_steps_us": runs[-1]["issue_steps_us"],
+        "breakdown_us_per_group": runs[-1]["breakdown_us_per_group"],
         "target_us": 20.0,
         "met": hook <= 20.0,
     }
@@ -131,6 +136,9 @@ def main() -> None:
             ],
         )
     )
+    breakdown = result["breakdown_us_per_group"]
+    if breakdown and "error" not in breakdown:
+        print("per group, by hook (µs; issue is within group_pre):", {k: round(v, 1) for k, v in breakdown.items()})
     if result["issue_steps_us"]:
         print("issuing one chunk, step by step (µs):", result["issue_steps_us"])
     print(f"wrote {path}")
@@ -142,6 +150,47 @@ def _diagnostic(measure, *args):
         return measure(*args)
     except Exception as err:
         return {"error": f"{type(err).__name__}: {err}"}
+
+
+def _breakdown(engine, model, inputs, forwards: int) -> dict:
+    """Where the hooks' time goes, in place: host µs per group (per block call) in each hook method over ``forwards``
+    more forwards, each timed around the call (the wrappers' own ~0.2 µs included, synchronous fills left out as in
+    the counter). ``issue`` (the transfers' launches, within ``group_pre``) is also shown on its own; the component's
+    hooks run once per call and are shared out over its blocks."""
+    import torch
+
+    manager = engine.manager
+    spent: dict[str, int] = dict.fromkeys(("component_pre", "group_pre", "issue", "group_post", "component_post"), 0)
+    originals = {name: getattr(manager, name) for name in ("component_pre", "group_pre", "_issue", "group_post")}
+    originals["component_post"] = manager.component_post
+
+    def timed(name, key):
+        method = originals[name]
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter_ns() - manager.transfer_ns
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter_ns() - manager.transfer_ns - start
+
+        return wrapper
+
+    for name in originals:  # instance attributes: the hooks call these through the manager
+        setattr(manager, name, timed(name, name.lstrip("_")))
+    comp = manager.components["model"]
+    calls = comp.stats.hook_calls
+    try:
+        with torch.no_grad():
+            for _ in range(forwards):
+                model(**inputs)
+        if manager.device.type == "cuda":
+            torch.cuda.synchronize(manager.device)
+    finally:
+        for name in originals:
+            delattr(manager, name)
+    blocks = comp.stats.hook_calls - calls
+    return {key: ns / blocks / 1e3 for key, ns in spent.items()} if blocks else {}
 
 
 def _swap_us(group, device) -> float:
