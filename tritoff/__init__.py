@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "StorageFormat": "tritoff.formats",
     "get_format": "tritoff.formats",
-    "Pack": "tritoff.pack",
+    "Pack": "tritoff.packer",
     "PackLayout": "tritoff.pack",
     "HostArena": "tritoff.arena",
     "PackedModel": "tritoff.packer",
