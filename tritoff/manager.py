@@ -106,6 +106,9 @@ class ComponentRuntime:
     measured: int | None = None  # activations of the first forward, measured on CUDA
     reserve_traced: bool = False  # the reserve was planned from a call's estimate (the default's placeholder before)
     last_ran: int | None = None  # the block that ran last in the current call
+    # the current call counts toward the hooks' time: the steady state (traced before, no new input shapes to trace,
+    # no re-plan), as component_pre found it
+    steady: bool = False
     stats: ComponentStats = field(default_factory=ComponentStats)
     stalls: StallClock = field(default_factory=StallClock)
 
@@ -295,7 +298,7 @@ class HookManager:
     def component_pre(self, comp: ComponentRuntime, args, kwargs):
         """Before a component's forward (or encode/decode): plan its activations, enter its phase, start prefetching
         its first blocks."""
-        start, counted = time.perf_counter_ns() - self.transfer_ns, comp.traced and comp.loaded  # (not an upload)
+        start, loaded = time.perf_counter_ns() - self.transfer_ns, comp.loaded
         # named by a block that streams, not one that may be resident
         self._refuse_capture(comp, next((g for g in comp.blocks if g.tier in ("fp8", "stream")), None))
         if torch.is_grad_enabled():
@@ -305,11 +308,14 @@ class HookManager:
             g.check_before_forward()
         for table in comp.host:
             table.check()
-        shapes_seen = len(comp.estimates)
+        shapes_seen, replans = len(comp.estimates), comp.stats.replans
         self._plan_activations(comp, args, kwargs)  # may refuse a capture: before anything is counted or changed
-        # a call tracing new input shapes (and re-planning around them) is left out, as the first call is: the
-        # counter is the steady state's
-        counted = counted and len(comp.estimates) == shapes_seen and comp.loaded
+        # a call tracing new input shapes, or re-planning, is left out (its block hooks too), as the first call is:
+        # the counter is the steady state's
+        steady = comp.traced and len(comp.estimates) == shapes_seen and comp.stats.replans == replans
+        if comp.blocks:  # encode/decode (no blocks) leave a running forward's flag alone
+            comp.steady = steady
+        counted = steady and loaded  # entering the phase here is an upload, not the hooks' overhead
         comp.stats.calls += 1
         comp.last_ran = None
         if comp.blocks:  # encode/decode run pre_forward only (diffusers' apply_forward_hook): never marked active
@@ -330,7 +336,7 @@ class HookManager:
 
     def component_post(self, comp: ComponentRuntime) -> None:
         """After a component's forward: finish its trace on the first call; check its slots' parameters."""
-        start, counted = time.perf_counter_ns() - self.transfer_ns, comp.traced
+        start, counted = time.perf_counter_ns() - self.transfer_ns, comp.traced and comp.steady
         comp.active = max(comp.active - 1, 0)
         if comp.trace is not None and comp.active == 0:
             self._finish_activation_measure(comp)
@@ -586,7 +592,7 @@ class HookManager:
         comp.last_ran = self.index[id(group)]
         # host time in the hook itself: synchronous fills (the CPU path) are the transfer, not overhead
         end = time.perf_counter_ns() - self.transfer_ns
-        if comp.traced:  # steady state only: the first forward also pays for warm-up and tracing
+        if comp.steady if comp.active else comp.traced:  # steady state only: warm-up and tracing are left out
             comp.stats.hook_ns += end - start
             comp.stats.hook_calls += 1
 
@@ -609,7 +615,7 @@ class HookManager:
             # the block's kernels are queued (whatever its tier): wait for the next pack's disk read now, while the
             # GPU computes, rather than in the next block's hook with nothing queued
             self._top_up(block=True)
-        if comp.traced:
+        if comp.steady if comp.active else comp.traced:
             comp.stats.hook_ns += time.perf_counter_ns() - self.transfer_ns - start
 
     def _issue(self, group: GroupRuntime) -> None:

@@ -569,10 +569,9 @@ def test_a_component_whose_exception_another_components_forward_catches_runs_as_
     assert inner.trace is None and inner.traced == (mode == "group")
 
 
-def test_the_hooks_time_leaves_out_synchronous_fills_also_across_a_replan(monkeypatch):
-    """On the CPU every fill is synchronous: it is the transfer, not the hooks' overhead, and is taken off their time,
-    also when a call re-plans its phase inside its hook (the phase leaves and enters again with a new Transfer)."""
-    from tritoff.onload import GroupRuntime
+def test_the_hooks_time_is_the_steady_states():
+    """The first call, and a call that traces new input shapes and re-plans around them, are left out of the hooks'
+    time, block hooks included: warm-up and tracing are not the hooks' per-block overhead."""
     from tritoff.tiny import tiny_wan_transformer
 
     from .helpers import BIG_WAN
@@ -589,20 +588,14 @@ def test_the_hooks_time_leaves_out_synchronous_fills_also_across_a_replan(monkey
         )
 
     engine = tritoff.enable(model, mode="group", budget=12_000_000, progress=False, kernels="reference")
-    upcast = GroupRuntime._upcast
-
-    def slow_upcast(self, *args):
-        time.sleep(0.02)
-        return upcast(self, *args)
-
-    monkeypatch.setattr(GroupRuntime, "_upcast", slow_upcast)
+    stats = engine.manager.components["model"].stats
     with torch.no_grad():
-        for x in (inputs(2, 8), inputs(5, 32), inputs(5, 32)):  # the larger call's reserve needs a new plan
-            model(**x)
-    stats = engine.stats["components"]["model"]
-    assert stats["replans"] >= 1 and stats["onloads"] >= 10
-    # every fill sleeps 20 ms; the hooks themselves take microseconds
-    assert 0 < stats["hook_us_per_group"] < 5_000
+        model(**inputs(2, 8))
+        model(**inputs(5, 32))  # new shapes: a larger reserve, a new plan
+        assert stats.replans >= 1 and stats.hook_calls == 0 and stats.hook_ns == 0
+        model(**inputs(5, 32))
+    tiers = engine.plan.tier_counts("model")
+    assert stats.hook_calls == tiers["fp8"] + tiers["stream"] > 0  # one per hooked block, of the third call only
 
 
 def test_the_hooks_time_leaves_out_the_fills_of_a_phase_evicted_inside_a_hook(monkeypatch):
