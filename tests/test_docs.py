@@ -1,7 +1,7 @@
-"""The docs against the code they describe: every ``tritoff.<name>(...)`` a Python example calls exists and takes the
-keywords it is given, every ``engine.<name>`` exists, every ``tritoff <command> --option`` is an option of that
-command, and every relative link leads to a file (and heading) that exists. A renamed option or function fails here
-rather than in a user's first command."""
+"""The docs against the code they describe: every ``tritoff.<name>(...)`` a Python example calls (or imports) exists
+and takes the keywords it is given, every ``engine.<name>`` exists, every ``tritoff <command> --option`` (in a shell
+block, continued lines joined, or in inline code) is an option of that command, and every relative link leads to a
+file, and heading, that exists. A renamed option or function fails here rather than in a user's first command."""
 
 from __future__ import annotations
 
@@ -20,45 +20,106 @@ from tritoff.engine import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"```(\w*)\n(.*?)```", re.S)
+SHELL, PYTHON = {"bash", "sh", "shell", "console", "zsh"}, {"python", "py"}
+# a command: ``tritoff``, or a path ending in it (``.venv/bin/tritoff``), then its arguments (a bare ``tritoff`` or
+# ``~/.cache/tritoff`` is a name)
+COMMAND = re.compile(r"^(?:\S*/)?tritoff\s+\S")
+INLINE = re.compile(r"`([^`]+)`")
 
 
 def _ids(paths):
     return [str(p.relative_to(ROOT)) for p in paths]
 
 
-def _python_blocks(text: str) -> list[str]:
-    return [body for lang, body in FENCE.findall(text) if lang == "python"]
+def _blocks(text: str) -> tuple[list[tuple[str, str]], str]:
+    """The fenced code blocks as (language, body), and the text outside them."""
+    blocks, prose, fence, lang, body = [], [], None, "", []
+    for line in text.splitlines():
+        opening = re.match(r"^\s*(`{3,}|~{3,})\s*([\w+-]*)", line)
+        if fence is None and opening:
+            fence, lang, body = opening.group(1), opening.group(2).lower(), []
+        elif fence is not None and line.strip().startswith(fence) and not line.strip().strip(fence[0]):
+            blocks.append((lang, "\n".join(body)))
+            fence = None
+        elif fence is not None:
+            body.append(line)
+        else:
+            prose.append(line)
+    return blocks, "\n".join(prose)
+
+
+def _shell_lines(body: str) -> list[str]:
+    """A shell block's logical lines: a trailing backslash, or an indented line under a command, continues it."""
+    lines: list[str] = []
+    for raw in body.splitlines():
+        line = re.sub(r"^\s*\$\s+", "", raw)  # a prompt
+        if lines and (lines[-1].endswith("\\") or (raw[:1].isspace() and line.strip() and not raw.strip()[:1] == "#")):
+            lines[-1] = lines[-1].rstrip("\\").rstrip() + " " + line.strip()
+        else:
+            lines.append(line.strip())
+    return lines
 
 
 def _commands(text: str) -> list[str]:
-    """``tritoff ...`` command lines: in shell code blocks, and in inline code spans."""
-    lines = [
-        line.strip()
-        for lang, body in FENCE.findall(text)
-        if lang in ("bash", "sh")
-        for line in body.splitlines()
-        if line.strip().startswith("tritoff ")
-    ]
-    prose = FENCE.sub("", text)
-    return lines + [span for span in re.findall(r"`([^`\n]+)`", prose) if span.startswith("tritoff ")]
+    """``tritoff ...`` commands: in shell blocks (each part of ``a && b``), and in inline code spans."""
+    blocks, prose = _blocks(text)
+    commands = []
+    for lang, body in blocks:
+        if lang in SHELL:
+            for line in _shell_lines(body):
+                commands += [part.strip() for part in re.split(r"&&|;|\|\|", line) if COMMAND.match(part.strip())]
+    for span in INLINE.findall(prose):
+        span = " ".join(span.split())  # a span wrapped over two lines
+        if COMMAND.match(span):
+            commands.append(span)
+    return commands
 
 
-def _subcommands() -> dict[str, argparse.ArgumentParser]:
+def _words(command: str) -> list[str]:
+    try:
+        words = shlex.split(command, comments=True)
+    except ValueError:  # an apostrophe in prose-like text
+        words = command.split("#")[0].split()
+    return words
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = build_parser()
-    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    return parser, next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
 
 
-def _slug(heading: str) -> str:
-    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces to hyphens."""
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    return {o for a in parser._actions for o in a.option_strings}
+
+
+def _headings(text: str) -> set[str]:
+    """The anchors GitHub makes of a file's headings: rendered text (links, code and emphasis marks dropped), lower
+    case, punctuation other than hyphens and underscores dropped, spaces to hyphens, ``-N`` after a repeat."""
+    anchors: dict[str, int] = {}
+    for line in _blocks(text)[1].splitlines():
+        heading = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not heading:
+            continue
+        rendered = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1))
+        rendered = re.sub(r"(?<!\w)_+|_+(?!\w)|[*`]", "", rendered)
+        slug = re.sub(r"[^\w\- ]", "", rendered.lower()).replace(" ", "-")
+        count = anchors.get(slug)
+        anchors[slug] = 0 if count is None else count + 1
+        if count is not None:
+            anchors[f"{slug}-{count + 1}"] = 0
+    return set(anchors)
 
 
 @pytest.mark.parametrize("path", DOCS, ids=_ids(DOCS))
 def test_python_examples_call_what_exists(path):
-    for block in _python_blocks(path.read_text()):
+    for lang, block in _blocks(path.read_text())[0]:
+        if lang not in PYTHON:
+            continue
         tree = ast.parse(block)  # an example that does not parse is a broken example
         for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "tritoff":
+                for alias in node.names:
+                    assert alias.name in tritoff.__all__, f"{path.name}: tritoff has no {alias.name} to import"
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
                 continue
             owner = node.func.value
@@ -75,41 +136,64 @@ def test_python_examples_call_what_exists(path):
 def test_engine_attributes_named_exist(path):
     # the class's methods and properties, and what its methods set on the instance
     known = set(dir(Engine)) | set(re.findall(r"self\.(\w+)\s*[:=]", inspect.getsource(Engine)))
-    for name in set(re.findall(r"(?<![/\w])engine\.(\w+)", path.read_text())) - {"py"}:  # engine.py: the file
+    for name in set(re.findall(r"(?<![/\w.])engine\.(\w+)", path.read_text())) - {"py"}:  # engine.py: the file
         assert name in known, f"{path.name}: engine.{name} does not exist"
 
 
 @pytest.mark.parametrize("path", DOCS, ids=_ids(DOCS))
 def test_commands_use_options_that_exist(path):
-    subcommands = _subcommands()
+    top, subcommands = _parsers()
     for command in _commands(path.read_text()):
-        words = shlex.split(command, comments=True)
-        assert words[1] in subcommands, f"{path.name}: tritoff has no command {words[1]!r} ({command})"
-        parser = subcommands[words[1]]
+        words = _words(command)[1:]
+        if words and words[0].startswith("-"):  # tritoff --help
+            assert words[0].split("=")[0] in _options(top), f"{path.name}: tritoff has no {words[0]} ({command})"
+            continue
+        assert words and words[0] in subcommands, f"{path.name}: tritoff has no command {words[:1]} ({command})"
+        parser = subcommands[words[0]]
         if any(a.nargs == argparse.REMAINDER for a in parser._actions):  # bench: the rest goes to the script
             continue
-        options = {o for a in parser._actions for o in a.option_strings}
-        for word in words[2:]:
+        options = _options(parser)
+        for word in words[1:]:
             option = word.strip("[]").split("=")[0]
             if option.startswith("--"):
-                assert option in options, f"{path.name}: `tritoff {words[1]}` has no {option} ({command})"
+                assert option in options, f"{path.name}: `tritoff {words[0]}` has no {option} ({command})"
 
 
-def test_every_documented_command_is_found():
-    """The extraction above sees the commands the README gives (a regex that matched nothing would pass)."""
-    commands = _commands((ROOT / "README.md").read_text())
-    assert {shlex.split(c, comments=True)[1] for c in commands} >= {"plan", "convert", "run"}
+def test_the_extraction_sees_what_the_docs_hold():
+    """The commands and headings the checks above read are found (a pattern that matched nothing would pass)."""
+    commands = [_words(c)[1] for c in _commands((ROOT / "README.md").read_text())]
+    assert {"demo", "plan", "convert", "run"} <= set(commands)
+    usage = (ROOT / "docs/usage.md").read_text()
+    reference = [c for c in _commands(usage) if c.startswith("tritoff run MODEL --prompt")]
+    assert reference and "--spill-dir" in reference[0]  # the command-line reference's continued lines are joined
+    assert "torchcompile" in _headings(usage)
+
+
+def test_the_extraction_handles_what_markdown_allows():
+    text = (
+        "# Title\n## Title\n## Fast _path_ [here](x.md) ##\n"
+        "```c++\nint x;\n```\n"
+        "```bash\n$ tritoff plan M \\\n  --budget 8GB\ncd x && .venv/bin/tritoff demo --steps 2\n```\n"
+        "Run `tritoff run MODEL\n--store DIR` once; `tritoff --help`; don't use `it's`.\n"
+    )
+    assert _headings(text) == {"title", "title-1", "fast-path-here"}
+    assert _commands(text) == [
+        "tritoff plan M --budget 8GB",
+        ".venv/bin/tritoff demo --steps 2",
+        "tritoff run MODEL --store DIR",
+        "tritoff --help",
+    ]
 
 
 @pytest.mark.parametrize("path", DOCS, ids=_ids(DOCS))
 def test_relative_links_resolve(path):
-    text = FENCE.sub("", path.read_text())
-    for target in re.findall(r"\]\(([^)\s]+)\)", text):
-        if re.match(r"[a-z]+://", target):
+    prose = INLINE.sub("", _blocks(path.read_text())[1])
+    for target in re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", prose):
+        if re.match(r"[a-zA-Z][\w+.-]*:", target):  # https:, mailto:, ...
             continue
         file, _, anchor = target.partition("#")
-        linked = (path.parent / file).resolve() if file else path
+        base = ROOT if file.startswith("/") else path.parent
+        linked = (base / file.lstrip("/")).resolve() if file else path
         assert linked.exists(), f"{path.name}: link to {target}: no such file"
         if anchor and linked.suffix == ".md":
-            headings = re.findall(r"^#+ (.+)$", FENCE.sub("", linked.read_text()), re.M)
-            assert anchor in {_slug(h) for h in headings}, f"{path.name}: link to {target}: no such heading"
+            assert anchor in _headings(linked.read_text()), f"{path.name}: link to {target}: no such heading"
