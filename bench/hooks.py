@@ -138,7 +138,8 @@ def main() -> None:
     )
     breakdown = result["breakdown_us_per_group"]
     if breakdown and "error" not in breakdown:
-        print("per group, by hook (µs; issue is within group_pre):", {k: round(v, 1) for k, v in breakdown.items()})
+        split = {k: round(v, 1) for k, v in breakdown.items()}
+        print("per group, by hook (µs; issue is part of the hooks that issued it):", split)
     if result["issue_steps_us"]:
         print("issuing one chunk, step by step (µs):", result["issue_steps_us"])
     print(f"wrote {path}")
@@ -155,8 +156,9 @@ def _diagnostic(measure, *args):
 def _breakdown(engine, model, inputs, forwards: int) -> dict:
     """Where the hooks' time goes, in place: host µs per group (per block call) in each hook method over ``forwards``
     more forwards, each timed around the call (the wrappers' own ~0.2 µs included, synchronous fills left out as in
-    the counter). ``issue`` (the transfers' launches, within ``group_pre``) is also shown on its own; the component's
-    hooks run once per call and are shared out over its blocks."""
+    the counter). ``issue`` (the transfers' launches) is also shown on its own: it is part of the hook that issued
+    them (``group_pre`` for the blocks ahead; ``component_pre`` for the first ones). The component's hooks run once per
+    call and are shared out over its blocks."""
     import torch
 
     manager = engine.manager
