@@ -155,8 +155,8 @@ def _diagnostic(measure, *args):
 
 def _breakdown(engine, model, inputs, forwards: int) -> dict:
     """Where the hooks' time goes, in place: host µs per group (per block call) in each hook method over ``forwards``
-    more forwards, each timed around the call (the wrappers' own ~0.2 µs included, synchronous fills left out as in
-    the counter). ``issue`` (the transfers' launches) is also shown on its own: it is part of the hook that issued
+    more forwards, each timed around the call (the wrappers' own time included, synchronous fills left out as in the
+    counter). ``issue`` (the transfers' launches) is also shown on its own: it is part of the hook that issued
     them (``group_pre`` for the blocks ahead; ``component_pre`` for the first ones). The component's hooks run once per
     call and are shared out over its blocks."""
     import torch
