@@ -1,12 +1,15 @@
-"""The docs against the code they describe: every ``tritoff.<name>(...)`` a Python example calls (or imports) exists
-and takes the keywords it is given, every ``engine.<name>`` exists, every ``tritoff <command> --option`` (in a shell
-block, continued lines joined, or in inline code) is an option of that command, and every relative link leads to a
-file, and heading, that exists. A renamed option or function fails here rather than in a user's first command."""
+"""The docs against the code they describe: every ``tritoff.<name>`` named exists, and takes the keywords a call in a
+Python example or inline code gives it; every ``engine.<name>`` exists; the options table of ``tritoff.enable`` names
+its parameters, and the exports table every export; every ``tritoff <command> --option`` (in a shell block, continued
+lines joined, in a Python comment, or in inline code) is an option of that command; every ``bench/`` script named
+exists and takes the options given to it; and every relative link leads to a file, and heading, that exists. A
+renamed option or function fails here rather than in a user's first command."""
 
 from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import inspect
 import re
 import shlex
@@ -25,6 +28,10 @@ SHELL, PYTHON = {"bash", "sh", "shell", "console", "zsh"}, {"python", "py"}
 # ``~/.cache/tritoff`` is a name)
 COMMAND = re.compile(r"^(?:\S*/)?tritoff\s+\S")
 INLINE = re.compile(r"`([^`]+)`")
+
+
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
 
 
 def _ids(paths):
@@ -68,6 +75,8 @@ def _commands(text: str) -> list[str]:
         if lang in SHELL:
             for line in _shell_lines(body):
                 commands += [part.strip() for part in re.split(r"&&|;|\|\|", line) if COMMAND.match(part.strip())]
+        elif lang in PYTHON:  # a command in a comment: "# then: tritoff convert ..."
+            commands += [m.strip() for m in re.findall(r"#\s*(?:\w+:\s*)?(.*)", body) if COMMAND.match(m.strip())]
     for span in INLINE.findall(prose):
         span = " ".join(span.split())  # a span wrapped over two lines
         if COMMAND.match(span):
@@ -110,40 +119,77 @@ def _headings(text: str) -> set[str]:
     return set(anchors)
 
 
+def _check_calls(tree: ast.AST, where: str) -> None:
+    """Every ``from tritoff import X`` and ``tritoff.X(..., keyword=...)`` in ``tree`` names what exists."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "tritoff":
+            for alias in node.names:
+                assert alias.name in tritoff.__all__, f"{where}: tritoff has no {alias.name} to import"
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        owner = node.func.value
+        if isinstance(owner, ast.Name) and owner.id == "tritoff":
+            assert node.func.attr in tritoff.__all__, f"{where}: tritoff.{node.func.attr} does not exist"
+            parameters = inspect.signature(getattr(tritoff, node.func.attr)).parameters
+            for keyword in node.keywords:
+                assert keyword.arg is None or keyword.arg in parameters, (
+                    f"{where}: tritoff.{node.func.attr}() takes no {keyword.arg}="
+                )
+
+
 @pytest.mark.parametrize("path", DOCS, ids=_ids(DOCS))
 def test_python_examples_call_what_exists(path):
-    for lang, block in _blocks(path.read_text())[0]:
-        if lang not in PYTHON:
-            continue
-        tree = ast.parse(block)  # an example that does not parse is a broken example
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module == "tritoff":
-                for alias in node.names:
-                    assert alias.name in tritoff.__all__, f"{path.name}: tritoff has no {alias.name} to import"
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+    blocks, prose = _blocks(_read(path))
+    for lang, block in blocks:
+        if lang in PYTHON:
+            _check_calls(ast.parse(block), path.name)  # an example that does not parse is a broken example
+    for span in INLINE.findall(prose):  # `tritoff.enable(pipe, store=...)`
+        if span.startswith("tritoff."):
+            try:
+                tree = ast.parse(" ".join(span.split()), mode="eval")
+            except SyntaxError:  # prose, not an expression
                 continue
-            owner = node.func.value
-            if isinstance(owner, ast.Name) and owner.id == "tritoff":
-                assert node.func.attr in tritoff.__all__, f"{path.name}: tritoff.{node.func.attr} does not exist"
-                parameters = inspect.signature(getattr(tritoff, node.func.attr)).parameters
-                for keyword in node.keywords:
-                    assert keyword.arg is None or keyword.arg in parameters, (
-                        f"{path.name}: tritoff.{node.func.attr}() takes no {keyword.arg}="
-                    )
+            _check_calls(tree, f"{path.name} (`{span}`)")
+
+
+@pytest.mark.parametrize("path", DOCS, ids=_ids(DOCS))
+def test_tritoff_names_exist(path):
+    for name in set(re.findall(r"(?<![\w./-])tritoff\.([A-Za-z_]\w*)", _read(path))):
+        assert name in tritoff.__all__ or importlib.util.find_spec(f"tritoff.{name}"), (
+            f"{path.name}: tritoff.{name} does not exist"
+        )
+
+
+def test_the_usage_tables_name_the_parameters_and_the_exports():
+    """The options table of ``tritoff.enable`` lists its parameters, each that exists; the exports table lists every
+    export."""
+    usage = _read(ROOT / "docs/usage.md")
+
+    def first_column(after: str) -> list[list[str]]:
+        """The names in backquotes in the first column of the first table after the heading ``after``."""
+        lines = usage[usage.index(after) :].splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+        end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+        return [re.findall(r"`([A-Za-z_]\w*)", row.split("|")[1]) for row in lines[start + 2 : end]]
+
+    options = [names[0] for names in first_column("### Options of `tritoff.enable(")]
+    assert set(options) == set(inspect.signature(tritoff.enable).parameters) - {"options"}
+    exported = {name for names in first_column("### The rest of the Python API") for name in names}
+    assert exported == set(tritoff.__all__) - {"__version__"}
 
 
 @pytest.mark.parametrize("path", DOCS, ids=_ids(DOCS))
 def test_engine_attributes_named_exist(path):
     # the class's methods and properties, and what its methods set on the instance
     known = set(dir(Engine)) | set(re.findall(r"self\.(\w+)\s*[:=]", inspect.getsource(Engine)))
-    for name in set(re.findall(r"(?<![/\w.])engine\.(\w+)", path.read_text())) - {"py"}:  # engine.py: the file
+    for name in set(re.findall(r"(?<![/\w.])engine\.(\w+)", _read(path))) - {"py"}:  # engine.py: the file
         assert name in known, f"{path.name}: engine.{name} does not exist"
 
 
 @pytest.mark.parametrize("path", DOCS, ids=_ids(DOCS))
 def test_commands_use_options_that_exist(path):
     top, subcommands = _parsers()
-    for command in _commands(path.read_text()):
+    for command in _commands(_read(path)):
         words = _words(command)[1:]
         if words and words[0].startswith("-"):  # tritoff --help
             assert words[0].split("=")[0] in _options(top), f"{path.name}: tritoff has no {words[0]} ({command})"
@@ -151,6 +197,8 @@ def test_commands_use_options_that_exist(path):
         assert words and words[0] in subcommands, f"{path.name}: tritoff has no command {words[:1]} ({command})"
         parser = subcommands[words[0]]
         if any(a.nargs == argparse.REMAINDER for a in parser._actions):  # bench: the rest goes to the script
+            which = next(a for a in parser._actions if a.dest == "which").choices
+            assert words[1:] and set(words[1].split("|")) <= set(which), f"{path.name}: no benchmark {command}"
             continue
         options = _options(parser)
         for word in words[1:]:
@@ -159,11 +207,31 @@ def test_commands_use_options_that_exist(path):
                 assert option in options, f"{path.name}: `tritoff {words[0]}` has no {option} ({command})"
 
 
+@pytest.mark.parametrize("path", DOCS, ids=_ids(DOCS))
+def test_bench_scripts_named_exist_and_take_their_options(path):
+    blocks, prose = _blocks(_read(path))
+    lines = [line for lang, body in blocks if lang in SHELL for line in _shell_lines(body)]
+    lines += [" ".join(span.split()) for span in INLINE.findall(prose)]
+    for name in set(re.findall(r"\bbench/([a-z_]+\.(?:py|sh))\b", _read(path))):  # not bench/NAME.py
+        assert (ROOT / "bench" / name).exists(), f"{path.name}: bench/{name} does not exist"
+    for line in lines:
+        for part in re.split(r"&&|;|\|\|", line):
+            run = re.match(r"^\s*(?:\S*python3?\s+|\S+=\S+\s+)*bench/([a-z_]+)\.(?:py|sh)(.*)$", part)
+            if not run:
+                continue
+            twin = ROOT / "bench" / f"{run.group(1)}.py"  # a .sh script runs its .py twin, where it has one
+            script = _read(twin if twin.exists() else ROOT / "bench" / f"{run.group(1)}.sh")
+            for word in _words(run.group(2)):
+                option = word.strip("[]").split("=")[0]
+                if option.startswith("--"):
+                    assert f'"{option}"' in script, f"{path.name}: bench/{run.group(1)} takes no {option} ({part})"
+
+
 def test_the_extraction_sees_what_the_docs_hold():
     """The commands and headings the checks above read are found (a pattern that matched nothing would pass)."""
-    commands = [_words(c)[1] for c in _commands((ROOT / "README.md").read_text())]
+    commands = [_words(c)[1] for c in _commands(_read(ROOT / "README.md"))]
     assert {"demo", "plan", "convert", "run"} <= set(commands)
-    usage = (ROOT / "docs/usage.md").read_text()
+    usage = _read(ROOT / "docs/usage.md")
     reference = [c for c in _commands(usage) if c.startswith("tritoff run MODEL --prompt")]
     assert reference and "--spill-dir" in reference[0]  # the command-line reference's continued lines are joined
     assert "torchcompile" in _headings(usage)
@@ -187,7 +255,7 @@ def test_the_extraction_handles_what_markdown_allows():
 
 @pytest.mark.parametrize("path", DOCS, ids=_ids(DOCS))
 def test_relative_links_resolve(path):
-    prose = INLINE.sub("", _blocks(path.read_text())[1])
+    prose = INLINE.sub("", _blocks(_read(path))[1])
     for target in re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", prose):
         if re.match(r"[a-zA-Z][\w+.-]*:", target):  # https:, mailto:, ...
             continue
@@ -196,4 +264,4 @@ def test_relative_links_resolve(path):
         linked = (base / file.lstrip("/")).resolve() if file else path
         assert linked.exists(), f"{path.name}: link to {target}: no such file"
         if anchor and linked.suffix == ".md":
-            assert anchor in _headings(linked.read_text()), f"{path.name}: link to {target}: no such heading"
+            assert anchor in _headings(_read(linked)), f"{path.name}: link to {target}: no such heading"
