@@ -313,7 +313,7 @@ class HookManager:
         # a call tracing new input shapes, or re-planning, is left out (its block hooks too), as the first call is:
         # the counter is the steady state's
         steady = comp.traced and len(comp.estimates) == shapes_seen and comp.stats.replans == replans
-        if comp.blocks:  # encode/decode (no blocks) leave a running forward's flag alone
+        if comp.blocks and not comp.active:  # the outermost call's: encode/decode (no blocks) and nested calls keep it
             comp.steady = steady
         counted = steady and loaded  # entering the phase here is an upload, not the hooks' overhead
         comp.stats.calls += 1
@@ -541,6 +541,7 @@ class HookManager:
         """Before a block's forward: make sure it is loaded (or loading), wait for it on the GPU, bind, prefetch."""
         start = time.perf_counter_ns() - self.transfer_ns
         comp = self.components[group.component]
+        loaded = comp.loaded  # a block called on its own may enter its phase here: an upload, not hook overhead
         # bound to its slot and not prefetched: its own forward is running (an interrupted unbind leaves a group
         # bound with its slot freed, and a prefetch then takes it into flight)
         if group.bound and group.slot is not None and group not in self.inflight:
@@ -592,7 +593,8 @@ class HookManager:
         comp.last_ran = self.index[id(group)]
         # host time in the hook itself: synchronous fills (the CPU path) are the transfer, not overhead
         end = time.perf_counter_ns() - self.transfer_ns
-        if comp.steady if comp.active else comp.traced:  # steady state only: warm-up and tracing are left out
+        group.hook_counted = loaded and (comp.steady if comp.active else comp.traced)  # no warm-up, tracing, entry
+        if group.hook_counted:
             comp.stats.hook_ns += end - start
             comp.stats.hook_calls += 1
 
@@ -615,7 +617,7 @@ class HookManager:
             # the block's kernels are queued (whatever its tier): wait for the next pack's disk read now, while the
             # GPU computes, rather than in the next block's hook with nothing queued
             self._top_up(block=True)
-        if comp.steady if comp.active else comp.traced:
+        if group.hook_counted:
             comp.stats.hook_ns += time.perf_counter_ns() - self.transfer_ns - start
 
     def _issue(self, group: GroupRuntime) -> None:

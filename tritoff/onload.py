@@ -184,6 +184,7 @@ class GroupRuntime:
         self.slot: int | None = None  # ring slot holding it while streamed
         self.ready: torch.cuda.Event | None = None
         self._views: dict[int, list[torch.Tensor]] = {}
+        self.hook_counted = False  # its pre hook counted toward the hooks' time in this call: so does its post
 
     def _build_tables(self) -> None:
         # every table of the group in one device allocation, sliced per launch (each would cost 512 bytes alone)
