@@ -162,12 +162,11 @@ def _breakdown(engine, model, inputs, forwards: int) -> dict:
     import torch
 
     manager = engine.manager
-    spent: dict[str, int] = dict.fromkeys(("component_pre", "group_pre", "issue", "group_post", "component_post"), 0)
-    originals = {name: getattr(manager, name) for name in ("component_pre", "group_pre", "_issue", "group_post")}
-    originals["component_post"] = manager.component_post
+    names = ("component_pre", "group_pre", "_issue", "group_post", "component_post")
+    spent = {name.lstrip("_"): 0 for name in names}
 
-    def timed(name, key):
-        method = originals[name]
+    def timed(name):
+        method, key = getattr(manager, name), name.lstrip("_")
 
         def wrapper(*args, **kwargs):
             start = time.perf_counter_ns() - manager.transfer_ns
@@ -178,8 +177,8 @@ def _breakdown(engine, model, inputs, forwards: int) -> dict:
 
         return wrapper
 
-    for name in originals:  # instance attributes: the hooks call these through the manager
-        setattr(manager, name, timed(name, name.lstrip("_")))
+    for name in names:  # instance attributes: the hooks call these through the manager
+        setattr(manager, name, timed(name))
     comp = manager.components["model"]
     calls = comp.stats.hook_calls
     try:
@@ -189,7 +188,7 @@ def _breakdown(engine, model, inputs, forwards: int) -> dict:
         if manager.device.type == "cuda":
             torch.cuda.synchronize(manager.device)
     finally:
-        for name in originals:
+        for name in names:
             delattr(manager, name)
     blocks = comp.stats.hook_calls - calls
     return {key: ns / blocks / 1e3 for key, ns in spent.items()} if blocks else {}

@@ -336,7 +336,7 @@ class HookManager:
 
     def component_post(self, comp: ComponentRuntime) -> None:
         """After a component's forward: finish its trace on the first call; check its slots' parameters."""
-        start, counted = time.perf_counter_ns() - self.transfer_ns, comp.traced and comp.steady
+        start, counted = time.perf_counter_ns() - self.transfer_ns, comp.steady  # (steady implies traced)
         comp.active = max(comp.active - 1, 0)
         if comp.trace is not None and comp.active == 0:
             self._finish_activation_measure(comp)
