@@ -22,6 +22,7 @@ import time
 import warnings
 from pathlib import Path
 
+from tritoff.allocator import prefer_expandable_segments
 from tritoff.planner import MODES
 
 EXIT_USAGE = 2
@@ -578,6 +579,14 @@ def _cmd_info(args) -> int:
             "staged (what auto picks): copy engine DMA, then upcast in HBM (leaves SMs to compute); "
             "--transport zero_copy: a kernel reads host memory"
         )
+        from tritoff.allocator import fragments, settings
+
+        if fragments():
+            rows["allocator"] = "fixed segments (memory can run out below the budget): " + (
+                "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+            )
+        else:
+            rows["allocator"] = "cudaMallocAsync" if settings().get("backend") else "expandable segments"
     else:
         rows["device"] = "cpu (no CUDA): packs and upcasts, offloads nothing"
         rows["kernels"] = "Triton interpreter" if has_triton() and interpreting() else "PyTorch reference"
@@ -876,6 +885,7 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> None:
     """The ``tritoff`` console script: :func:`main`, then exit with its code. Once interrupted, a second Ctrl-C while
     Python shuts down is ignored: it would print a traceback after "tritoff: interrupted"."""
+    prefer_expandable_segments()  # before torch starts CUDA: a budget holds only if the allocator does not fragment
     code = main()
     if code == EXIT_INTERRUPTED:
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from tritoff import chain, disk, operations, torn_down
 from tritoff.adapters import adapter_bytes, merged_adapters, move_adapters, named_parameters, outer_modules
+from tritoff.allocator import warn_if_fragmenting
 from tritoff.arena import HostArena
 from tritoff.budget import default_budget, device_memory, format_bytes, parse_host_budget, parse_size, percentage
 from tritoff.chunks import smallest_chunk
@@ -770,6 +771,8 @@ def enable(
     )
     if options.device.type == "cpu":
         warn("no CUDA device: tritoff packs and upcasts weights but offloads nothing")
+    else:
+        warn_if_fragmenting()
     if given_spill_dir is not None and (options.host_budget is None or store is not None):
         why = "every pack is held in memory" if options.host_budget is None else "the store's packs are read from it"
         warn(f"spill_dir is used only with host_budget and without store ({why}): ignored")

@@ -208,6 +208,29 @@ def test_info_shows_the_transport():
     assert [line for line in out.splitlines() if line.split()[:1] == ["transport"]]
 
 
+def test_the_command_turns_on_expandable_segments_before_torch_starts_cuda(monkeypatch):
+    import tritoff.cli as cli
+
+    seen = {}
+
+    def main():
+        seen["conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        return 0
+
+    monkeypatch.setattr(cli, "main", main)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.setenv(name, "restored by monkeypatch")
+        monkeypatch.delenv(name)
+    with pytest.raises(SystemExit) as done:
+        cli.entry()
+    assert done.value.code == 0 and seen["conf"] == "expandable_segments:True"
+    seen.clear()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")  # the user's own setting is kept
+    with pytest.raises(SystemExit):
+        cli.entry()
+    assert seen["conf"] == "max_split_size_mb:64"
+
+
 def test_a_reader_gone_from_stdout_or_stderr_costs_nothing():
     """``tritoff ... | head -1``, ``2>&1 | head -1``: the output the reader no longer takes is dropped, the command
     ends as it would."""

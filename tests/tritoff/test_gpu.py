@@ -1,5 +1,7 @@
 """On a CUDA GPU: the streamed path equals the CPU path, stays within its budget, and hides its transfers."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -98,7 +100,7 @@ def test_enable_quantizes_on_the_gpu_in_bounded_scratch():
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8192, 8192), nn.Linear(8192, 8192)).to(torch.bfloat16).eval()  # on the host
-    budget, weight = 300 * 2**20, 8192 * 8192
+    budget, weight = 384 * 2**20, 8192 * 8192  # the planner's minimum is 355.64 MiB
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -108,6 +110,19 @@ def test_enable_quantizes_on_the_gpu_in_bounded_scratch():
     # one weight's bf16 copy and its codes (3 bytes per element), and one piece of the SNR in float64 (4 buffers)
     assert torch.cuda.max_memory_allocated() - base <= budget + 3 * weight + 4 * 8 * CHUNK
     assert torch.cuda.memory_reserved() - reserved <= budget + 64 * 2**20  # the scratch was given back
+
+
+def test_enable_on_cuda_says_once_that_a_fragmenting_allocator_may_break_the_budget(monkeypatch):
+    from tritoff import allocator
+
+    monkeypatch.setattr(allocator, "_warned", False)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.warns(tritoff.TritoffWarning, match="expandable_segments:True"):
+        tritoff.enable(nn.Sequential(nn.Linear(256, 256)), budget="1GB", progress=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*expandable segments.*")
+        tritoff.enable(nn.Sequential(nn.Linear(256, 256)), budget="1GB", progress=False)
 
 
 def test_registered_arena_and_real_fp8_kernels():
@@ -265,10 +280,10 @@ def test_a_pool_unit_is_not_filled_into_memory_queued_kernels_still_read():
     reserve = 64 * 1024 * 2 * 6
     # the pool holds one unit: calling the second evicts the first while the first's kernels are still queued
     probe = tritoff.enable(TwoUnits(), mode="model", budget="1GB", reserve=reserve, progress=False)
-    budget = probe.plan.planned_bytes - probe.plan.pool_bytes + unit + unit // 2
+    budget = probe.plan.planned_bytes + probe.plan.fixed_bytes + unit // 2  # room for one phase, not both
     tritoff.disable(probe.target)
     engine = tritoff.enable(pipe, mode="model", budget=budget, reserve=reserve, progress=False)
-    assert engine.plan.pool_bytes < 2 * unit
+    assert not engine.plan.together
     with torch.no_grad():
         first = pipe.first(x)  # queued behind a sleep; its unit is evicted by the next call
         pointer = engine.manager.components["first"].unit[0].buffer.data_ptr()
@@ -394,16 +409,19 @@ def _within_exact_budget(make, ids, reserve, expect_plan):
     any unplanned buffer fails. Returns nothing; asserts the output equals the dequantized model's."""
     import gc
 
-    torch.manual_seed(0)
-    reference = dequantize_in_place(realistic_init(make()).to(torch.bfloat16).eval()).cuda()
+    def fresh():  # the same weights each time: realistic_init redraws Linear weights, not an Embedding's
+        torch.manual_seed(0)
+        return realistic_init(make()).to(torch.bfloat16).eval()
+
+    reference = dequantize_in_place(fresh()).cuda()
     with torch.no_grad():
         expected = reference(ids)
     del reference
     gc.collect()
     torch.cuda.empty_cache()
-    model = realistic_init(make()).to(torch.bfloat16).eval()
+    model = fresh()
     # allocator rounding (2 MiB segments for small blocks) comes on top of the planned bytes: some headroom
-    budget = _minimum(realistic_init(make()).to(torch.bfloat16), reserve=reserve) + 64 * 2**20
+    budget = _minimum(fresh(), reserve=reserve) + 64 * 2**20
     base = torch.cuda.memory_reserved()
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction((base + budget + 2**20) / total)
@@ -415,7 +433,7 @@ def _within_exact_budget(make, ids, reserve, expect_plan):
             got = model(ids)
         torch.cuda.synchronize()
         assert torch.cuda.max_memory_reserved() - base <= budget
-        assert torch.equal(got, expected)
+        assert torch.equal(got, expected), f"max abs difference {(got.float() - expected.float()).abs().max()}"
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
 
@@ -563,7 +581,7 @@ def test_lora_adapters_live_on_the_gpu_and_fuse_exactly():
     expected_fused = run(reference)
     pipe = wan()
     pipe.load_lora_weights(lora, adapter_name="a")  # on the CPU, before enable: the adapters move with the plan
-    engine = tritoff.enable(pipe, mode="group", budget="6MB", progress=False)
+    engine = tritoff.enable(pipe, mode="group", budget="5MB", progress=False)  # 2 fp8, 2 streamed
     assert engine.plan.tier_counts("transformer")["stream"] > 0 and engine.plan.tier_counts("transformer")["fp8"] > 0
     adapters = [p for n, p in pipe.transformer.named_parameters() if "lora_" in n]
     assert adapters and all(p.is_cuda and p.dtype == torch.bfloat16 for p in adapters)
