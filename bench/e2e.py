@@ -655,13 +655,20 @@ def packed_size(model) -> int:
     return sum(lay.nbytes for lay in plan_layouts(groups, quantized, get_format("fp8_e4m3"), "row"))
 
 
+def raised_reserve(reserve: int, budget: int, measured: int | None) -> tuple[int, str | None]:
+    """``reserve`` raised to 1.15x ``measured`` (the resident row's activation peak) where that is more, kept under
+    ``budget``, and the rule that set it (None: ``reserve`` as given). The cap counts the activations; tritoff only
+    warns when they exceed its reserve."""
+    if measured and 1.15 * measured > reserve:
+        return min(int(1.15 * measured), budget - 1), "1.15 x the resident row's activation peak"
+    return reserve, None
+
+
 def reserve_for(table: Table, activations: dict) -> tuple[int, str]:
-    """tritoff's activation reserve for a table: ``--reserve`` of the budget, raised to 1.15x the activations the
-    resident row measured at that shape (the cap counts them; tritoff only warns when they exceed its reserve)."""
-    measured = activations.get(table.frames_hw)
-    if measured and 1.15 * measured > table.reserve:
-        return min(int(1.15 * measured), table.budget - 1), "1.15 x the resident row's activation peak"
-    return table.reserve, "--reserve of the budget"
+    """tritoff's activation reserve for a table: ``--reserve`` of the budget, raised by :func:`raised_reserve` to the
+    activations the resident row measured at that shape."""
+    reserve, rule = raised_reserve(table.reserve, table.budget, activations.get(table.frames_hw))
+    return reserve, rule or "--reserve of the budget"
 
 
 def diffusers_setup(kind: str, model, device):
@@ -840,10 +847,9 @@ def pipeline_rows(args, device) -> dict:
             pipe = build_pipeline(args, device)
             row["build_s"] = time.perf_counter() - start
             setup_start = time.perf_counter()
-            row_reserve = reserve
-            if kind == "tritoff" and activations and 1.15 * activations > reserve:
-                row_reserve = min(int(1.15 * activations), budget - 1)
-                row["reserve_rule"] = "1.15 x the resident row's activation peak"
+            row_reserve, rule = raised_reserve(reserve, budget, activations) if kind == "tritoff" else (reserve, None)
+            if rule:
+                row["reserve_rule"] = rule
             row["reserve_bytes"] = row_reserve
             engine = pipeline_setup(kind, pipe, device, budget, row_reserve)
             row["setup_s"] = time.perf_counter() - setup_start
