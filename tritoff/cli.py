@@ -579,14 +579,14 @@ def _cmd_info(args) -> int:
             "staged (what auto picks): copy engine DMA, then upcast in HBM (leaves SMs to compute); "
             "--transport zero_copy: a kernel reads host memory"
         )
-        from tritoff.allocator import fragments, settings
+        from tritoff.allocator import EXPANDABLE, fragments, live
 
-        if fragments():
-            rows["allocator"] = "fixed segments (memory can run out below the budget): " + (
-                "set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
-            )
+        conf = live()
+        if fragments(conf):
+            rows["allocator"] = f"{conf or 'default'}: fixed segments fragment at video shapes, set "
+            rows["allocator"] += f"PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE}"
         else:
-            rows["allocator"] = "cudaMallocAsync" if settings().get("backend") else "expandable segments"
+            rows["allocator"] = conf
     else:
         rows["device"] = "cpu (no CUDA): packs and upcasts, offloads nothing"
         rows["kernels"] = "Triton interpreter" if has_triton() and interpreting() else "PyTorch reference"

@@ -771,7 +771,7 @@ def enable(
     )
     if options.device.type == "cpu":
         warn("no CUDA device: tritoff packs and upcasts weights but offloads nothing")
-    else:
+    elif options.device.type == "cuda":
         warn_if_fragmenting()
     if given_spill_dir is not None and (options.host_budget is None or store is not None):
         why = "every pack is held in memory" if options.host_budget is None else "the store's packs are read from it"

@@ -218,7 +218,10 @@ def test_the_command_turns_on_expandable_segments_before_torch_starts_cuda(monke
         return 0
 
     monkeypatch.setattr(cli, "main", main)
-    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+    from tritoff.allocator import ENV_NAMES
+
+    monkeypatch.setattr(sys, "platform", "linux")
+    for name in ENV_NAMES:
         monkeypatch.setenv(name, "restored by monkeypatch")
         monkeypatch.delenv(name)
     with pytest.raises(SystemExit) as done:

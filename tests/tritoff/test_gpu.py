@@ -116,8 +116,7 @@ def test_enable_on_cuda_says_once_that_a_fragmenting_allocator_may_break_the_bud
     from tritoff import allocator
 
     monkeypatch.setattr(allocator, "_warned", False)
-    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(allocator, "live", lambda: "")  # torch's defaults, whatever this machine's environment says
     with pytest.warns(tritoff.TritoffWarning, match="expandable_segments:True"):
         tritoff.enable(nn.Sequential(nn.Linear(256, 256)), budget="1GB", progress=False)
     with warnings.catch_warnings():
@@ -280,7 +279,7 @@ def test_a_pool_unit_is_not_filled_into_memory_queued_kernels_still_read():
     reserve = 64 * 1024 * 2 * 6
     # the pool holds one unit: calling the second evicts the first while the first's kernels are still queued
     probe = tritoff.enable(TwoUnits(), mode="model", budget="1GB", reserve=reserve, progress=False)
-    budget = probe.plan.planned_bytes + probe.plan.fixed_bytes + unit // 2  # room for one phase, not both
+    budget = probe.plan.planned_bytes + unit // 2  # room for one phase (its buffers and tables included), not both
     tritoff.disable(probe.target)
     engine = tritoff.enable(pipe, mode="model", budget=budget, reserve=reserve, progress=False)
     assert not engine.plan.together
