@@ -25,6 +25,7 @@ HINT = (
     "(the tritoff command line sets it)"
 )
 _warned = False
+set_by_command = False  # whether prefer_expandable_segments set it (the user had set none of ENV_NAMES)
 
 
 def configured(environ=os.environ) -> str:
@@ -33,20 +34,6 @@ def configured(environ=os.environ) -> str:
         if name in environ:
             return environ[name]
     return ""
-
-
-def live() -> str:
-    """The setting torch itself recorded (torch 2.13 keeps it, including one changed at run time), else the
-    environment's."""
-    import torch
-
-    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    if get is not None:
-        try:
-            return get()
-        except Exception:  # a setting torch rejects: its own error comes when CUDA starts
-            pass
-    return configured()
 
 
 def settings(conf: str) -> dict[str, str]:
@@ -67,10 +54,11 @@ def fragments(conf: str) -> bool:
 
 
 def warn_if_fragmenting() -> None:
-    """Warn once per process, at the first enable on a CUDA device, when the allocator keeps fixed segments (not on
-    Windows, where torch has no expandable segments)."""
+    """Warn once per process, at the first enable on a CUDA device, when the environment leaves the allocator with
+    fixed segments (not on Windows, where torch has no expandable segments). The environment is what torch reads when
+    its allocator starts; asking torch instead would make it read the setting then, earlier than the process would."""
     global _warned
-    if not _warned and sys.platform != "win32" and fragments(live()):
+    if not _warned and sys.platform != "win32" and fragments(configured()):
         _warned = True
         warn(HINT)
 
@@ -78,5 +66,7 @@ def warn_if_fragmenting() -> None:
 def prefer_expandable_segments(environ=os.environ) -> None:
     """Turn on expandable segments for a process tritoff starts (the command line), unless the user set the allocator
     through any of :data:`ENV_NAMES`; effective only before torch starts its allocator. Not on Windows."""
+    global set_by_command
     if sys.platform != "win32" and not any(name in environ for name in ENV_NAMES):
         environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE
+        set_by_command = environ is os.environ

@@ -579,12 +579,14 @@ def _cmd_info(args) -> int:
             "staged (what auto picks): copy engine DMA, then upcast in HBM (leaves SMs to compute); "
             "--transport zero_copy: a kernel reads host memory"
         )
-        from tritoff.allocator import EXPANDABLE, fragments, live
+        from tritoff import allocator
 
-        conf = live()
-        if fragments(conf):
+        conf = allocator.configured()
+        if allocator.fragments(conf):
             rows["allocator"] = f"{conf or 'default'}: fixed segments fragment at video shapes, set "
-            rows["allocator"] += f"PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE}"
+            rows["allocator"] += f"PYTORCH_CUDA_ALLOC_CONF={allocator.EXPANDABLE}"
+        elif allocator.set_by_command:
+            rows["allocator"] = f"{conf} (set by the tritoff command; set it for your own Python processes too)"
         else:
             rows["allocator"] = conf
     else:

@@ -42,16 +42,22 @@ def test_the_setting_is_read_where_torch_reads_it(environ, conf):
     assert allocator.configured(environ) == conf
 
 
-def test_torch_reads_the_names_in_the_same_order():
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+        {"PYTORCH_ALLOC_CONF": "expandable_segments:True"},
+        {"PYTORCH_ALLOC_CONF": "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF": ""},  # set, if empty, wins
+    ],
+)
+def test_torch_reads_the_names_in_the_same_order(given):
     torch = pytest.importorskip("torch")
-    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
-    if get is None:
+    if not hasattr(torch._C, "_accelerator_getAllocatorSettings"):
         pytest.skip("this torch does not say which setting it read")
-    env = {k: v for k, v in os.environ.items() if k not in allocator.ENV_NAMES}
-    env.update(PYTORCH_ALLOC_CONF="max_split_size_mb:64", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
-    code = "import torch; print(torch._C._accelerator_getAllocatorSettings())"
+    env = {k: v for k, v in os.environ.items() if k not in allocator.ENV_NAMES} | given
+    code = "import torch; print(repr(torch._C._accelerator_getAllocatorSettings()))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == allocator.configured(env) == "expandable_segments:True"
+    assert out.strip() == repr(allocator.configured(env))
 
 
 def test_the_command_line_prefers_expandable_segments_and_keeps_a_users_setting(monkeypatch):
@@ -70,9 +76,16 @@ def test_the_command_line_prefers_expandable_segments_and_keeps_a_users_setting(
     assert environ == {}
 
 
+def _environment(monkeypatch, conf):
+    for name in allocator.ENV_NAMES:
+        monkeypatch.delenv(name, raising=False)
+    if conf is not None:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+
+
 def test_the_hint_is_given_once_per_process(monkeypatch):
     monkeypatch.setattr(allocator, "_warned", False)
-    monkeypatch.setattr(allocator, "live", lambda: "max_split_size_mb:64")
+    _environment(monkeypatch, "max_split_size_mb:64")
     with pytest.warns(TritoffWarning, match="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"):
         allocator.warn_if_fragmenting()
     with warnings.catch_warnings(record=True) as seen:
@@ -81,20 +94,12 @@ def test_the_hint_is_given_once_per_process(monkeypatch):
     assert not seen
 
 
-@pytest.mark.parametrize("platform, conf", [("linux", "expandable_segments:True"), ("win32", "")])
+@pytest.mark.parametrize("platform, conf", [("linux", "expandable_segments:True"), ("win32", None)])
 def test_no_hint_where_the_allocator_expands_or_cannot(monkeypatch, platform, conf):
     monkeypatch.setattr(allocator, "_warned", False)
-    monkeypatch.setattr(allocator, "live", lambda: conf)
+    _environment(monkeypatch, conf)
     monkeypatch.setattr(sys, "platform", platform)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         allocator.warn_if_fragmenting()
     assert not seen and not allocator._warned
-
-
-def test_live_is_the_setting_of_a_fresh_process():
-    env = {k: v for k, v in os.environ.items() if k not in allocator.ENV_NAMES}
-    env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
-    code = "from tritoff.allocator import fragments, live; print(live(), fragments(live()))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["expandable_segments:True", "False"]

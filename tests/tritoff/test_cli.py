@@ -210,6 +210,7 @@ def test_info_shows_the_transport():
 
 def test_the_command_turns_on_expandable_segments_before_torch_starts_cuda(monkeypatch):
     import tritoff.cli as cli
+    from tritoff import allocator
 
     seen = {}
 
@@ -218,15 +219,14 @@ def test_the_command_turns_on_expandable_segments_before_torch_starts_cuda(monke
         return 0
 
     monkeypatch.setattr(cli, "main", main)
-    from tritoff.allocator import ENV_NAMES
-
     monkeypatch.setattr(sys, "platform", "linux")
-    for name in ENV_NAMES:
+    monkeypatch.setattr(allocator, "set_by_command", False)
+    for name in allocator.ENV_NAMES:
         monkeypatch.setenv(name, "restored by monkeypatch")
         monkeypatch.delenv(name)
     with pytest.raises(SystemExit) as done:
         cli.entry()
-    assert done.value.code == 0 and seen["conf"] == "expandable_segments:True"
+    assert done.value.code == 0 and seen["conf"] == "expandable_segments:True" and allocator.set_by_command
     seen.clear()
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")  # the user's own setting is kept
     with pytest.raises(SystemExit):

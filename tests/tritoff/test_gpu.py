@@ -116,7 +116,8 @@ def test_enable_on_cuda_says_once_that_a_fragmenting_allocator_may_break_the_bud
     from tritoff import allocator
 
     monkeypatch.setattr(allocator, "_warned", False)
-    monkeypatch.setattr(allocator, "live", lambda: "")  # torch's defaults, whatever this machine's environment says
+    for name in allocator.ENV_NAMES:  # torch's defaults, whatever this machine's environment says
+        monkeypatch.delenv(name, raising=False)
     with pytest.warns(tritoff.TritoffWarning, match="expandable_segments:True"):
         tritoff.enable(nn.Sequential(nn.Linear(256, 256)), budget="1GB", progress=False)
     with warnings.catch_warnings():
