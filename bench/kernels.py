@@ -3,8 +3,8 @@
 For packs from 1 MB to 1 GB built from Wan-14B block tensor shapes (rows of 5120 plus kept norms and biases):
 (a) cudaMemcpyAsync H2D of the fp8 bytes from the registered arena (the PCIe roofline), (b) the same for bf16 bytes,
 (c) staged: copy + ``upcast_pack``, (d) ``upcast_pack_zero_copy``, (e) the PyTorch way per tensor
-(``w.to("cuda", non_blocking=True).to(bf16) * scale``), (f) the HBM-side upcast alone against a device-to-device copy.
-Then (c) and (d) beside a large matmul: how much each slows it.
+(``w.to("cuda", non_blocking=True).to(bf16) * scale``), (f) the HBM-side upcast alone against a device-to-device copy,
+also with 2048 to 16384 elements per program. Then (c) and (d) beside a large matmul: how much each slows it.
 
 Usage: python bench/kernels.py [--smoke] [--out DIR] [--deadline SECONDS]
   --smoke: tiny packs on the CPU through the Triton interpreter. --out: where kernels.json goes (default
@@ -42,6 +42,8 @@ from tritoff.kernels.upcast import (  # noqa: E402
 from tritoff.pack import PackLayout, TensorSpec, write_pack  # noqa: E402
 
 WIDTH = 5120  # Wan-14B hidden size
+# elements per program swept for (f), beside the kernels' BLOCK: the next tuning of the HBM upcast starts from these
+UPCAST_BLOCKS = (2048, 4096, 8192, 16384)
 SIZES_MB = (1, 4, 16, 32, 64, 128, 256, 351, 1024)  # 351 MB: one Wan-14B block in fp8
 
 
@@ -183,6 +185,15 @@ def measure_size(target_bytes: int, device: torch.device, width: int, reps: int)
     seconds = timed(lambda: upcast_pack(staged, out, table, programs, layout.out_dtype, fmt), device, reps)
     results["f_hbm_upcast"] = {"seconds": seconds, "GBps_read_plus_write": (wire + out_bytes) / seconds / 1e9}
     check("hbm_upcast")
+    by_block = results["f_hbm_upcast_GBps_by_block"] = {}
+    for block in UPCAST_BLOCKS:
+        block_table, block_programs = layout.table(block, device), layout.n_programs(block)
+
+        def upcast(block=block, block_table=block_table, block_programs=block_programs):
+            upcast_pack(staged, out, block_table, block_programs, layout.out_dtype, fmt, block=block)
+
+        by_block[str(block)] = (wire + out_bytes) / timed(upcast, device, reps) / 1e9
+        check(f"hbm_upcast_block_{block}")
     results["exact_by_path"] = exact
     results["exact"] = all(exact.values())
     arena.close()
@@ -292,6 +303,12 @@ def main() -> None:
     ]
     print(f"device: {device}; wire GB/s (fp8 bytes per second; % of (a)); (f) counts read + write bytes")
     print(markdown_table(header, table))
+    sweep = [
+        [f"{r['pack_bytes'] / 2**20:.1f}"] + [f"{r['f_hbm_upcast_GBps_by_block'][str(b)]:.0f}" for b in UPCAST_BLOCKS]
+        for r in rows
+    ]
+    print(f"\n(f) HBM upcast GB/s by elements per program (the kernels use {BLOCK}):")
+    print(markdown_table(["pack MiB", *map(str, UPCAST_BLOCKS)], sweep))
     if device.type == "cuda" and "stopped" not in data:
         data["overlap_351MB"] = ov = overlap(device, 351 * 2**20, max(3, reps // 4))
         print(

@@ -269,13 +269,15 @@ def upcast_pack(
     fmt: StorageFormat,
     *,
     native: bool | None = None,
+    block: int = BLOCK,
 ) -> torch.Tensor:
     """Upcast a pack staged in device memory into ``dst`` (uint8) in one launch; returns ``dst``.
 
-    ``table`` and ``n_programs`` (its chunk count) come from the pack (built with ``BLOCK``); ``native`` forces the
-    hardware fp8 conversion on or off (default: on where the device has it).
+    ``table`` and ``n_programs`` (its chunk count) come from the pack, built with ``block`` elements per program
+    (bench/kernels.py sweeps it); ``native`` forces the hardware fp8 conversion on or off (default: on where the
+    device has it).
     """
-    return _run(staged, dst, table, n_programs, out_dtype, fmt, native, BLOCK)
+    return _run(staged, dst, table, n_programs, out_dtype, fmt, native, block)
 
 
 def upcast_pack_zero_copy(

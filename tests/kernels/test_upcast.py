@@ -196,6 +196,19 @@ def test_scales_at_row_boundaries(shape, device):
     _compare(layout, out, data)
 
 
+@pytest.mark.parametrize("block", [2048, 16384])
+@pytest.mark.parametrize(
+    "shape", [pytest.param((3, 6000), id="rows-over-blocks"), pytest.param((70, 130), id="many-rows-per-block")]
+)
+def test_other_elements_per_program_unpack_exactly(block, shape, device):
+    # bench/kernels.py sweeps the elements per program: a table built for another block size gives the same bytes
+    layout, data, _ = _build([TensorSpec("w", shape, torch.bfloat16, True), *MIXED], E4M3)
+    out = poisoned(layout.out_nbytes, device)
+    table, programs = layout.table(block, device), layout.n_programs(block)
+    upcast_pack(data.to(device), out, table, programs, layout.out_dtype, E4M3, block=block)
+    _compare(layout, out, data)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("programs", [1, 3, 1000], ids=["one-program", "three-programs", "more-than-chunks"])
 def test_zero_copy_bounded_grid_covers_every_chunk(programs):
