@@ -42,7 +42,7 @@ from tritoff.kernels.upcast import (  # noqa: E402
 from tritoff.pack import PackLayout, TensorSpec, write_pack  # noqa: E402
 
 WIDTH = 5120  # Wan-14B hidden size
-# elements per program swept for (f), beside the kernels' BLOCK: the next tuning of the HBM upcast starts from these
+# elements per program swept for (f), the kernels' BLOCK among them: the next tuning of the HBM upcast starts here
 UPCAST_BLOCKS = (2048, 4096, 8192, 16384)
 SIZES_MB = (1, 4, 16, 32, 64, 128, 256, 351, 1024)  # 351 MB: one Wan-14B block in fp8
 
@@ -182,18 +182,19 @@ def measure_size(target_bytes: int, device: torch.device, width: int, reps: int)
         d2d_dst = torch.empty_like(d2d_src)
         seconds = timed(lambda: d2d_dst.copy_(d2d_src), device, reps)
         results["hbm_d2d"] = {"seconds": seconds, "GBps_read_plus_write": 2 * out_bytes / seconds / 1e9}
-    seconds = timed(lambda: upcast_pack(staged, out, table, programs, layout.out_dtype, fmt), device, reps)
-    results["f_hbm_upcast"] = {"seconds": seconds, "GBps_read_plus_write": (wire + out_bytes) / seconds / 1e9}
-    check("hbm_upcast")
-    by_block = results["f_hbm_upcast_GBps_by_block"] = {}
+    # (f) at every swept size of program; the kernels' own (BLOCK) is timed once, as the (f) figure
+    seconds_by_block = {}
     for block in UPCAST_BLOCKS:
         block_table, block_programs = layout.table(block, device), layout.n_programs(block)
 
         def upcast(block=block, block_table=block_table, block_programs=block_programs):
             upcast_pack(staged, out, block_table, block_programs, layout.out_dtype, fmt, block=block)
 
-        by_block[str(block)] = (wire + out_bytes) / timed(upcast, device, reps) / 1e9
-        check(f"hbm_upcast_block_{block}")
+        seconds_by_block[block] = timed(upcast, device, reps)
+        check("hbm_upcast" if block == BLOCK else f"hbm_upcast_block_{block}")
+    seconds = seconds_by_block[BLOCK]
+    results["f_hbm_upcast"] = {"seconds": seconds, "GBps_read_plus_write": (wire + out_bytes) / seconds / 1e9}
+    results["f_hbm_upcast_GBps_by_block"] = {str(b): (wire + out_bytes) / t / 1e9 for b, t in seconds_by_block.items()}
     results["exact_by_path"] = exact
     results["exact"] = all(exact.values())
     arena.close()
