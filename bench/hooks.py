@@ -237,13 +237,15 @@ def _cuda_host_us(step, device) -> float:
 
 def _issue_steps_us(engine, group, device) -> dict | None:
     """On CUDA, host µs of each call a staged fill makes per chunk, each in a tight loop: what issuing a transfer is
-    made of (a stream switch happens twice per chunk, an event record twice, a wait once or twice), and the same switch
-    made with ``torch.cuda.set_stream`` (what the context manager would cost against it). None on the CPU, or for a
-    group with no staging."""
+    made of (a fill enters and leaves its streams once, switches between them twice per chunk, records an event
+    twice, waits once or twice, copies and launches), each beside what it replaced: the ``torch.cuda.stream`` context
+    manager (and ``torch.cuda.set_stream``), copies that slice their views every time, the upcast launched through
+    Triton's JIT and ``upcast_pack``'s checks. None on the CPU, or for a group with no staging."""
     if device.type != "cuda" or not group.chunks:
         return None
     import torch
 
+    from tritoff import streams
     from tritoff.chunks import stage_chunk
 
     comp = engine.manager.components[group.component]
@@ -260,13 +262,20 @@ def _issue_steps_us(engine, group, device) -> dict | None:
         torch.cuda.set_stream(stream)
         torch.cuda.set_stream(compute)
 
+    def tritoff_switch():  # what a fill does: torch's functions behind the context manager, ids read once
+        streams.leave(streams.enter(ids))
+
+    ids = streams.ids(stream)
     steps = {
         "stream switch": switch,
         "stream switch (set_stream)": set_stream,
+        "stream switch (tritoff.streams)": tritoff_switch,
         "event record": lambda: event.record(stream),
         "stream wait": lambda: stream.wait_event(event),
         "H2D copy issue": lambda: stage_chunk(chunk, group.pack.data, transfer.staging[0]),
+        "H2D copy issue (views cached)": lambda: transfer._stage(chunk, group.pack.data, 0),
         "upcast launch": lambda: group.fill_chunk(0, staged, dst),
+        "upcast launch (prepared)": lambda: group.fill_chunk(0, staged, dst, stream=stream),
     }
     return {name: _cuda_host_us(step, device) for name, step in steps.items()}
 

@@ -188,6 +188,25 @@ def _max_tensors(n: int) -> int:
 _INTERPRETED = not isinstance(_upcast_pack_kernel, JITFunction)
 
 
+def _kernel_arguments(src, dst, table, n_programs, out_code, fp8_e5m2, native, block, grid):
+    """The grid, the arguments and the compile-time constants (in the kernel's parameter order) of one launch."""
+    n_tensors = table.shape[0]
+    # Triton's interpreter runs the strided loop with memory corruption in later, unrelated calls (seen after
+    # torch.library.opcheck): on the CPU every launch is one program per chunk, the bound matters only for PCIe
+    persistent = bool(grid) and not _INTERPRETED
+    constants = dict(
+        OUT_DTYPE=_OUT_TL[out_code],
+        FP8_DTYPE=tl.float8e5 if fp8_e5m2 else tl.float8e4nv,
+        MANTISSA_BITS=2 if fp8_e5m2 else 3,
+        EXPONENT_BIAS=15 if fp8_e5m2 else 7,
+        NATIVE_FP8=native,
+        MAX_TENSORS=_max_tensors(n_tensors),
+        BLOCK=block,
+        PERSISTENT=persistent,
+    )
+    return (grid if persistent else n_programs,), (src, dst, table, n_tensors, n_programs), constants
+
+
 def _upcast_pack_launcher(traceable: bool):
     """The launcher of the upcast kernel. ``traceable``: through ``wrap_triton``, for the registered op's body, where
     torch.compile and ``make_fx`` trace into the kernel. Eager calls launch the kernel itself: outside ``triton_op``'s
@@ -205,26 +224,9 @@ def _upcast_pack_launcher(traceable: bool):
         block: int,
         grid: int,
     ) -> None:
-        n_tensors = table.shape[0]
-        # Triton's interpreter runs the strided loop with memory corruption in later, unrelated calls (seen after
-        # torch.library.opcheck): on the CPU every launch is one program per chunk, the bound matters only for PCIe
-        persistent = bool(grid) and not _INTERPRETED
         kernel = launch(_upcast_pack_kernel) if traceable else _upcast_pack_kernel
-        kernel[(grid if persistent else n_programs,)](
-            src,
-            dst,
-            table,
-            n_tensors,
-            n_programs,
-            OUT_DTYPE=_OUT_TL[out_code],
-            FP8_DTYPE=tl.float8e5 if fp8_e5m2 else tl.float8e4nv,
-            MANTISSA_BITS=2 if fp8_e5m2 else 3,
-            EXPONENT_BIAS=15 if fp8_e5m2 else 7,
-            NATIVE_FP8=native,
-            MAX_TENSORS=_max_tensors(n_tensors),
-            BLOCK=block,
-            PERSISTENT=persistent,
-        )
+        grid, args, constants = _kernel_arguments(src, dst, table, n_programs, out_code, fp8_e5m2, native, block, grid)
+        kernel[grid](*args, **constants)
 
     return upcast_pack_launch
 
@@ -239,10 +241,14 @@ def _check(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, out_dtype:
         raise TypeError(f"pack and destination must be uint8 byte buffers, got {src.dtype} and {dst.dtype}")
     if not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError("pack and destination buffers must be contiguous")
-    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != TABLE_COLUMNS:
-        raise ValueError(f"table must be int64 of shape (n, {TABLE_COLUMNS}), got {table.dtype} {tuple(table.shape)}")
+    _check_table(table, out_dtype)
     if table.device != dst.device:
         raise ValueError(f"table is on {table.device} but the destination is on {dst.device}")
+
+
+def _check_table(table: torch.Tensor, out_dtype: torch.dtype) -> None:
+    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != TABLE_COLUMNS:
+        raise ValueError(f"table must be int64 of shape (n, {TABLE_COLUMNS}), got {table.dtype} {tuple(table.shape)}")
     if out_dtype not in _OUT_CODES:
         raise ValueError(f"out dtype must be bf16, fp16 or fp32, got {out_dtype}")
 
@@ -298,6 +304,61 @@ def upcast_pack_zero_copy(
     that many programs stride over the chunks, leaving the other SMs to the blocks computing meanwhile.
     """
     return _run(host, dst, table, n_programs, out_dtype, fmt, native, BLOCK_ZERO_COPY, programs)
+
+
+class PreparedUpcast:
+    """One launch made again and again with the same table (a chunk of a streamed group), on a stream it is given.
+
+    A streamed block's hook launches the upcast for the blocks ahead, a few launches per block, and there Triton's
+    own work per launch (binding and specializing every argument, finding the compiled kernel, reading the current
+    stream) and the checks of :func:`upcast_pack` cost more host time than the launch: 42 µs per launch measured on
+    the H100 machine's host (``bench/hooks.py``). A prepared launch checks once, finds the compiled kernel once per
+    device and pointer alignment (all Triton specializes on for these arguments: the counts are never specialized)
+    and launches it on ``stream`` directly, so the caller need not make that stream current either. Eager CUDA only:
+    the interpreter has no compiled kernel, and torch.compile traces :func:`upcast_pack`'s op.
+
+    ``block``: elements per program the table was built for; ``programs``: the zero-copy bound (0: one program per
+    chunk, as :func:`upcast_pack`).
+    """
+
+    def __init__(
+        self,
+        table: torch.Tensor,
+        n_programs: int,
+        out_dtype: torch.dtype,
+        fmt: StorageFormat,
+        *,
+        native: bool,
+        block: int = BLOCK,
+        programs: int = 0,
+    ):
+        if _INTERPRETED:
+            raise ValueError("a prepared upcast launches a compiled kernel, which Triton's interpreter has none of")
+        _check_table(table, out_dtype)
+        self.table = table
+        self.n_programs = n_programs
+        grid = min(programs, n_programs) if programs else 0
+        e5m2 = fmt.dtype == torch.float8_e5m2
+        self.grid, _, constants = _kernel_arguments(
+            None, None, table, n_programs, _OUT_CODES[out_dtype], e5m2, native, block, grid
+        )
+        self.grid = (self.grid[0], 1, 1)
+        self._constants = constants
+        self._values = tuple(constants.values())  # the launcher takes every parameter, in order
+        self._compiled: dict[tuple, object] = {}
+
+    def __call__(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """Upcast ``src`` (the staged chunk, the resident pack, or the host view read zero-copy) into ``dst`` on
+        ``stream``. Both are contiguous uint8 buffers on the table's device, which must be the current device: the
+        launch runs in the current context."""
+        if self.n_programs == 0:
+            return
+        args = (src, dst, self.table, self.table.shape[0], self.n_programs)
+        key = (dst.device.index, src.data_ptr() % 16 == 0, dst.data_ptr() % 16 == 0)
+        compiled = self._compiled.get(key)
+        if compiled is None:  # compiles, or finds the kernel Triton compiled already for these arguments
+            compiled = self._compiled[key] = _upcast_pack_kernel.warmup(*args, grid=self.grid, **self._constants)
+        compiled[self.grid](*args, *self._values, stream=stream.cuda_stream)
 
 
 # elements the reference dequantizes at once: float32 copies of a whole weight (Wan-14B's largest has 70.8M elements)

@@ -159,12 +159,21 @@ def split_pack(layout: PackLayout, capacity: int) -> list[Chunk]:
     return chunks
 
 
+def chunk_views(chunk: Chunk, pack: torch.Tensor, staging: torch.Tensor):
+    """What staging ``chunk`` of ``pack`` reads and writes: the staged bytes the kernel reads, then one (staging view,
+    pack view) pair per copy (the payload, and the scales when the chunk has any)."""
+    a, b = chunk.payload
+    copies = [(staging[: b - a], pack[a:b])]
+    if chunk.scales[1] > chunk.scales[0]:
+        a, b = chunk.scales
+        copies.append((staging[chunk.scale_base : chunk.scale_base + b - a], pack[a:b]))
+    return staging[: chunk.staged_bytes], *copies
+
+
 def stage_chunk(chunk: Chunk, pack: torch.Tensor, staging: torch.Tensor) -> torch.Tensor:
     """Copy ``chunk``'s bytes of ``pack`` into ``staging`` (on the current stream; asynchronous from page-locked
     memory) and return the staged bytes the kernel reads."""
-    a, b = chunk.payload
-    staging[: b - a].copy_(pack[a:b], non_blocking=True)
-    if chunk.scales[1] > chunk.scales[0]:
-        a, b = chunk.scales
-        staging[chunk.scale_base : chunk.scale_base + b - a].copy_(pack[a:b], non_blocking=True)
-    return staging[: chunk.staged_bytes]
+    staged, *copies = chunk_views(chunk, pack, staging)
+    for dst, src in copies:
+        dst.copy_(src, non_blocking=True)
+    return staged

@@ -7,10 +7,12 @@ from typing import NamedTuple
 import torch
 
 from tritoff.chunks import Chunk, split_pack
-from tritoff.kernels.backend import native_fp8
+from tritoff.kernels.backend import interpreting, native_fp8
 from tritoff.kernels.upcast import (
     BLOCK,
     BLOCK_ZERO_COPY,
+    ZERO_COPY_PROGRAMS,
+    PreparedUpcast,
     upcast_pack,
     upcast_pack_reference,
     upcast_pack_zero_copy,
@@ -161,6 +163,8 @@ class GroupRuntime:
         self.use_triton = use_triton
         self.zero_copy = zero_copy and device.type == "cuda" and self.arena.registered
         self.native = native_fp8(device)  # asked once: each launch would ask the device again
+        # launches from the hooks are prepared (compiled Triton on CUDA; see PreparedUpcast)
+        self.prepares = use_triton and device.type == "cuda" and not interpreting()
         self.chunks = split_pack(self.layout, chunk_bytes) if chunk_bytes else []
         self._build_tables()
         # shapes from the layout: the parameters themselves were emptied when their group was packed
@@ -200,6 +204,7 @@ class GroupRuntime:
             (cpu[starts[id(t)] : starts[id(t)] + t.shape[0]], device[starts[id(t)] : starts[id(t)] + t.shape[0]], n)
             for t, n in launches
         ]
+        self._prepared: dict[int, PreparedUpcast] = {}  # launch -> its prepared launch (CUDA hooks, made on use)
 
     @property
     def bound(self) -> bool:
@@ -352,6 +357,7 @@ class GroupRuntime:
         if not keep_tables:
             self.ready = None
             self._launches = []
+            self._prepared = {}
 
     # filling ------------------------------------------------------------------------------------------------------
     @property
@@ -359,18 +365,20 @@ class GroupRuntime:
         """Whether the group fills without staging: from its resident fp8 pack, or zero-copy from the host."""
         return self.device_pack is not None or self.zero_copy
 
-    def fill_direct(self, dst: torch.Tensor, host: torch.Tensor | None = None) -> int:
+    def fill_direct(self, dst: torch.Tensor, host: torch.Tensor | None = None, stream=None) -> int:
         """Write the group's tensors into ``dst`` from the resident pack (HBM) or its ``host`` bytes (a view of its
-        page-locked arena) read zero-copy; returns the host bytes read."""
+        page-locked arena) read zero-copy; returns the host bytes read. ``stream``: the CUDA stream to launch on
+        (it must be current for the reference path, which runs PyTorch ops)."""
         if self.device_pack is not None:
-            self._upcast(self.device_pack, dst, 0)
+            self._upcast(self.device_pack, dst, 0, stream)
             return 0
-        self._upcast(self.arena.device_view_of(host, self.device), dst, 1)
+        self._upcast(self.arena.device_view_of(host, self.device), dst, 1, stream)
         return self.packed_bytes
 
-    def fill_chunk(self, index: int, staged: torch.Tensor, dst: torch.Tensor) -> None:
-        """Upcast chunk ``index`` (already copied into ``staged``) into its places in ``dst``."""
-        self._upcast(staged, dst, (2 if self.zero_copy else 1) + index)
+    def fill_chunk(self, index: int, staged: torch.Tensor, dst: torch.Tensor, stream=None) -> None:
+        """Upcast chunk ``index`` (already copied into ``staged``) into its places in ``dst`` (on ``stream``, as
+        :meth:`fill_direct`)."""
+        self._upcast(staged, dst, (2 if self.zero_copy else 1) + index, stream)
 
     def fill_from_host(self, dst: torch.Tensor, host: torch.Tensor) -> int:
         """Write the group's tensors into ``dst`` from its ``host`` bytes (a CPU device: no staging needed)."""
@@ -380,11 +388,26 @@ class GroupRuntime:
         self._upcast(source, dst, 0)
         return self.packed_bytes
 
-    def _upcast(self, src: torch.Tensor, dst: torch.Tensor, launch: int) -> None:
+    def _upcast(self, src: torch.Tensor, dst: torch.Tensor, launch: int, stream=None) -> None:
         table_cpu, table, n_programs = self._launches[launch]
+        zero_copy = launch == 1 and self.zero_copy
         if not self.use_triton:
             upcast_pack_reference(src, dst, table_cpu, self.layout.out_dtype, self.storage)
-        elif launch == 1 and self.zero_copy:
+        elif stream is not None and self.prepares and not torch._C._len_torch_dispatch_stack():
+            # the hooks' launches: prepared once per launch (a dispatch mode the caller runs under sees the op)
+            prepared = self._prepared.get(launch)
+            if prepared is None:
+                prepared = self._prepared[launch] = PreparedUpcast(
+                    table,
+                    n_programs,
+                    self.layout.out_dtype,
+                    self.storage,
+                    native=self.native,
+                    block=BLOCK_ZERO_COPY if zero_copy else BLOCK,
+                    programs=ZERO_COPY_PROGRAMS if zero_copy else 0,
+                )
+            prepared(src, dst, stream)
+        elif zero_copy:
             upcast_pack_zero_copy(src, dst, table, n_programs, self.layout.out_dtype, self.storage, native=self.native)
         else:
             upcast_pack(src, dst, table, n_programs, self.layout.out_dtype, self.storage, native=self.native)

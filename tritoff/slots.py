@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from tritoff import streams
 from tritoff.onload import GroupRuntime, SlotParameters
 from tritoff.transfer import Transfer, free_after_transfers
 
@@ -129,7 +130,7 @@ class SlotRing:
     def wait(self, group: GroupRuntime) -> None:
         """Make the compute stream wait for ``group``'s transfer (its parameters may then view its slot)."""
         if self.cuda:
-            stream = torch.cuda.current_stream(self.device)
+            stream = streams.current(self.device.index)
             if self.timing:
                 before, after = self.stalls.pair()
                 before.record(stream)
@@ -176,6 +177,6 @@ class SlotRing:
     def done(self, group: GroupRuntime) -> None:
         """Mark the end of ``group``'s use of its slot on the compute stream."""
         if self.cuda:
-            self.free_events[group.slot].record(torch.cuda.current_stream(self.device))
+            self.free_events[group.slot].record(streams.current(self.device.index))
         self.used[group.slot] = True
         group.slot = None

@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from tritoff.chunks import stage_chunk
+from tritoff import streams
+from tritoff.chunks import Chunk, chunk_views
 from tritoff.onload import GroupRuntime
 
 
@@ -58,6 +59,10 @@ class Transfer:
             torch.empty(chunk_bytes, dtype=torch.uint8, device=device) for _ in range(2 if chunk_bytes else 0)
         ]
         self.copy_stream, self.upcast_stream = side_streams(device) if self.cuda else (None, None)
+        if self.cuda:
+            self._copy_ids, self._upcast_ids = streams.ids(self.copy_stream), streams.ids(self.upcast_stream)
+        # (chunk, host address, half) -> the views its copies read and write (see _stage)
+        self._copies: dict[tuple[int, int, int], tuple] = {}
         self._staged = [torch.cuda.Event() for _ in self.staging] if self.cuda else []
         self._free = [torch.cuda.Event() for _ in self.staging] if self.cuda else []
         self._used = [False] * len(self.staging)
@@ -99,35 +104,55 @@ class Transfer:
         if not self.cuda:
             with self._synchronous():
                 return self._fill_now(group, dst)
-        if group.device_pack is not None:
-            with torch.cuda.stream(self.upcast_stream):
-                if after is not None:
-                    self.upcast_stream.wait_event(after)
-                return group.fill_direct(dst)
-        if group.zero_copy:
-            with self.host_bytes(group, self.upcast_stream) as host, torch.cuda.stream(self.upcast_stream):
-                if after is not None:
-                    self.upcast_stream.wait_event(after)
-                return group.fill_direct(dst, host)
-        if not self.staging:
+        if not group.direct and not self.staging:
             raise RuntimeError(f"{group.component}.{group.name} needs staging but the plan has none")
-        with self.host_bytes(group, self.copy_stream) as host:
-            for index, chunk in enumerate(group.chunks):
-                half = self._half
-                self._half ^= 1
-                with torch.cuda.stream(self.copy_stream):
+        upcast = self.upcast_stream
+        # the upcast stream (and the engine's device) current throughout, the copy stream around the copies; the
+        # caller's device and stream come back at the end
+        state = streams.enter(self._upcast_ids)
+        try:
+            if group.device_pack is not None:
+                if after is not None:
+                    upcast.wait_event(after)
+                return group.fill_direct(dst, stream=upcast)
+            if group.zero_copy:
+                with self.host_bytes(group, upcast) as host:
+                    if after is not None:
+                        upcast.wait_event(after)
+                    return group.fill_direct(dst, host, stream=upcast)
+            with self.host_bytes(group, self.copy_stream) as host:
+                for index, chunk in enumerate(group.chunks):
+                    half = self._half
+                    self._half ^= 1
+                    streams.use(self._copy_ids)
                     if self._used[half]:
                         self.copy_stream.wait_event(self._free[half])
-                    staged = stage_chunk(chunk, host, self.staging[half])
+                    staged = self._stage(chunk, host, half)
                     self._staged[half].record(self.copy_stream)
-                with torch.cuda.stream(self.upcast_stream):
-                    self.upcast_stream.wait_event(self._staged[half])
+                    streams.use(self._upcast_ids)
+                    upcast.wait_event(self._staged[half])
                     if index == 0 and after is not None:
-                        self.upcast_stream.wait_event(after)
-                    group.fill_chunk(index, staged, dst)
-                    self._free[half].record(self.upcast_stream)
-                self._used[half] = True
-        return group.packed_bytes
+                        upcast.wait_event(after)
+                    group.fill_chunk(index, staged, dst, stream=upcast)
+                    self._free[half].record(upcast)
+                    self._used[half] = True
+            return group.packed_bytes
+        finally:
+            streams.leave(state)
+
+    def _stage(self, chunk: Chunk, host: torch.Tensor, half: int) -> torch.Tensor:
+        """Copy ``chunk`` of ``host`` into staging ``half`` on the current stream; returns the staged bytes. The
+        views each copy reads and writes are built once per chunk, host address and half (a view costs
+        microseconds, and a chunk makes up to four; a disk ring hands out a new view of the same buffer every time).
+        A cached view keeps its host memory alive, so no other buffer can turn up at its address."""
+        key = (id(chunk), host.data_ptr(), half)
+        views = self._copies.get(key)
+        if views is None or views[0] is not chunk:
+            views = self._copies[key] = (chunk, *chunk_views(chunk, host, self.staging[half]))
+        _, staged, *copies = views
+        for dst, src in copies:
+            dst.copy_(src, non_blocking=True)
+        return staged
 
     @contextlib.contextmanager
     def _synchronous(self):
@@ -148,9 +173,9 @@ class Transfer:
             if not self.staging:
                 return group.fill_from_host(dst, host)
             for index, chunk in enumerate(group.chunks):
-                staging = self.staging[self._half]
+                half = self._half
                 self._half ^= 1
-                group.fill_chunk(index, stage_chunk(chunk, host, staging), dst)
+                group.fill_chunk(index, self._stage(chunk, host, half), dst)
         return group.packed_bytes
 
     def mark_compute(self) -> torch.cuda.Event | None:
@@ -201,6 +226,7 @@ class Transfer:
         """Free the staging halves (teardown)."""
         self.staging = []
         self._used = []
+        self._copies = {}
 
     def __del__(self):
         free_after_transfers(self, getattr(self, "staging", None))

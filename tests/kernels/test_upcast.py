@@ -272,3 +272,96 @@ def test_reference_dequantizes_in_pieces_exactly(monkeypatch, granularity, piece
     kernel = layout.views(out)  # the kernel also writes zeros into padding, which no tensor views
     for name, tensor in layout.views(pieces).items():
         assert torch.equal(tensor, kernel[name]), name
+
+
+class _CompiledStandIn:
+    """Stands in on the CPU for what Triton compiles (``kernel[grid](*every parameter, stream=...)``): the positional
+    arguments are matched to the kernel's parameters by name, then the interpreter runs it."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def runner(*args, stream):
+            assert len(args) == len(self.kernel.arg_names)
+            self.launches.append((grid, stream))
+            self.kernel[grid[:1]](**dict(zip(self.kernel.arg_names, args, strict=True)))
+
+        return runner
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_a_prepared_launch_passes_every_parameter_in_order_and_compiles_once(fmt, monkeypatch):
+    """The hooks launch through ``PreparedUpcast``: the compiled kernel found once, then called with every parameter
+    by position on the stream given. Here the interpreter runs what the compiled kernel would."""
+    from types import SimpleNamespace
+
+    from tritoff.kernels import interpreting
+
+    if not interpreting():
+        pytest.skip("the stand-in runs Triton's interpreter (tests/tritoff/test_gpu.py launches the compiled one)")
+    kernel, warmups, launches = upcast_module._upcast_pack_kernel, [], []
+
+    def warmup(*args, grid, **constants):
+        warmups.append((args[3:], grid, constants))
+        return _CompiledStandIn(kernel, launches)
+
+    monkeypatch.setattr(upcast_module, "_INTERPRETED", False)
+    monkeypatch.setattr(upcast_module, "_upcast_pack_kernel", SimpleNamespace(warmup=warmup))
+    layout, data, _ = _build(MIXED, fmt)
+    prepared = upcast_module.PreparedUpcast(layout.table(), layout.n_programs(), layout.out_dtype, fmt, native=False)
+    stream = SimpleNamespace(cuda_stream=1234)
+    for _ in range(2):
+        out = poisoned(layout.out_nbytes, "cpu")
+        prepared(data, out, stream)
+        _compare(layout, out, data)
+    assert len(warmups) == 1 and launches == [((layout.n_programs(), 1, 1), 1234)] * 2
+    n_tensors, n_chunks = warmups[0][0]
+    assert (n_tensors, n_chunks) == (len(layout.entries), layout.n_programs())
+
+
+def test_a_prepared_launch_needs_compiled_triton():
+    from tritoff.kernels import interpreting
+
+    if not interpreting():
+        pytest.skip("compiled Triton prepares launches")
+    layout, _, _ = _build(MIXED, E4M3)
+    with pytest.raises(ValueError, match="interpreter"):
+        upcast_module.PreparedUpcast(layout.table(), layout.n_programs(), layout.out_dtype, E4M3, native=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["staged", "zero-copy"])
+def test_a_prepared_launch_on_a_stream_not_current_matches_the_reference(zero_copy):
+    from tritoff.arena import HostArena
+    from tritoff.kernels import native_fp8
+
+    layout, data, _ = _build(MIXED, E4M3)
+    block = BLOCK_ZERO_COPY if zero_copy else BLOCK
+    if zero_copy:
+        arena = HostArena(layout.nbytes)
+        arena.buffer.copy_(data)
+        src = arena.device_view(0, layout.nbytes)
+    else:
+        src = data.cuda()
+    prepared = upcast_module.PreparedUpcast(
+        layout.table(block, "cuda"),
+        layout.n_programs(block),
+        layout.out_dtype,
+        E4M3,
+        native=native_fp8("cuda"),
+        block=block,
+        programs=3 if zero_copy else 0,  # the programs stride over the chunks
+    )
+    side, outputs = torch.cuda.Stream(), []
+    for _ in range(2):
+        out = poisoned(layout.out_nbytes, "cuda")
+        side.wait_stream(torch.cuda.current_stream())  # the poison is written before the upcast
+        prepared(src, out, side)
+        outputs.append(out)
+    torch.cuda.synchronize()
+    for out in outputs:
+        _compare(layout, out, data)
+    assert len(prepared._compiled) == 1
+    if zero_copy:
+        arena.close()

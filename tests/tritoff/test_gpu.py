@@ -228,6 +228,59 @@ def test_slots_are_not_overwritten_while_the_compute_stream_lags(tmp_path, place
         assert torch.equal(out, expected)
 
 
+def _enabled_sleepy(placement: str, transport: str):
+    reserve = 64 * 512 * 2 * 8
+    minimum = _minimum(_sleepy(), reserve=reserve, transport=transport)
+    budget = minimum if placement == "streamed" else int(1.3 * minimum)
+    model = _sleepy()
+    engine = tritoff.enable(model, mode="group", budget=budget, reserve=reserve, transport=transport, progress=False)
+    return model, engine
+
+
+@pytest.mark.parametrize("transport", ["staged", "zero_copy"])
+@pytest.mark.parametrize("placement", ["streamed", "fp8-resident"])
+def test_a_forward_on_the_callers_own_stream_is_exact_and_leaves_that_stream_current(placement, transport):
+    # each fill makes tritoff's streams current without torch.cuda.stream (tritoff/streams.py) and launches its
+    # prepared upcasts on an explicit stream: the caller's stream must be current again after every hook
+    x = torch.randn(64, 512, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        expected = dequantize_in_place(_sleepy()).cuda()(x)
+    model, engine = _enabled_sleepy(placement, transport)
+    mine = torch.cuda.Stream()
+    mine.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(mine):
+        outputs = [model(x) for _ in range(3)]
+        assert torch.cuda.current_stream() == mine
+    torch.cuda.current_stream().wait_stream(mine)
+    torch.cuda.synchronize()
+    for out in outputs:
+        assert torch.equal(out, expected)
+    assert any(g._prepared for g in engine.manager.components["model"].blocks)  # the hooks launched prepared
+
+
+def test_a_dispatch_mode_sees_the_upcasts_the_hooks_launch():
+    # prepared launches skip the registered op: under a dispatch mode (a flop counter, a logger) the op is used
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(64, 512, dtype=torch.bfloat16, device="cuda")
+    model, _ = _enabled_sleepy("streamed", "staged")
+    with torch.no_grad():
+        expected = model(x)
+        with Ops() as ops:
+            out = model(x)
+    assert any("upcast_pack" in name for name in ops.names)
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("storage", ["fp8_e4m3", "fp8_e5m2"])
 def test_two_experts_switch_on_the_gpu_in_either_fp8_format(storage):
     expected = run(dequantized_pipeline(wan, storage=storage, two_experts=True).to("cuda"))
