@@ -449,15 +449,15 @@ def summary_lines(record: dict, out: Path, suffix: str) -> list[str]:
                 f"| {'-' if up is None else f'{up:.0f}'} | {r['exact']} | onload >= 95%: {onload}; "
                 f"upcast >= 80%: {_verdict(None if up is None else up >= 80)} |"
             )
-        swept = [r for r in kernels["sizes"] if r.get("f_hbm_upcast_GBps_by_block") and r.get("hbm_d2d")]
-        if swept:  # the largest pack: HBM upcast % of D2D by elements per program
+        swept = [r for r in kernels["sizes"] if r.get("f_hbm_upcast_GBps_by_config") and r.get("hbm_d2d")]
+        if swept:  # the largest pack: HBM upcast % of D2D by elements x warps per program
             r = swept[-1]
             cells = ", ".join(
-                f"{block}: {100 * rate / r['hbm_d2d']['GBps_read_plus_write']:.0f}%"
-                for block, rate in r["f_hbm_upcast_GBps_by_block"].items()
+                f"{config}: {100 * rate / r['hbm_d2d']['GBps_read_plus_write']:.0f}%"
+                for config, rate in r["f_hbm_upcast_GBps_by_config"].items()
             )
             size = f"{r['pack_bytes'] / 2**20:.0f} MiB"
-            lines.append(f"HBM upcast % of D2D by elements per program, {size} pack: {cells}")
+            lines.append(f"HBM upcast % of D2D by elements x warps per program, {size} pack: {cells}")
         if "overlap_351MB" in kernels:
             ov = kernels["overlap_351MB"]
             lines.append(

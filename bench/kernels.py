@@ -4,7 +4,8 @@ For packs from 1 MB to 1 GB built from Wan-14B block tensor shapes (rows of 5120
 (a) cudaMemcpyAsync H2D of the fp8 bytes from the registered arena (the PCIe roofline), (b) the same for bf16 bytes,
 (c) staged: copy + ``upcast_pack``, (d) ``upcast_pack_zero_copy``, (e) the PyTorch way per tensor
 (``w.to("cuda", non_blocking=True).to(bf16) * scale``), (f) the HBM-side upcast alone against a device-to-device copy,
-also with 2048 to 16384 elements per program. Then (c) and (d) beside a large matmul: how much each slows it.
+also with 2048 to 16384 elements and 4 or 8 warps per program. Then (c) and (d) beside a large matmul: how much each
+slows it.
 
 Usage: python bench/kernels.py [--smoke] [--out DIR] [--deadline SECONDS]
   --smoke: tiny packs on the CPU through the Triton interpreter. --out: where kernels.json goes (default
@@ -35,6 +36,7 @@ from tritoff.kernels.quantize import quantize, quantize_reference  # noqa: E402
 from tritoff.kernels.upcast import (  # noqa: E402
     BLOCK,
     BLOCK_ZERO_COPY,
+    WARPS,
     upcast_pack,
     upcast_pack_reference,
     upcast_pack_zero_copy,
@@ -42,8 +44,10 @@ from tritoff.kernels.upcast import (  # noqa: E402
 from tritoff.pack import PackLayout, TensorSpec, write_pack  # noqa: E402
 
 WIDTH = 5120  # Wan-14B hidden size
-# elements per program swept for (f), the kernels' BLOCK among them: the next tuning of the HBM upcast starts here
+# elements and warps per program swept for (f), the kernels' BLOCK and WARPS among them: the next tuning of the HBM
+# upcast starts here
 UPCAST_BLOCKS = (2048, 4096, 8192, 16384)
+UPCAST_WARPS = (4, 8)
 SIZES_MB = (1, 4, 16, 32, 64, 128, 256, 351, 1024)  # 351 MB: one Wan-14B block in fp8
 
 
@@ -182,19 +186,23 @@ def measure_size(target_bytes: int, device: torch.device, width: int, reps: int)
         d2d_dst = torch.empty_like(d2d_src)
         seconds = timed(lambda: d2d_dst.copy_(d2d_src), device, reps)
         results["hbm_d2d"] = {"seconds": seconds, "GBps_read_plus_write": 2 * out_bytes / seconds / 1e9}
-    # (f) at every swept size of program; the kernels' own (BLOCK) is timed once, as the (f) figure
-    seconds_by_block = {}
+    # (f) at every swept size of program; the kernels' own (BLOCK, WARPS) is timed once, as the (f) figure
+    seconds_by_config = {}
     for block in UPCAST_BLOCKS:
         block_table, block_programs = layout.table(block, device), layout.n_programs(block)
+        for warps in UPCAST_WARPS:
 
-        def upcast(block=block, block_table=block_table, block_programs=block_programs):
-            upcast_pack(staged, out, block_table, block_programs, layout.out_dtype, fmt, block=block)
+            def upcast(block=block, warps=warps, block_table=block_table, block_programs=block_programs):
+                upcast_pack(staged, out, block_table, block_programs, layout.out_dtype, fmt, block=block, warps=warps)
 
-        seconds_by_block[block] = timed(upcast, device, reps)
-        check("hbm_upcast" if block == BLOCK else f"hbm_upcast_block_{block}")
-    seconds = seconds_by_block[BLOCK]
-    results["f_hbm_upcast"] = {"seconds": seconds, "GBps_read_plus_write": (wire + out_bytes) / seconds / 1e9}
-    results["f_hbm_upcast_GBps_by_block"] = {str(b): (wire + out_bytes) / t / 1e9 for b, t in seconds_by_block.items()}
+            seconds_by_config[block, warps] = timed(upcast, device, reps)
+            check("hbm_upcast" if (block, warps) == (BLOCK, WARPS) else f"hbm_upcast_{block}x{warps}")
+    seconds = seconds_by_config[BLOCK, WARPS]
+    rate = {config: (wire + out_bytes) / t / 1e9 for config, t in seconds_by_config.items()}
+    results["f_hbm_upcast"] = {"seconds": seconds, "GBps_read_plus_write": rate[BLOCK, WARPS]}
+    results["f_hbm_upcast_GBps_by_block"] = {str(b): rate[b, WARPS] for b in UPCAST_BLOCKS}
+    # "elements x warps" per program
+    results["f_hbm_upcast_GBps_by_config"] = {f"{b}x{w}": r for (b, w), r in rate.items()}
     results["exact_by_path"] = exact
     results["exact"] = all(exact.values())
     arena.close()
@@ -304,12 +312,13 @@ def main() -> None:
     ]
     print(f"device: {device}; wire GB/s (fp8 bytes per second; % of (a)); (f) counts read + write bytes")
     print(markdown_table(header, table))
+    configs = [f"{b}x{w}" for b in UPCAST_BLOCKS for w in UPCAST_WARPS]
     sweep = [
-        [f"{r['pack_bytes'] / 2**20:.1f}"] + [f"{r['f_hbm_upcast_GBps_by_block'][str(b)]:.0f}" for b in UPCAST_BLOCKS]
+        [f"{r['pack_bytes'] / 2**20:.1f}"] + [f"{r['f_hbm_upcast_GBps_by_config'][c]:.0f}" for c in configs]
         for r in rows
     ]
-    print(f"\n(f) HBM upcast GB/s by elements per program (the kernels use {BLOCK}):")
-    print(markdown_table(["pack MiB", *map(str, UPCAST_BLOCKS)], sweep))
+    print(f"\n(f) HBM upcast GB/s by elements x warps per program (the kernels use {BLOCK}x{WARPS}):")
+    print(markdown_table(["pack MiB", *configs], sweep))
     if device.type == "cuda" and "stopped" not in data:
         data["overlap_351MB"] = ov = overlap(device, 351 * 2**20, max(3, reps // 4))
         print(

@@ -40,6 +40,8 @@ PAD = 16
 # Elements per program. 4096 fp8 codes = 4 KiB read and 8 KiB of bf16 written per program: 32 elements a thread at
 # 4 warps, enough independent 16-byte accesses in flight; an ffn weight of Wan-14B (5120x13824) is ~17k programs.
 BLOCK = 4096
+# Warps per program: 4 x 32 threads, 32 elements each at BLOCK (bench/kernels.py also times 8).
+WARPS = 4
 # Zero-copy reads cross PCIe with ~1-2 us latency, so more bytes per program keeps more requests in flight.
 BLOCK_ZERO_COPY = 8192
 # Programs of a zero-copy launch. A PCIe read is latency-bound, not SM-bound: a few dozen programs keep enough
@@ -188,8 +190,9 @@ def _max_tensors(n: int) -> int:
 _INTERPRETED = not isinstance(_upcast_pack_kernel, JITFunction)
 
 
-def _kernel_arguments(src, dst, table, n_programs, out_code, fp8_e5m2, native, block, grid):
-    """The grid, the arguments and the compile-time constants (in the kernel's parameter order) of one launch."""
+def _kernel_arguments(src, dst, table, n_programs, out_code, fp8_e5m2, native, block, grid, warps):
+    """The grid, the arguments, the compile-time constants (in the kernel's parameter order) and the launch options of
+    one launch."""
     n_tensors = table.shape[0]
     # Triton's interpreter runs the strided loop with memory corruption in later, unrelated calls (seen after
     # torch.library.opcheck): on the CPU every launch is one program per chunk, the bound matters only for PCIe
@@ -204,7 +207,8 @@ def _kernel_arguments(src, dst, table, n_programs, out_code, fp8_e5m2, native, b
         BLOCK=block,
         PERSISTENT=persistent,
     )
-    return (grid if persistent else n_programs,), (src, dst, table, n_tensors, n_programs), constants
+    grid = (grid if persistent else n_programs,)
+    return grid, (src, dst, table, n_tensors, n_programs), constants, dict(num_warps=warps)
 
 
 def _upcast_pack_launcher(traceable: bool):
@@ -223,10 +227,13 @@ def _upcast_pack_launcher(traceable: bool):
         native: bool,
         block: int,
         grid: int,
+        warps: int,
     ) -> None:
         kernel = launch(_upcast_pack_kernel) if traceable else _upcast_pack_kernel
-        grid, args, constants = _kernel_arguments(src, dst, table, n_programs, out_code, fp8_e5m2, native, block, grid)
-        kernel[grid](*args, **constants)
+        grid, args, constants, options = _kernel_arguments(
+            src, dst, table, n_programs, out_code, fp8_e5m2, native, block, grid, warps
+        )
+        kernel[grid](*args, **constants, **options)
 
     return upcast_pack_launch
 
@@ -253,7 +260,7 @@ def _check_table(table: torch.Tensor, out_dtype: torch.dtype) -> None:
         raise ValueError(f"out dtype must be bf16, fp16 or fp32, got {out_dtype}")
 
 
-def _run(src, dst, table, n_programs, out_dtype, fmt, native, block, grid=0):
+def _run(src, dst, table, n_programs, out_dtype, fmt, native, block, grid=0, warps=WARPS):
     _check(src, dst, table, out_dtype)
     if n_programs == 0:
         return dst
@@ -262,7 +269,7 @@ def _run(src, dst, table, n_programs, out_dtype, fmt, native, block, grid=0):
     grid = min(grid, n_programs) if grid else 0
     call = _upcast_pack_eager if eager(src, dst, table) else _upcast_pack_op
     with launch_device(dst):
-        call(src, dst, table, n_programs, _OUT_CODES[out_dtype], e5m2, use_native, block, grid)
+        call(src, dst, table, n_programs, _OUT_CODES[out_dtype], e5m2, use_native, block, grid, warps)
     return dst
 
 
@@ -276,14 +283,15 @@ def upcast_pack(
     *,
     native: bool | None = None,
     block: int = BLOCK,
+    warps: int = WARPS,
 ) -> torch.Tensor:
     """Upcast a pack staged in device memory into ``dst`` (uint8) in one launch; returns ``dst``.
 
-    ``table`` and ``n_programs`` (its chunk count) come from the pack, built with ``block`` elements per program
-    (bench/kernels.py sweeps it); ``native`` forces the hardware fp8 conversion on or off (default: on where the
-    device has it).
+    ``table`` and ``n_programs`` (its chunk count) come from the pack, built with ``block`` elements per program;
+    ``warps``: warps per program (bench/kernels.py sweeps both); ``native`` forces the hardware fp8 conversion on or
+    off (default: on where the device has it).
     """
-    return _run(staged, dst, table, n_programs, out_dtype, fmt, native, block)
+    return _run(staged, dst, table, n_programs, out_dtype, fmt, native, block, warps=warps)
 
 
 def upcast_pack_zero_copy(
@@ -318,7 +326,7 @@ class PreparedUpcast:
     the interpreter has no compiled kernel, and torch.compile traces :func:`upcast_pack`'s op.
 
     ``block``: elements per program the table was built for; ``programs``: the zero-copy bound (0: one program per
-    chunk, as :func:`upcast_pack`).
+    chunk, as :func:`upcast_pack`); ``warps``: warps per program.
     """
 
     def __init__(
@@ -331,6 +339,7 @@ class PreparedUpcast:
         native: bool,
         block: int = BLOCK,
         programs: int = 0,
+        warps: int = WARPS,
     ):
         if _INTERPRETED:
             raise ValueError("a prepared upcast launches a compiled kernel, which Triton's interpreter has none of")
@@ -339,8 +348,8 @@ class PreparedUpcast:
         self.n_programs = n_programs
         grid = min(programs, n_programs) if programs else 0
         e5m2 = fmt.dtype == torch.float8_e5m2
-        self.grid, _, constants = _kernel_arguments(
-            None, None, table, n_programs, _OUT_CODES[out_dtype], e5m2, native, block, grid
+        self.grid, _, constants, self._options = _kernel_arguments(
+            None, None, table, n_programs, _OUT_CODES[out_dtype], e5m2, native, block, grid, warps
         )
         self.grid = (self.grid[0], 1, 1)
         self._constants = constants
@@ -357,7 +366,9 @@ class PreparedUpcast:
         key = (dst.device.index, src.data_ptr() % 16 == 0, dst.data_ptr() % 16 == 0)
         compiled = self._compiled.get(key)
         if compiled is None:  # compiles, or finds the kernel Triton compiled already for these arguments
-            compiled = self._compiled[key] = _upcast_pack_kernel.warmup(*args, grid=self.grid, **self._constants)
+            compiled = self._compiled[key] = _upcast_pack_kernel.warmup(
+                *args, grid=self.grid, **self._constants, **self._options
+            )
         compiled[self.grid](*args, *self._values, stream=stream.cuda_stream)
 
 

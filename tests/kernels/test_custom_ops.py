@@ -4,7 +4,7 @@ import torch
 
 from tritoff.formats import get_format
 from tritoff.kernels.quantize import _quantize_rows_op
-from tritoff.kernels.upcast import BLOCK, _upcast_pack_op
+from tritoff.kernels.upcast import BLOCK, WARPS, _upcast_pack_op
 from tritoff.pack import PackLayout, TensorSpec, write_pack
 
 
@@ -17,7 +17,7 @@ def test_upcast_pack_op(device):
     data = torch.zeros(layout.nbytes, dtype=torch.uint8)
     write_pack(layout, data, {"w": torch.randn(40, 33).bfloat16(), "b": torch.randn(40).bfloat16()}, quantize_reference)
     out = torch.zeros(layout.out_nbytes, dtype=torch.uint8, device=device)
-    args = (data.to(device), out, layout.table(BLOCK, device), layout.n_programs(), 0, False, False, BLOCK, 0)
+    args = (data.to(device), out, layout.table(BLOCK, device), layout.n_programs(), 0, False, False, BLOCK, 0, WARPS)
     torch.library.opcheck(_upcast_pack_op, args)
 
 

@@ -196,16 +196,17 @@ def test_scales_at_row_boundaries(shape, device):
     _compare(layout, out, data)
 
 
-@pytest.mark.parametrize("block", [2048, 16384])
+@pytest.mark.parametrize("block,warps", [(2048, 4), (16384, 4), (4096, 8), (16384, 8)])
 @pytest.mark.parametrize(
     "shape", [pytest.param((3, 6000), id="rows-over-blocks"), pytest.param((70, 130), id="many-rows-per-block")]
 )
-def test_other_elements_per_program_unpack_exactly(block, shape, device):
-    # bench/kernels.py sweeps the elements per program: a table built for another block size gives the same bytes
+def test_other_elements_and_warps_per_program_unpack_exactly(block, warps, shape, device):
+    # bench/kernels.py sweeps the elements and warps per program: a table built for another block size, run by more
+    # warps, gives the same bytes (the interpreter runs a program as one: warps count on the GPU)
     layout, data, _ = _build([TensorSpec("w", shape, torch.bfloat16, True), *MIXED], E4M3)
     out = poisoned(layout.out_nbytes, device)
     table, programs = layout.table(block, device), layout.n_programs(block)
-    upcast_pack(data.to(device), out, table, programs, layout.out_dtype, E4M3, block=block)
+    upcast_pack(data.to(device), out, table, programs, layout.out_dtype, E4M3, block=block, warps=warps)
     _compare(layout, out, data)
 
 
