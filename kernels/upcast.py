@@ -317,13 +317,14 @@ def upcast_pack_zero_copy(
 class PreparedUpcast:
     """One launch made again and again with the same table (a chunk of a streamed group), on a stream it is given.
 
-    A streamed block's hook launches the upcast for the blocks ahead, a few launches per block, and there Triton's
-    own work per launch (binding and specializing every argument, finding the compiled kernel, reading the current
-    stream) and the checks of :func:`upcast_pack` cost more host time than the launch: 42 µs per launch measured on
-    the H100 machine's host (``bench/hooks.py``). A prepared launch checks once, finds the compiled kernel once per
-    device and pointer alignment (all Triton specializes on for these arguments: the counts are never specialized)
-    and launches it on ``stream`` directly, so the caller need not make that stream current either. Eager CUDA only:
-    the interpreter has no compiled kernel, and torch.compile traces :func:`upcast_pack`'s op.
+    A streamed block's hook launches the upcast for the blocks ahead, a few launches per block, and each went through
+    Triton's own work per launch (binding and specializing every argument, finding the compiled kernel, reading the
+    current stream) and the checks of :func:`upcast_pack`: 42 µs per launch, all included, on the H100 machine's host
+    (``bench/hooks.py``). A prepared launch checks once, finds the compiled kernel once per device and pointer
+    alignment (all Triton specializes these arguments on; the counts are not specialized on their values, and are
+    fixed for each prepared launch anyway) and launches it on ``stream`` directly, so the caller need not make that
+    stream current either. Eager CUDA only: the interpreter has no compiled kernel, and torch.compile traces
+    :func:`upcast_pack`'s op.
 
     ``block``: elements per program the table was built for; ``programs``: the zero-copy bound (0: one program per
     chunk, as :func:`upcast_pack`); ``warps``: warps per program.
@@ -360,16 +361,31 @@ class PreparedUpcast:
         """Upcast ``src`` (the staged chunk, the resident pack, or the host view read zero-copy) into ``dst`` on
         ``stream``. Both are contiguous uint8 buffers on the table's device, which must be the current device: the
         launch runs in the current context."""
+        if src.dtype is not torch.uint8 or dst.dtype is not torch.uint8:
+            raise TypeError(f"pack and destination must be uint8 byte buffers, got {src.dtype} and {dst.dtype}")
         if self.n_programs == 0:
             return
         args = (src, dst, self.table, self.table.shape[0], self.n_programs)
         key = (dst.device.index, src.data_ptr() % 16 == 0, dst.data_ptr() % 16 == 0)
         compiled = self._compiled.get(key)
-        if compiled is None:  # compiles, or finds the kernel Triton compiled already for these arguments
-            compiled = self._compiled[key] = _upcast_pack_kernel.warmup(
-                *args, grid=self.grid, **self._constants, **self._options
-            )
+        if compiled is None:
+            compiled = self._find_compiled(args, dst)
+            if compiled is None:  # a Triton hook declined to hand the kernel over: launch it the usual way
+                with torch.cuda.stream(stream), launch_device(dst):
+                    _upcast_pack_kernel[self.grid[:1]](*args, **self._constants, **self._options)
+                return
+            self._compiled[key] = compiled
         compiled[self.grid](*args, *self._values, stream=stream.cuda_stream)
+
+    def _find_compiled(self, args: tuple, dst: torch.Tensor):
+        """The compiled kernel for ``args`` (compiled now, or the one Triton compiled already), loaded on ``dst``'s
+        device: Triton compiles and loads for the current device. None when Triton gives none back (its
+        ``jit_cache_hook`` may decline)."""
+        with launch_device(dst):
+            compiled = _upcast_pack_kernel.warmup(*args, grid=self.grid, **self._constants, **self._options)
+            if compiled is not None and hasattr(compiled, "result"):  # compiling asynchronously: wait for it
+                compiled = compiled.result()
+        return compiled
 
 
 # elements the reference dequantizes at once: float32 copies of a whole weight (Wan-14B's largest has 70.8M elements)

@@ -142,9 +142,9 @@ class Transfer:
 
     def _stage(self, chunk: Chunk, host: torch.Tensor, half: int) -> torch.Tensor:
         """Copy ``chunk`` of ``host`` into staging ``half`` on the current stream; returns the staged bytes. The
-        views each copy reads and writes are built once per chunk, host address and half (a view costs
-        microseconds, and a chunk makes up to four; a disk ring hands out a new view of the same buffer every time).
-        A cached view keeps its host memory alive, so no other buffer can turn up at its address."""
+        views each copy reads and writes (up to four per chunk) are built once per chunk, host address and half
+        rather than at every copy (a disk ring hands out a new view of the same buffer every time, hence the
+        address). A cached view keeps its host memory alive, so no other buffer can turn up at its address."""
         key = (id(chunk), host.data_ptr(), half)
         views = self._copies.get(key)
         if views is None or views[0] is not chunk:

@@ -1,5 +1,7 @@
 """kernels/upcast.py: one launch unpacks a whole pack exactly like the PyTorch reference."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -291,24 +293,41 @@ class _CompiledStandIn:
         return runner
 
 
+class _Kernel:
+    """Stands in for the ``@triton.jit`` kernel: ``warmup`` hands over what ``handed`` says (the compiled kernel, a
+    future of it as under Triton's asynchronous compile, or nothing, as when a ``jit_cache_hook`` declines); a launch
+    through ``[grid]`` runs the interpreted kernel."""
+
+    def __init__(self, kernel, handed: str):
+        self.kernel, self.handed, self.warmups, self.launches, self.jit_launches = kernel, handed, [], [], 0
+
+    def warmup(self, *args, grid, **constants):
+        self.warmups.append((args[3:], grid, constants))
+        compiled = _CompiledStandIn(self.kernel, self.launches)
+        if self.handed == "future":
+            return SimpleNamespace(result=lambda: compiled)
+        return compiled if self.handed == "kernel" else None
+
+    def __getitem__(self, grid):
+        self.jit_launches += 1
+        return self.kernel[grid]
+
+
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
-def test_a_prepared_launch_passes_every_parameter_in_order_and_compiles_once(fmt, monkeypatch):
+@pytest.mark.parametrize("handed", ["kernel", "future", "none"])
+def test_a_prepared_launch_passes_every_parameter_in_order_and_compiles_once(fmt, handed, monkeypatch):
     """The hooks launch through ``PreparedUpcast``: the compiled kernel found once, then called with every parameter
     by position on the stream given. Here the interpreter runs what the compiled kernel would."""
-    from types import SimpleNamespace
+    import contextlib
 
     from tritoff.kernels import interpreting
 
     if not interpreting():
         pytest.skip("the stand-in runs Triton's interpreter (tests/tritoff/test_gpu.py launches the compiled one)")
-    kernel, warmups, launches = upcast_module._upcast_pack_kernel, [], []
-
-    def warmup(*args, grid, **constants):
-        warmups.append((args[3:], grid, constants))
-        return _CompiledStandIn(kernel, launches)
-
+    kernel = _Kernel(upcast_module._upcast_pack_kernel, handed)
     monkeypatch.setattr(upcast_module, "_INTERPRETED", False)
-    monkeypatch.setattr(upcast_module, "_upcast_pack_kernel", SimpleNamespace(warmup=warmup))
+    monkeypatch.setattr(upcast_module, "_upcast_pack_kernel", kernel)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())  # the usual launch's switch
     layout, data, _ = _build(MIXED, fmt)
     prepared = upcast_module.PreparedUpcast(layout.table(), layout.n_programs(), layout.out_dtype, fmt, native=False)
     stream = SimpleNamespace(cuda_stream=1234)
@@ -316,9 +335,15 @@ def test_a_prepared_launch_passes_every_parameter_in_order_and_compiles_once(fmt
         out = poisoned(layout.out_nbytes, "cpu")
         prepared(data, out, stream)
         _compare(layout, out, data)
-    assert len(warmups) == 1 and launches == [((layout.n_programs(), 1, 1), 1234)] * 2
-    n_tensors, n_chunks = warmups[0][0]
+    n_tensors, n_chunks = kernel.warmups[0][0]
     assert (n_tensors, n_chunks) == (len(layout.entries), layout.n_programs())
+    if handed == "none":  # nothing to keep: asked again each time, launched through Triton's JIT
+        assert len(kernel.warmups) == 2 and kernel.jit_launches == 2 and not kernel.launches
+    else:
+        assert len(kernel.warmups) == 1 and kernel.jit_launches == 0
+        assert kernel.launches == [((layout.n_programs(), 1, 1), 1234)] * 2
+    with pytest.raises(TypeError, match="uint8"):
+        prepared(data.view(torch.int8), out, stream)
 
 
 def test_a_prepared_launch_needs_compiled_triton():

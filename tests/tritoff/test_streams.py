@@ -28,7 +28,7 @@ def devices(monkeypatch):
     monkeypatch.setattr(streams, "_get_stream", lambda index: state.current[index])
     monkeypatch.setattr(streams, "_set_stream", state.set_stream)
     monkeypatch.setattr(streams, "_set_device", state.set_device)
-    monkeypatch.setattr(streams, "_stream", lambda ids: object())
+    monkeypatch.setattr(streams, "_stream", lambda ids: list(ids))  # a new object each time, holding its ids
     monkeypatch.setattr(streams, "_CURRENT", {})
     return state
 
@@ -48,8 +48,8 @@ def test_enter_and_leave_put_back_the_callers_device_and_streams(devices, caller
 
 def test_the_current_stream_is_built_again_only_when_it_changes(devices):
     first = streams.current(0)
-    assert streams.current(0) is first
+    assert first == [0, 0, 1] and streams.current(0) is first
     devices.current[0] = (5, 0, 1)
     second = streams.current(0)
-    assert second is not first and streams.current(0) is second
-    assert streams.current(1) is not second  # per device
+    assert second == [5, 0, 1] and streams.current(0) is second
+    assert streams.current(1) == [0, 1, 1] and streams.current(0) is second  # per device
