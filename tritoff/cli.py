@@ -473,7 +473,7 @@ def _cmd_convert(args) -> int:
     parent = real.parent if str(real.parent) else Path(".")
     removed = left_behind(real)  # the conversion removes these
     for stale in removed:
-        print(f"tritoff: removing {stale}, left by an interrupted conversion", file=sys.stderr)
+        _say(f"tritoff: removing {stale}, left by an interrupted conversion")
     name = glob.escape(real.name)
     for stale in sorted(parent.glob(f".{name}.*.partial")) + sorted(parent.glob(f".{name}.*.old")):
         # left by a conversion that was killed (SIGKILL, power loss) on another host, or while replacing a store
@@ -483,7 +483,7 @@ def _cmd_convert(args) -> int:
             advice = f"it holds the store a conversion was replacing: if none runs, move it back to {real}"
         else:
             advice = "delete it if none runs"
-        print(f"tritoff: note: {stale} is from another conversion of this store; {advice}", file=sys.stderr)
+        _say(f"tritoff: note: {stale} is from another conversion of this store; {advice}")
     _prepare_backend(None)
     if not local.is_dir():  # a hub id: read from its snapshot group by group, as a local directory is
         local = _fetch(args.model)
@@ -773,8 +773,19 @@ def _checkpoint() -> None:
 
 
 def _interrupted_exit() -> int:
-    print("tritoff: interrupted", file=sys.stderr)
+    _say("tritoff: interrupted")
     return EXIT_INTERRUPTED
+
+
+def _say(line: str) -> None:
+    """Print ``line`` to stderr on a line of its own: a progress bar interrupted or failing mid-line leaves the cursor
+    after its text, and the one-line message would run on from it."""
+    print(_new_line() + line, file=sys.stderr)
+
+
+def _new_line() -> str:
+    """A newline when stderr's last write left a line unfinished (a progress bar redraws its line with ``\r``)."""
+    return "" if getattr(sys.stderr, "at_line_start", True) else "\n"
 
 
 class _Output:
@@ -786,8 +797,11 @@ class _Output:
         # a stream Python left as None (the process started with it closed: 2>&-) writes to /dev/null
         self.owned = stream is None
         self.stream = open(os.devnull, "w") if stream is None else stream  # noqa: SIM115 (closed by close())
+        self.at_line_start = True  # what was written last ended a line (see _say)
 
     def write(self, text: str) -> int:
+        if text:
+            self.at_line_start = text.endswith("\n")
         try:
             return self.stream.write(text)
         except BrokenPipeError:
@@ -821,8 +835,8 @@ def _format_warning(message, category, filename, lineno, line=None) -> str:
     from tritoff.warn import TritoffWarning
 
     if issubclass(category, TritoffWarning):
-        return f"tritoff: warning: {_one_line(message)}\n"
-    return _python_format_warning(message, category, filename, lineno, line)
+        return f"{_new_line()}tritoff: warning: {_one_line(message)}\n"
+    return _new_line() + _python_format_warning(message, category, filename, lineno, line)
 
 
 _python_format_warning = warnings.formatwarning
@@ -851,14 +865,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return _interrupted_exit()
     except Warning as err:  # a warning made an error (python -W error)
-        print(f"tritoff: error: {_one_line(err)} (a warning, made an error by -W error)", file=sys.stderr)
+        _say(f"tritoff: error: {_one_line(err)} (a warning, made an error by -W error)")
         return 1
     except (CliError, ValueError, OSError) as err:
         if _interrupted:
             return _interrupted_exit()
         if os.environ.get("TRITOFF_TRACEBACK") and not isinstance(err, CliError):
             raise
-        print(f"tritoff: error: {_one_line(err)}", file=sys.stderr)
+        _say(f"tritoff: error: {_one_line(err)}")
         # an OSError a library raised about the input (diffusers: a model directory without its weights) carries no
         # errno; the machine's errors (a full disk, an I/O error) do
         usage = (CliError, ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -868,10 +882,9 @@ def main(argv: list[str] | None = None) -> int:
             return _interrupted_exit()
         if os.environ.get("TRITOFF_TRACEBACK"):
             raise
-        print(
+        _say(
             f"tritoff: error: {type(err).__name__}: {_one_line(err)} (unexpected; set TRITOFF_TRACEBACK=1 for where "
-            "it came from)",
-            file=sys.stderr,
+            "it came from)"
         )
         return 1
     finally:

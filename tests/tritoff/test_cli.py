@@ -271,6 +271,40 @@ def test_a_warning_made_an_error_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == expected
 
 
+@pytest.mark.parametrize("end", ["interrupted", "error"])
+def test_a_message_after_a_progress_bar_starts_a_line_of_its_own(monkeypatch, capsys, end):
+    # a bar redraws its line after a carriage return and ends it only when closed: interrupted before it is (a
+    # signal landing between the bar's first draw and the block that closes it), the one-line message went on from
+    # the bar's text ("packing vae:   0%|          | 0/9 [00:00<?, ?it/s]tritoff: interrupted")
+    from tritoff import cli
+
+    def packing(args):
+        sys.stderr.write("\rpacking vae:   0%|          | 0/9 [00:00<?, ?it/s]")  # what a bar draws
+        if end == "interrupted":
+            raise KeyboardInterrupt
+        raise cli.CliError("the disk is full")
+
+    monkeypatch.setattr(cli, "_cmd_info", packing)
+    code = cli.main(["info"])
+    lines = capsys.readouterr().err.split("\n")
+    assert len(lines) == 3 and "packing vae" in lines[0] and lines[-1] == ""
+    assert lines[1] == ("tritoff: interrupted" if end == "interrupted" else "tritoff: error: the disk is full")
+    assert code == (cli.EXIT_INTERRUPTED if end == "interrupted" else 2)
+
+
+def test_a_warning_during_a_progress_bar_starts_a_line_of_its_own(monkeypatch):
+    import io
+
+    from tritoff import cli
+    from tritoff.warn import TritoffWarning
+
+    monkeypatch.setattr(sys, "stderr", cli._Output(io.StringIO()))
+    assert cli._format_warning("a", TritoffWarning, "x.py", 3) == "tritoff: warning: a\n"
+    sys.stderr.write("\rpacking vae:  11%|#1        | 1/9")
+    assert cli._format_warning("a", TritoffWarning, "x.py", 3) == "\ntritoff: warning: a\n"
+    assert cli._format_warning("c", UserWarning, "x.py", 3, "") == "\nx.py:3: UserWarning: c\n"
+
+
 def test_an_error_no_check_foresaw_is_one_line_unless_its_traceback_is_asked_for(monkeypatch, capsys):
     from tritoff import cli
 
