@@ -413,6 +413,10 @@ def _fresh(out: Path, pattern: str, suffix: str, since: float) -> list[Path]:
     return [p for p in paths if not (suffix == "" and p.stem.endswith("-smoke")) and p.stat().st_mtime >= since]
 
 
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def _verdict(ok: bool | None) -> str:
     return "-" if ok is None else ("met" if ok else "NOT met")
 
@@ -434,19 +438,25 @@ def summary_lines(record: dict, out: Path, suffix: str) -> list[str]:
     since = record.get("_start", 0)  # the output directory may hold an earlier part's files
     kernels = _load(out, "kernels", suffix, since)
     if kernels:
-        lines += ["", "| pack MiB | H2D fp8 GB/s | staged % | zero-copy % | HBM upcast % of D2D | exact | targets |"]
-        lines.append("|---|---|---|---|---|---|---|")
+        lines += [
+            "",
+            "| pack MiB | H2D fp8 GB/s | staged % | staged, streamed % | zero-copy % | HBM upcast % of D2D | exact "
+            "| targets |",
+        ]
+        lines.append("|---|---|---|---|---|---|---|---|")
         for r in kernels["sizes"]:
             roof = r["a_h2d_fp8"]["wire_GBps"]
             staged = 100 * r["c_staged"]["wire_GBps"] / roof
+            streamed = 100 * r["c2_staged_streamed"]["wire_GBps"] / roof if "c2_staged_streamed" in r else None
             zc = 100 * r["d_zero_copy"]["wire_GBps"] / roof if "d_zero_copy" in r else None
             d2d = r.get("hbm_d2d", {}).get("GBps_read_plus_write")
             up = 100 * r["f_hbm_upcast"]["GBps_read_plus_write"] / d2d if d2d else None
             big = r["pack_bytes"] >= 32 * 2**20
             onload = _verdict(staged >= 95 and (zc is None or zc >= 95)) if big else "-"
+            onload_streamed = _verdict(None if streamed is None else streamed >= 95) if big else "-"
             lines.append(
-                f"| {r['pack_bytes'] / 2**20:.0f} | {roof:.1f} | {staged:.0f} | {'-' if zc is None else f'{zc:.0f}'} "
-                f"| {'-' if up is None else f'{up:.0f}'} | {r['exact']} | onload >= 95%: {onload}; "
+                f"| {r['pack_bytes'] / 2**20:.0f} | {roof:.1f} | {staged:.0f} | {_percent(streamed)} | {_percent(zc)} "
+                f"| {_percent(up)} | {r['exact']} | onload >= 95%: {onload} (streamed: {onload_streamed}); "
                 f"upcast >= 80%: {_verdict(None if up is None else up >= 80)} |"
             )
         swept = [r for r in kernels["sizes"] if r.get("f_hbm_upcast_GBps_by_config") and r.get("hbm_d2d")]
