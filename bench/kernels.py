@@ -2,8 +2,8 @@
 
 For packs from 1 MB to 1 GB built from Wan-14B block tensor shapes (rows of 5120 plus kept norms and biases): (a)
 cudaMemcpyAsync H2D of the fp8 bytes from the registered arena (the PCIe roofline), (b) the same for bf16 bytes, (c)
-staged: copy + ``upcast_pack``, (c') the same for 4 packs in a row, streamed as the engine streams them (chunks of half
-a pack through two staging halves, the DMA of one overlapping the upcast of the other), (d) ``upcast_pack_zero_copy``,
+staged: copy + ``upcast_pack``, (c') the same for 4 packs in a row, streamed as the engine streams them (two chunks a
+pack through two staging halves, the DMA of one overlapping the upcast of the other), (d) ``upcast_pack_zero_copy``,
 (e) the PyTorch way per tensor (``w.to("cuda", non_blocking=True).to(bf16) * scale``), (f) the HBM-side upcast alone
 against a device-to-device copy, also with 2048 to 16384 elements and 4 or 8 warps per program. Then (c) and (d) beside
 a large matmul: how much each slows it.
@@ -33,7 +33,7 @@ if SMOKE and not torch.cuda.is_available():
 from common import markdown_table, plot_lines, write_result  # noqa: E402
 
 from tritoff.arena import HostArena  # noqa: E402
-from tritoff.chunks import smallest_chunk, split_pack, stage_chunk  # noqa: E402
+from tritoff.chunks import halving_chunk, split_pack, stage_chunk  # noqa: E402
 from tritoff.formats import get_format  # noqa: E402
 from tritoff.kernels.quantize import quantize, quantize_reference  # noqa: E402
 from tritoff.kernels.upcast import (  # noqa: E402
@@ -44,7 +44,7 @@ from tritoff.kernels.upcast import (  # noqa: E402
     upcast_pack_reference,
     upcast_pack_zero_copy,
 )
-from tritoff.pack import PackLayout, TensorSpec, align, write_pack  # noqa: E402
+from tritoff.pack import PackLayout, TensorSpec, write_pack  # noqa: E402
 
 WIDTH = 5120  # Wan-14B hidden size
 # elements and warps per program swept for (f), the kernels' BLOCK and WARPS among them: the next tuning of the HBM
@@ -118,11 +118,12 @@ def timed(fn, device, reps: int, setup=None) -> float:
 
 def streamed_onload(layout: PackLayout, host: torch.Tensor, out: torch.Tensor, fmt, device: torch.device):
     """A call that onloads the pack in ``host`` into ``out`` :data:`STREAMED` times in a row as ``Transfer.fill``
-    does (``tritoff/transfer.py``): chunks of half the pack, each copied into one of two staging halves on a copy
-    stream and upcast from there on an upcast stream, events only; the current stream waits for the last upcast. On
-    the CPU (the smoke run) the same steps run one after the other."""
+    does (``tritoff/transfer.py``): two chunks per pack, each copied into one of two staging halves on a copy stream
+    and upcast from there on an upcast stream, events only; the current stream waits for the last upcast. On the CPU
+    (the smoke run) the same steps run one after the other. Returns the call, a call that poisons both halves (run
+    before the checked call, so an upcast reading a half before its copy lands fails the check) and the chunks."""
     cuda = device.type == "cuda"
-    capacity = max(align(-(-layout.nbytes // 2)), smallest_chunk(layout))
+    capacity = halving_chunk(layout)  # the engine's staging half: two chunks per pack
     chunks = split_pack(layout, capacity)
     tables = [(c.table(BLOCK, device), c.n_programs(BLOCK)) for c in chunks]
     halves = [torch.empty(capacity, dtype=torch.uint8, device=device) for _ in range(2)]
@@ -157,7 +158,11 @@ def streamed_onload(layout: PackLayout, host: torch.Tensor, out: torch.Tensor, f
         if cuda:
             current.wait_stream(upcast_stream)
 
-    return onload
+    def poison():
+        for half in halves:
+            half.fill_(0xFF)
+
+    return onload, poison, len(chunks)
 
 
 def measure_size(target_bytes: int, device: torch.device, width: int, reps: int) -> dict:
@@ -204,11 +209,10 @@ def measure_size(target_bytes: int, device: torch.device, width: int, reps: int)
     out.fill_(0xFF)
     record("c_staged", timed(staged_path, device, reps), wire, out_bytes)
     check("staged")
-    # (c') the same pack STREAMED times in a row as the engine moves packs: in chunks of half a pack through two
-    # staging halves, so each chunk's DMA overlaps the previous one's upcast; a lone pack's upcast tail is paid once,
-    # not per pack
-    streamed = streamed_onload(layout, host, out, fmt, device)
-    record("c2_staged_streamed", timed(streamed, device, reps), STREAMED * wire, STREAMED * out_bytes)
+    # (c') the same pack STREAMED times in a row as the engine moves packs: in two chunks through two staging halves,
+    # so each chunk's DMA overlaps the previous one's upcast; a lone pack's upcast tail is paid once, not per pack
+    streamed, poison, results["streamed_chunks"] = streamed_onload(layout, host, out, fmt, device)
+    record("c2_staged_streamed", timed(streamed, device, reps, setup=poison), STREAMED * wire, STREAMED * out_bytes)
     check("staged_streamed")
     if cuda:
         zc_table, zc_programs = layout.table(BLOCK_ZERO_COPY, device), layout.n_programs(BLOCK_ZERO_COPY)

@@ -355,7 +355,7 @@ class PreparedUpcast:
         self.grid = (self.grid[0], 1, 1)
         self._constants = constants
         self._values = tuple(constants.values())  # the launcher takes every parameter, in order
-        self._compiled: dict[tuple, object] = {}
+        self._runners: dict[tuple, object] = {}  # (device, src aligned, dst aligned) -> the compiled kernel's launcher
 
     def __call__(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream) -> None:
         """Upcast ``src`` (the staged chunk, the resident pack, or the host view read zero-copy) into ``dst`` on
@@ -367,25 +367,25 @@ class PreparedUpcast:
             return
         args = (src, dst, self.table, self.table.shape[0], self.n_programs)
         key = (dst.device.index, src.data_ptr() % 16 == 0, dst.data_ptr() % 16 == 0)
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self._find_compiled(args, dst)
-            if compiled is None:  # a Triton hook declined to hand the kernel over: launch it the usual way
+        runner = self._runners.get(key)
+        if runner is None:
+            runner = self._runner(args, dst)
+            if runner is None:  # a Triton hook declined to hand the kernel over: launch it the usual way
                 with torch.cuda.stream(stream), launch_device(dst):
                     _upcast_pack_kernel[self.grid[:1]](*args, **self._constants, **self._options)
                 return
-            self._compiled[key] = compiled
-        compiled[self.grid](*args, *self._values, stream=stream.cuda_stream)
+            self._runners[key] = runner
+        runner(*args, *self._values, stream=stream.cuda_stream)
 
-    def _find_compiled(self, args: tuple, dst: torch.Tensor):
-        """The compiled kernel for ``args`` (compiled now, or the one Triton compiled already), loaded on ``dst``'s
-        device: Triton compiles and loads for the current device. None when Triton gives none back (its
-        ``jit_cache_hook`` may decline)."""
+    def _runner(self, args: tuple, dst: torch.Tensor):
+        """The compiled kernel's launcher for ``args`` (compiled now, or the kernel Triton compiled already), with its
+        binary loaded on ``dst``'s device: Triton compiles for the current device and loads when the launcher is made.
+        None when Triton gives no kernel back (a ``jit_cache_hook`` declining a warm-up)."""
         with launch_device(dst):
             compiled = _upcast_pack_kernel.warmup(*args, grid=self.grid, **self._constants, **self._options)
             if compiled is not None and hasattr(compiled, "result"):  # compiling asynchronously: wait for it
                 compiled = compiled.result()
-        return compiled
+            return None if compiled is None else compiled[self.grid]
 
 
 # elements the reference dequantizes at once: float32 copies of a whole weight (Wan-14B's largest has 70.8M elements)

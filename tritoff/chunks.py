@@ -115,6 +115,17 @@ def smallest_chunk(layout: PackLayout) -> int:
     return max((_chunk([_piece(e, up, us, 0, 1, pt)]).staged_bytes for e, up, us, _, pt in _pieces(layout)), default=0)
 
 
+def halving_chunk(layout: PackLayout) -> int:
+    """A staging capacity that moves ``layout``'s pack in two chunks (one when it is small enough): half the pack,
+    plus what cutting it costs (each chunk's payload and scales are padded to 256 bytes, and so is a tensor cut at a
+    row). Exactly half would leave a third chunk of a few KiB, which takes a staging half of its own: the next pack's
+    first chunk would then wait for the upcast of this pack's second."""
+    capacity = max(align(-(-layout.nbytes // 2)), smallest_chunk(layout))
+    while len(chunks := split_pack(layout, capacity)) > 2:
+        capacity += align(sum(c.staged_bytes for c in chunks[2:]))
+    return capacity
+
+
 def split_pack(layout: PackLayout, capacity: int) -> list[Chunk]:
     """``layout``'s pack as chunks of at most ``capacity`` staged bytes (one chunk when the whole pack fits).
 

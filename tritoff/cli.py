@@ -800,8 +800,8 @@ class _Output:
         self.at_line_start = True  # what was written last ended a line (see _say)
 
     def write(self, text: str) -> int:
-        if text:
-            self.at_line_start = text.endswith("\n")
+        if text:  # a bar's redraw ("\r" and its text) leaves the line unfinished; a bar cleared ends with "\r"
+            self.at_line_start = text.endswith(("\n", "\r"))
         try:
             return self.stream.write(text)
         except BrokenPipeError:

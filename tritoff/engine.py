@@ -15,7 +15,7 @@ from tritoff.adapters import adapter_bytes, merged_adapters, move_adapters, name
 from tritoff.allocator import warn_if_fragmenting
 from tritoff.arena import HostArena
 from tritoff.budget import default_budget, device_memory, format_bytes, parse_host_budget, parse_size, percentage
-from tritoff.chunks import smallest_chunk
+from tritoff.chunks import halving_chunk, smallest_chunk
 from tritoff.disk import DiskRing, spill_files
 from tritoff.formats import check_granularity, get_format
 from tritoff.groups import REST, Group, block_groups, is_block, is_host, leaf_groups
@@ -609,14 +609,21 @@ def _sizes(components, group_lists, layouts, mode) -> list[ComponentSize]:
         if all(is_host(g) for g in groups):  # nothing but host lookup tables: no device bytes at all
             sizes.append(ComponentSize(name, [], None, _looped(name)))
             continue
+        splits = mode != "model" and _splittable(module, groups)
         each = [  # host lookup tables take no device memory
-            GroupSize(g.name, lay.nbytes, lay.out_nbytes, smallest_chunk(lay))
+            GroupSize(
+                g.name,
+                lay.nbytes,
+                lay.out_nbytes,
+                smallest_chunk(lay),
+                half_chunk=halving_chunk(lay) if splits and g.name != REST else 0,
+            )
             for g, lay in zip(groups, lays, strict=True)
             if not is_host(g)
         ]
         blocks = [s for s in each if s.name != REST]
         rest = [s for s in each if s.name == REST]
-        if mode != "model" and _splittable(module, groups):
+        if splits:
             sizes.append(ComponentSize(name, blocks, rest[0] if rest else None, _looped(name)))
         else:
             whole = GroupSize(

@@ -34,13 +34,15 @@ UNIT_STAGING = 64 * 2**20
 class GroupSize:
     """A group's bytes: packed (host, fp8) and unpacked (GPU, compute dtype); ``min_chunk``: the smallest staging
     chunk that holds its largest uncuttable piece; ``largest_pack``: for a whole component moving as one unit, its
-    largest single pack (each pack is filled on its own)."""
+    largest single pack (each pack is filled on its own); ``half_chunk``: for a block, the staging chunk that moves
+    its pack in two (``tritoff.chunks.halving_chunk``; 0: half its bytes)."""
 
     name: str
     packed: int
     unpacked: int
     min_chunk: int = 0
     largest_pack: int = 0
+    half_chunk: int = 0
 
 
 @dataclass
@@ -202,14 +204,15 @@ def spread_order(n: int) -> list[int]:
 
 
 def chunk_capacity(component: ComponentSize, staged: bool = True) -> int:
-    """Bytes of one staging half for ``component``: half its largest block (streamed blocks move in about two chunks,
-    so the DMA of one overlaps the upcast of the other at the cost of one pack of staging), or for a component moving
+    """Bytes of one staging half for ``component``: half its largest block, and the few KiB cutting it costs
+    (streamed blocks move in two chunks, so the DMA of one overlaps the upcast of the other at the cost of one pack of
+    staging; a third chunk would hold the next pack's DMA back), or for a component moving
     whole its largest pack, at most ``UNIT_STAGING``. Depends on the sizes alone, never on the budget."""
     groups = [*component.blocks, *([component.rest] if component.rest else [])]
     if not staged or not groups:
         return 0
     if component.blocks:
-        capacity = -(-max(g.packed for g in component.blocks) // 2)
+        capacity = max(g.half_chunk or -(-g.packed // 2) for g in component.blocks)
     else:
         capacity = min(max(g.largest_pack or g.packed for g in groups), UNIT_STAGING)
     capacity = max(capacity, *(g.min_chunk for g in groups))

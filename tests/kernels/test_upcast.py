@@ -388,6 +388,6 @@ def test_a_prepared_launch_on_a_stream_not_current_matches_the_reference(zero_co
     torch.cuda.synchronize()
     for out in outputs:
         _compare(layout, out, data)
-    assert len(prepared._compiled) == 1
+    assert len(prepared._runners) == 1
     if zero_copy:
         arena.close()

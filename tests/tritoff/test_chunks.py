@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tritoff.chunks import smallest_chunk, split_pack, stage_chunk
+from tritoff.chunks import halving_chunk, smallest_chunk, split_pack, stage_chunk
 from tritoff.formats import get_format
 from tritoff.kernels.quantize import quantize_reference
 from tritoff.kernels.upcast import BLOCK, upcast_pack, upcast_pack_reference
@@ -84,3 +84,25 @@ def test_a_staging_buffer_too_small_for_one_piece_is_refused():
     layout, _ = _pack()
     with pytest.raises(ValueError, match="cannot hold one piece of"):
         split_pack(layout, smallest_chunk(layout) - 1)
+
+
+WAN_BLOCK = [  # a Wan block's tensors, 1/40 of their width: two attentions, the ffn, their biases, norms and table
+    *(TensorSpec(f"attn{a}.{p}.weight", (128, 128), torch.bfloat16, True) for a in (1, 2) for p in "qkvo"),
+    *(TensorSpec(f"attn{a}.{p}.bias", (128,), torch.bfloat16, False) for a in (1, 2) for p in "qkvo"),
+    TensorSpec("ffn.up.weight", (346, 128), torch.bfloat16, True),
+    TensorSpec("ffn.down.weight", (128, 346), torch.bfloat16, True),
+    TensorSpec("norm.weight", (128,), torch.float32, False),
+    TensorSpec("scale_shift_table", (1, 6, 128), torch.float32, False),
+]
+
+
+@pytest.mark.parametrize("specs", [SPECS, WAN_BLOCK], ids=["mixed", "wan-block"])
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+def test_a_halving_chunk_moves_the_pack_in_two_for_a_few_bytes_more_than_half(specs, granularity):
+    # exactly half a pack leaves a third chunk of a few padded bytes, which takes a staging half of its own
+    layout = PackLayout.plan(specs, E4M3, granularity)
+    half = -(-layout.nbytes // 2)
+    capacity = halving_chunk(layout)
+    assert len(split_pack(layout, capacity)) == 2
+    assert half <= capacity <= half + 16 * 1024
+    assert len(split_pack(layout, half)) > 2 or capacity == max(-(-half // 256) * 256, smallest_chunk(layout))

@@ -303,6 +303,8 @@ def test_a_warning_during_a_progress_bar_starts_a_line_of_its_own(monkeypatch):
     sys.stderr.write("\rpacking vae:  11%|#1        | 1/9")
     assert cli._format_warning("a", TritoffWarning, "x.py", 3) == "\ntritoff: warning: a\n"
     assert cli._format_warning("c", UserWarning, "x.py", 3, "") == "\nx.py:3: UserWarning: c\n"
+    sys.stderr.write("\r" + " " * 40 + "\r")  # a bar closed with leave=False clears its line: no blank line after it
+    assert cli._format_warning("a", TritoffWarning, "x.py", 3) == "tritoff: warning: a\n"
 
 
 def test_an_error_no_check_foresaw_is_one_line_unless_its_traceback_is_asked_for(monkeypatch, capsys):

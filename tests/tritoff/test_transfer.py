@@ -52,3 +52,16 @@ def test_staged_copies_reuse_their_views_and_stay_exact(served, tmp_path):
             assert source.data_ptr() >= address
     for out in first + later:
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_every_streamed_block_of_a_wan_transformer_moves_in_two_chunks():
+    # staging halves of exactly half a block cut each pack into three chunks, the third a few KiB of padding, which
+    # took a half of its own and held the next block's first copy back
+    from tritoff.tiny import tiny_wan_transformer
+
+    config = dict(num_layers=4, ffn_dim=344, num_attention_heads=3, attention_head_dim=40)
+    with pytest.raises(BudgetError) as info:
+        tritoff.enable(tiny_wan_transformer(**config), budget=1, **OPTIONS)
+    engine = tritoff.enable(tiny_wan_transformer(**config), budget=info.value.minimum, **OPTIONS)
+    streamed = [g for g in engine.manager.components["model"].blocks if g.tier == "stream"]
+    assert streamed and all(len(g.chunks) == 2 for g in streamed)
