@@ -204,10 +204,10 @@ def spread_order(n: int) -> list[int]:
 
 
 def chunk_capacity(component: ComponentSize, staged: bool = True) -> int:
-    """Bytes of one staging half for ``component``: half its largest block, and the few KiB cutting it costs
-    (streamed blocks move in two chunks, so the DMA of one overlaps the upcast of the other at the cost of one pack of
-    staging; a third chunk would hold the next pack's DMA back), or for a component moving
-    whole its largest pack, at most ``UNIT_STAGING``. Depends on the sizes alone, never on the budget."""
+    """Bytes of one staging half for ``component``: half its largest block, and the few KiB cutting it costs (streamed
+    blocks move in two chunks, so the DMA of one overlaps the upcast of the other at the cost of one pack of
+    staging; a third chunk would hold the next pack's DMA back), or for a component moving whole its largest
+    pack, at most ``UNIT_STAGING``. Depends on the sizes alone, never on the budget."""
     groups = [*component.blocks, *([component.rest] if component.rest else [])]
     if not staged or not groups:
         return 0
