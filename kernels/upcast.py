@@ -192,7 +192,7 @@ _INTERPRETED = not isinstance(_upcast_pack_kernel, JITFunction)
 
 def _kernel_arguments(src, dst, table, n_programs, out_code, fp8_e5m2, native, block, grid, warps):
     """The grid, the arguments, the compile-time constants (in the kernel's parameter order) and the launch options of
-    one launch."""
+    one launch. ``grid``: the bound of a zero-copy launch, never more than one program per chunk (0: one per chunk)."""
     n_tensors = table.shape[0]
     # Triton's interpreter runs the strided loop with memory corruption in later, unrelated calls (seen after
     # torch.library.opcheck): on the CPU every launch is one program per chunk, the bound matters only for PCIe
@@ -207,7 +207,7 @@ def _kernel_arguments(src, dst, table, n_programs, out_code, fp8_e5m2, native, b
         BLOCK=block,
         PERSISTENT=persistent,
     )
-    grid = (grid if persistent else n_programs,)
+    grid = (min(grid, n_programs) if persistent else n_programs,)
     return grid, (src, dst, table, n_tensors, n_programs), constants, dict(num_warps=warps)
 
 
@@ -266,7 +266,6 @@ def _run(src, dst, table, n_programs, out_dtype, fmt, native, block, grid=0, war
         return dst
     use_native = native_fp8(dst.device) if native is None else native
     e5m2 = fmt.dtype == torch.float8_e5m2
-    grid = min(grid, n_programs) if grid else 0
     call = _upcast_pack_eager if eager(src, dst, table) else _upcast_pack_op
     with launch_device(dst):
         call(src, dst, table, n_programs, _OUT_CODES[out_dtype], e5m2, use_native, block, grid, warps)
@@ -347,10 +346,9 @@ class PreparedUpcast:
         _check_table(table, out_dtype)
         self.table = table
         self.n_programs = n_programs
-        grid = min(programs, n_programs) if programs else 0
         e5m2 = fmt.dtype == torch.float8_e5m2
         self.grid, _, constants, self._options = _kernel_arguments(
-            None, None, table, n_programs, _OUT_CODES[out_dtype], e5m2, native, block, grid, warps
+            None, None, table, n_programs, _OUT_CODES[out_dtype], e5m2, native, block, programs, warps
         )
         self.grid = (self.grid[0], 1, 1)
         self._constants = constants
