@@ -7,6 +7,7 @@ in the *unpacked* buffer the kernel writes (again 256-byte aligned), so one laun
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -117,6 +118,14 @@ class PackLayout:
                 PackEntry(spec.name, spec.shape, spec.dtype, kind, off, nbytes, scale_offset, num_scales, out_off)
             )
         return cls(tuple(result), offset, out_offset, out_dtype, storage, granularity)
+
+    @functools.cached_property
+    def geometry(self) -> tuple:
+        """The layout without its names: all its tables and chunks depend on (the blocks of a transformer share it)."""
+        return self.nbytes, tuple(
+            (e.shape, e.dtype, e.kind, e.offset, e.nbytes, e.scale_offset, e.num_scales, e.out_offset)
+            for e in self.entries
+        )
 
     @property
     def quantized_bytes(self) -> int:

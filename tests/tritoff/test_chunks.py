@@ -106,3 +106,23 @@ def test_a_halving_chunk_moves_the_pack_in_two_for_a_few_bytes_more_than_half(sp
     assert len(split_pack(layout, capacity)) == 2
     assert half <= capacity <= half + 16 * 1024
     assert len(split_pack(layout, half)) > 2 or capacity == max(-(-half // 256) * 256, smallest_chunk(layout))
+
+
+def test_packs_of_one_geometry_are_cut_once_and_a_refusal_names_its_own_tensor(monkeypatch):
+    import dataclasses
+
+    from tritoff import chunks
+
+    monkeypatch.setattr(chunks, "_CUTS", {})
+    cuts = []
+    split = chunks._split
+    monkeypatch.setattr(chunks, "_split", lambda layout, capacity: cuts.append(capacity) or split(layout, capacity))
+    layout = PackLayout.plan(SPECS, E4M3)
+    renamed = PackLayout.plan([dataclasses.replace(s, name=f"blocks.7.{s.name}") for s in SPECS], E4M3)
+    wider = PackLayout.plan([dataclasses.replace(SPECS[1], shape=(40, 5632)), *SPECS[2:]], E4M3)
+    first = split_pack(layout, 16384)
+    assert split_pack(renamed, 16384) == first and cuts == [16384]  # another block of the same shapes: no new cut
+    assert split_pack(wider, 16384) != first and cuts == [16384, 16384]  # other shapes: cut on their own
+    assert split_pack(layout, 12288) != first and len(cuts) == 3  # another capacity too
+    with pytest.raises(ValueError, match=r"blocks\.7\.ffn\.weight"):
+        split_pack(renamed, 256)
