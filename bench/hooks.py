@@ -237,21 +237,26 @@ def _cuda_host_us(step, device) -> float:
 
 def _issue_steps_us(engine, group, device) -> dict | None:
     """On CUDA, host µs of each call a staged fill makes per chunk, each in a tight loop: what issuing a transfer is
-    made of (a fill enters and leaves its streams once, switches between them twice per chunk, records an event
+    made of (a fill makes its upcast stream current once and puts the caller's back; per chunk it records an event
     twice, waits once or twice, copies and launches), each beside what it replaced: the ``torch.cuda.stream`` context
-    manager (and ``torch.cuda.set_stream``), copies that slice their views every time, the upcast launched through
-    Triton's JIT and ``upcast_pack``'s checks. None on the CPU, or for a group with no staging."""
+    manager (and ``torch.cuda.set_stream``), ``Tensor.copy_`` (slicing its views every time, or over cached views)
+    where the fill queues its copies through the driver, the upcast launched through Triton's JIT and
+    ``upcast_pack``'s checks. None on the CPU, or for a group with no staging."""
     if device.type != "cuda" or not group.chunks:
         return None
     import torch
 
-    from tritoff import streams
-    from tritoff.chunks import stage_chunk
+    from tritoff import cuda_host, streams
+    from tritoff.chunks import chunk_views, stage_chunk
 
     comp = engine.manager.components[group.component]
     transfer, dst, chunk = comp.transfer, comp.ring.buffers[0], group.chunks[0]
     stream, event = transfer.upcast_stream, torch.cuda.Event()
-    staged = stage_chunk(chunk, group.pack.data, transfer.staging[0])
+    staged, *copies = chunk_views(chunk, group.pack.data, transfer.staging[0])
+    spans = tuple((to.data_ptr(), source.data_ptr(), to.numel()) for to, source in copies)
+    driver = cuda_host.copies_available()
+    if driver and (failed := cuda_host.copy_async(spans, stream.cuda_stream)) is not None:
+        raise RuntimeError(f"a copy through the CUDA driver failed: {failed}")
 
     def switch():
         with torch.cuda.stream(stream):
@@ -266,6 +271,11 @@ def _issue_steps_us(engine, group, device) -> dict | None:
         streams.leave(streams.enter(ids))
 
     ids = streams.ids(stream)
+
+    def cached_copies():
+        for to, source in copies:
+            to.copy_(source, non_blocking=True)
+
     steps = {
         "stream switch": switch,
         "stream switch (set_stream)": set_stream,
@@ -273,10 +283,12 @@ def _issue_steps_us(engine, group, device) -> dict | None:
         "event record": lambda: event.record(stream),
         "stream wait": lambda: stream.wait_event(event),
         "H2D copy issue": lambda: stage_chunk(chunk, group.pack.data, transfer.staging[0]),
-        "H2D copy issue (views cached)": lambda: transfer._stage(chunk, group.pack.data, 0),
+        "H2D copy issue (views cached)": cached_copies,
         "upcast launch": lambda: group.fill_chunk(0, staged, dst),
         "upcast launch (prepared)": lambda: group.fill_chunk(0, staged, dst, stream=stream),
     }
+    if driver:
+        steps["H2D copy issue (driver)"] = lambda: cuda_host.copy_async(spans, stream.cuda_stream)
     return {name: _cuda_host_us(step, device) for name, step in steps.items()}
 
 

@@ -1,10 +1,14 @@
-"""Page-locking host memory through the CUDA driver API.
+"""Page-locking host memory, and copying out of it, through the CUDA driver API.
 
 ``cudaHostRegister`` (the runtime API, all PyTorch exposes) leaves a failed registration's error as the runtime's
 *last error*, which the next unrelated kernel launch then reports as its own failure. The driver API
 (``cuMemHostRegister``) returns its error and leaves no such state, so a machine that cannot lock a 14 GB arena
 (too little free RAM) keeps working with pageable copies. libcuda is the driver itself, present wherever CUDA
 runs; it is loaded on first use, never at import.
+
+A staged fill copies each chunk of a pack out of that memory with :func:`copy_async`: one ``cuMemcpyHtoDAsync`` per
+byte range, where ``Tensor.copy_`` goes through the dispatcher, its checks and its pinned-memory bookkeeping first
+(``bench/hooks.py`` times both).
 """
 
 from __future__ import annotations
@@ -14,16 +18,24 @@ import functools
 
 import torch
 
+# CUDA_ERROR_INVALID_CONTEXT: a thread whose first CUDA call is a driver call has no context current yet
+INVALID_CONTEXT = 201
+
 # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP: visible to every context, readable by kernels
 REGISTER_FLAGS = 0x01 | 0x02
 
 
 @functools.cache
 def _driver() -> ctypes.CDLL:
-    lib = ctypes.CDLL("libcuda.so.1")
+    return bind(ctypes.CDLL("libcuda.so.1"))
+
+
+def bind(lib):
+    """Declare the argument types of the driver calls tritoff makes on ``lib`` (libcuda, or a stand-in); returns it."""
     lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
     lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
     lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     return lib
 
 
@@ -67,3 +79,26 @@ def unregister(ptr: int) -> None:
         # current and try again, or the pages would stay locked after the arena is unmapped
         _ensure_context()
         _driver().cuMemHostUnregister(ctypes.c_void_p(ptr))
+
+
+def copies_available() -> bool:
+    """Whether :func:`copy_async` can be used here (libcuda loads and has the call)."""
+    try:
+        return hasattr(_driver(), "cuMemcpyHtoDAsync_v2")
+    except (OSError, AttributeError):
+        return False
+
+
+def copy_async(spans, stream: int) -> str | None:
+    """Queue a copy of each ``(device address, host address, bytes)`` in ``spans`` on the CUDA stream whose handle is
+    ``stream`` (``torch.cuda.Stream.cuda_stream``), asynchronous from page-locked memory; returns None, or why a copy
+    could not be queued (the spans before it were)."""
+    copy = _driver().cuMemcpyHtoDAsync_v2
+    for dst, src, nbytes in spans:
+        code = copy(dst, src, nbytes, stream)
+        if code == INVALID_CONTEXT:
+            _ensure_context()
+            code = copy(dst, src, nbytes, stream)
+        if code != 0:
+            return _error_name(code)
+    return None

@@ -1,10 +1,11 @@
 """The current CUDA stream, read and switched in a few microseconds: the hooks do both for every block.
 
 ``torch.cuda.stream(s)`` builds Stream objects and saves the current stream of two devices at each entry: 17 µs per
-entry and exit on the H100 machine's host (``bench/hooks.py``), and a staged fill switched twice per chunk;
-``torch.cuda.current_stream()`` builds a new Stream object at every call. These helpers call the functions behind
-them with a stream's ids read once, and put the caller's device and stream back afterwards, as the context manager
-does. Where torch lacks those functions (a build without CUDA), the public calls stand in.
+entry and exit on the H100 machine's host (``bench/hooks.py``); ``torch.cuda.current_stream()`` builds a new Stream
+object at every call. A fill makes its upcast stream current once (its copies, queued through the driver, name their
+stream) with these helpers, which call the functions behind those with a stream's ids read once, and put the caller's
+device and stream back afterwards, as the context manager does. Where torch lacks those functions (a build without
+CUDA), the public calls stand in.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ _CURRENT: dict[int, tuple[StreamIds, torch.cuda.Stream]] = {}
 
 
 def ids(stream: torch.cuda.Stream) -> StreamIds:
-    """``stream``'s ids, what :func:`enter` and :func:`use` take."""
+    """``stream``'s ids, what :func:`enter` takes."""
     return stream.stream_id, stream.device_index, stream.device_type
 
 
@@ -44,11 +45,6 @@ def enter(stream: StreamIds) -> tuple[int, StreamIds]:
     saved = _get_stream(stream[1])
     _set_stream(*stream)
     return device, saved
-
-
-def use(stream: StreamIds) -> None:
-    """Make ``stream`` (ids, on the device :func:`enter` made current) current."""
-    _set_stream(*stream)
 
 
 def leave(state: tuple[int, StreamIds]) -> None:

@@ -25,9 +25,10 @@ import time
 
 import torch
 
-from tritoff import streams
+from tritoff import cuda_host, streams
 from tritoff.chunks import Chunk, chunk_views
 from tritoff.onload import GroupRuntime
+from tritoff.warn import warn
 
 
 @functools.cache
@@ -60,8 +61,11 @@ class Transfer:
         ]
         self.copy_stream, self.upcast_stream = side_streams(device) if self.cuda else (None, None)
         if self.cuda:
-            self._copy_ids, self._upcast_ids = streams.ids(self.copy_stream), streams.ids(self.upcast_stream)
-        # (chunk, host address, half) -> the views its copies read and write (see _stage)
+            self._upcast_ids = streams.ids(self.upcast_stream)
+        # staged copies go through the driver (cuda_host.copy_async) until a copy there fails
+        self.driver_copies = self.cuda and cuda_host.copies_available()
+        self._copy_handle = self.copy_stream.cuda_stream if self.cuda else 0
+        # (chunk, host address, half) -> the views its copies read and write, and their addresses (see _stage)
         self._copies: dict[tuple[int, int, int], tuple] = {}
         self._staged = [torch.cuda.Event() for _ in self.staging] if self.cuda else []
         self._free = [torch.cuda.Event() for _ in self.staging] if self.cuda else []
@@ -107,8 +111,8 @@ class Transfer:
         if not group.direct and not self.staging:
             raise RuntimeError(f"{group.component}.{group.name} needs staging but the plan has none")
         upcast = self.upcast_stream
-        # the upcast stream (and the engine's device) current throughout, the copy stream around the copies; the
-        # caller's device and stream come back at the end
+        # the upcast stream (and the engine's device) current throughout (copies name their stream); the caller's
+        # device and stream come back at the end
         state = streams.enter(self._upcast_ids)
         try:
             if group.device_pack is not None:
@@ -124,12 +128,10 @@ class Transfer:
                 for index, chunk in enumerate(group.chunks):
                     half = self._half
                     self._half ^= 1
-                    streams.use(self._copy_ids)
                     if self._used[half]:
                         self.copy_stream.wait_event(self._free[half])
                     staged = self._stage(chunk, host, half)
                     self._staged[half].record(self.copy_stream)
-                    streams.use(self._upcast_ids)
                     upcast.wait_event(self._staged[half])
                     if index == 0 and after is not None:
                         upcast.wait_event(after)
@@ -141,17 +143,34 @@ class Transfer:
             streams.leave(state)
 
     def _stage(self, chunk: Chunk, host: torch.Tensor, half: int) -> torch.Tensor:
-        """Copy ``chunk`` of ``host`` into staging ``half`` on the current stream; returns the staged bytes. The
-        views each copy reads and writes (up to four per chunk) are built once per chunk, host address and half
-        rather than at every copy (a disk ring hands out a new view of the same buffer every time, hence the
-        address). A cached view keeps its host memory alive, so no other buffer can turn up at its address."""
+        """Copy ``chunk`` of ``host`` into staging ``half`` (on the copy stream on CUDA); returns the staged bytes.
+        The views each copy reads and writes (two per chunk: payload and scales) and their addresses are found once
+        per chunk, host address and half rather than at every copy (a disk ring hands out a new view of the same
+        buffer every time, hence the address). A cached view keeps its host memory alive, so no other buffer can
+        turn up at its address.
+
+        On CUDA the copies are queued through the driver (``cuda_host.copy_async``), or through ``Tensor.copy_``
+        under a torch dispatch mode (which then sees them) and for good once a driver copy has failed (warned
+        once)."""
         key = (id(chunk), host.data_ptr(), half)
-        views = self._copies.get(key)
-        if views is None or views[0] is not chunk:
-            views = self._copies[key] = (chunk, *chunk_views(chunk, host, self.staging[half]))
-        _, staged, *copies = views
-        for dst, src in copies:
-            dst.copy_(src, non_blocking=True)
+        entry = self._copies.get(key)
+        if entry is None or entry[0] is not chunk:
+            staged, *copies = chunk_views(chunk, host, self.staging[half])
+            spans = tuple((dst.data_ptr(), src.data_ptr(), dst.numel()) for dst, src in copies)
+            entry = self._copies[key] = (chunk, staged, copies, spans)
+        _, staged, copies, spans = entry
+        if self.driver_copies and not torch._C._len_torch_dispatch_stack():
+            failed = cuda_host.copy_async(spans, self._copy_handle)
+            if failed is None:
+                return staged
+            self.driver_copies = False
+            warn(
+                f"a staged copy through the CUDA driver failed ({failed}); tritoff goes on with PyTorch's copies, "
+                "which report the error themselves if it persists"
+            )
+        with torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext():
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
         return staged
 
     @contextlib.contextmanager

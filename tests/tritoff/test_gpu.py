@@ -278,7 +278,38 @@ def test_a_dispatch_mode_sees_the_upcasts_the_hooks_launch():
         with Ops() as ops:
             out = model(x)
     assert any("upcast_pack" in name for name in ops.names)
+    assert any("copy_" in name for name in ops.names)  # the staged copies too, through Tensor.copy_
     assert torch.equal(out, expected)
+
+
+def test_staged_copies_go_through_the_driver_and_fall_back_to_torch_after_a_failure(monkeypatch):
+    from tritoff import cuda_host
+    from tritoff.warn import TritoffWarning
+
+    x = torch.randn(64, 512, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        expected = dequantize_in_place(_sleepy()).cuda()(x)
+    model, engine = _enabled_sleepy("streamed", "staged")
+    transfer = engine.manager.components["model"].transfer
+    issued = []
+    real = cuda_host.copy_async
+
+    def counted(spans, stream):
+        issued.append(len(spans))
+        return real(spans, stream)
+
+    monkeypatch.setattr(cuda_host, "copy_async", counted)
+    with torch.no_grad():
+        outputs = [model(x) for _ in range(2)]
+    assert transfer.driver_copies and sum(issued) >= 2 * 6  # every streamed block, its payload and its scales
+    monkeypatch.setattr(cuda_host, "copy_async", lambda spans, stream: "CUDA_ERROR_STAND_IN")
+    with torch.no_grad(), pytest.warns(TritoffWarning, match="CUDA_ERROR_STAND_IN") as seen:
+        outputs += [model(x) for _ in range(2)]
+    warned = [w for w in seen if issubclass(w.category, TritoffWarning)]
+    assert len(warned) == 1 and not transfer.driver_copies  # warned once, PyTorch's copies from then on
+    torch.cuda.synchronize()
+    for out in outputs:
+        assert torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("storage", ["fp8_e4m3", "fp8_e5m2"])

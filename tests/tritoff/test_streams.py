@@ -40,8 +40,6 @@ def test_enter_and_leave_put_back_the_callers_device_and_streams(devices, caller
     before = dict(devices.current)
     state = streams.enter((3, 0, 1))
     assert devices.device == 0 and devices.current[0] == (3, 0, 1)
-    streams.use((4, 0, 1))
-    assert devices.current[0] == (4, 0, 1)
     streams.leave(state)
     assert devices.device == caller and devices.current == before
 

@@ -43,13 +43,15 @@ def test_staged_copies_reuse_their_views_and_stay_exact(served, tmp_path):
     assert len(comp.transfer._copies) == cached  # built once: later forwards reuse them
     buffers = len(engine.manager.disk.buffers) if served == "disk" else 1
     assert 0 < cached <= sum(len(g.chunks) for g in streamed) * 2 * buffers
-    for (_, address, half), (chunk, staged, *copies) in comp.transfer._copies.items():
+    for (_, address, half), (chunk, staged, copies, spans) in comp.transfer._copies.items():
         # each in its own half (on the CPU a fill is synchronous: a wrong half would still give the right bytes)
         home = comp.transfer.staging[half]
         assert staged.data_ptr() == home.data_ptr() and staged.numel() == chunk.staged_bytes
         for to, source in copies:
             assert home.data_ptr() <= to.data_ptr() and to.data_ptr() + to.numel() <= home.data_ptr() + home.numel()
             assert source.data_ptr() >= address
+        # what a CUDA fill hands the driver: the same bytes, address for address
+        assert spans == tuple((to.data_ptr(), source.data_ptr(), source.numel()) for to, source in copies)
     for out in first + later:
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
