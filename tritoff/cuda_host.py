@@ -18,9 +18,6 @@ import functools
 
 import torch
 
-# CUDA_ERROR_INVALID_CONTEXT: a thread whose first CUDA call is a driver call has no context current yet
-INVALID_CONTEXT = 201
-
 # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP: visible to every context, readable by kernels
 REGISTER_FLAGS = 0x01 | 0x02
 
@@ -82,22 +79,28 @@ def unregister(ptr: int) -> None:
 
 
 def copies_available() -> bool:
-    """Whether :func:`copy_async` can be used here (libcuda loads and has the call)."""
+    """Whether :func:`copy_async` can be used here (libcuda loads)."""
     try:
-        return hasattr(_driver(), "cuMemcpyHtoDAsync_v2")
-    except (OSError, AttributeError):
+        _driver()
+    except OSError:
         return False
+    return True
 
 
-def copy_async(spans, stream: int) -> str | None:
+def copy_async(spans, stream: int, bind_context=None) -> str | None:
     """Queue a copy of each ``(device address, host address, bytes)`` in ``spans`` on the CUDA stream whose handle is
-    ``stream`` (``torch.cuda.Stream.cuda_stream``), asynchronous from page-locked memory; returns None, or why a copy
-    could not be queued (the spans before it were)."""
+    ``stream`` (``torch.cuda.Stream.cuda_stream``), asynchronous from page-locked memory; returns None, or the error
+    the driver reported for a copy it refused (the spans before it were queued).
+
+    The driver copies in the context current on the calling thread, which a thread gets at its first runtime call on
+    the device: after a refusal, ``bind_context()`` (such a call, e.g. the stream's ``query``) runs once and the copy
+    is tried again."""
     copy = _driver().cuMemcpyHtoDAsync_v2
     for dst, src, nbytes in spans:
         code = copy(dst, src, nbytes, stream)
-        if code == INVALID_CONTEXT:
-            _ensure_context()
+        if code != 0 and bind_context is not None:
+            bind_context()
+            bind_context = None
             code = copy(dst, src, nbytes, stream)
         if code != 0:
             return _error_name(code)

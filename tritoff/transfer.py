@@ -39,6 +39,11 @@ def side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.St
     return torch.cuda.Stream(device), torch.cuda.Stream(device)
 
 
+# devices whose driver refused a staged copy: their fills use Tensor.copy_ for the rest of the process (a Transfer is
+# made at every phase load, so the refusal is remembered here, not on it)
+_DRIVER_REFUSED: set[int | None] = set()
+
+
 class FillClock:
     """Host time spent filling synchronously (the CPU path): transfer time, not hook overhead. One per engine, shared
     by the Transfer of every phase it loads, so a phase leaving or entering inside a hook keeps the count whole."""
@@ -62,8 +67,8 @@ class Transfer:
         self.copy_stream, self.upcast_stream = side_streams(device) if self.cuda else (None, None)
         if self.cuda:
             self._upcast_ids = streams.ids(self.upcast_stream)
-        # staged copies go through the driver (cuda_host.copy_async) until a copy there fails
-        self.driver_copies = self.cuda and cuda_host.copies_available()
+        # staged copies go through the driver (cuda_host.copy_async) unless it refused one on this device
+        self.driver_copies = self.cuda and cuda_host.copies_available() and device.index not in _DRIVER_REFUSED
         self._copy_handle = self.copy_stream.cuda_stream if self.cuda else 0
         # (chunk, host address, half) -> the views its copies read and write, and their addresses (see _stage)
         self._copies: dict[tuple[int, int, int], tuple] = {}
@@ -150,8 +155,9 @@ class Transfer:
         turn up at its address.
 
         On CUDA the copies are queued through the driver (``cuda_host.copy_async``), or through ``Tensor.copy_``
-        under a torch dispatch mode (which then sees them) and for good once a driver copy has failed (warned
-        once)."""
+        under a torch dispatch mode (which then sees them), and on this device for the rest of the process once the
+        driver has refused a copy (warned once; ``Tensor.copy_`` then raises an error that persists, as PyTorch
+        does)."""
         key = (id(chunk), host.data_ptr(), half)
         entry = self._copies.get(key)
         if entry is None or entry[0] is not chunk:
@@ -159,18 +165,22 @@ class Transfer:
             spans = tuple((dst.data_ptr(), src.data_ptr(), dst.numel()) for dst, src in copies)
             entry = self._copies[key] = (chunk, staged, copies, spans)
         _, staged, copies, spans = entry
+        failed = None
         if self.driver_copies and not torch._C._len_torch_dispatch_stack():
-            failed = cuda_host.copy_async(spans, self._copy_handle)
+            # a refusal is tried again once after a runtime call on the device gives this thread its context
+            failed = cuda_host.copy_async(spans, self._copy_handle, self.copy_stream.query)
             if failed is None:
                 return staged
             self.driver_copies = False
-            warn(
-                f"a staged copy through the CUDA driver failed ({failed}); tritoff goes on with PyTorch's copies, "
-                "which report the error themselves if it persists"
-            )
+            _DRIVER_REFUSED.add(self.device.index)
         with torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext():
             for dst, src in copies:
                 dst.copy_(src, non_blocking=True)
+        if failed is not None:  # after the copies: a warning raised as an error must not leave the chunk half-staged
+            warn(
+                f"the CUDA driver refused a staged copy ({failed}); tritoff queues its copies through PyTorch on "
+                f"{self.device} from now on"
+            )
         return staged
 
     @contextlib.contextmanager

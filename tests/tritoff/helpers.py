@@ -1,5 +1,8 @@
 """Helpers shared by the engine tests: tiny pipelines, their dequantized twins, deterministic calls."""
 
+import ctypes
+import types
+
 import torch
 
 from tritoff.adapters import named_parameters
@@ -97,3 +100,36 @@ def stack(seed=0, **kwargs):
     from tritoff.tiny import realistic_init
 
     return realistic_init(Stack(**kwargs), seed=seed).to(torch.bfloat16).eval()
+
+
+# the prototypes of the libcuda calls tritoff makes (cuMemcpyHtoDAsync_v2, cuGetErrorName, the rest unused here)
+COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+NAME = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
+ANY = ctypes.CFUNCTYPE(ctypes.c_int)
+
+
+class StandInDriver:
+    """libcuda's calls as ctypes function pointers (``lib``, for ``cuda_host.bind``): a copy is a memmove at once
+    (between host buffers), and the first ``refusals`` copies return ``code``."""
+
+    def __init__(self, refusals: int = 0, code: int = 201):
+        self.calls, self.refusals, self.code = [], refusals, code
+        self.names = {201: b"CUDA_ERROR_INVALID_CONTEXT", 1: b"CUDA_ERROR_INVALID_VALUE"}
+        self.lib = types.SimpleNamespace(
+            cuMemcpyHtoDAsync_v2=COPY(self._copy),
+            cuGetErrorName=NAME(self._name),
+            cuMemHostRegister_v2=ANY(lambda: 0),
+            cuMemHostUnregister=ANY(lambda: 0),
+        )
+
+    def _copy(self, dst, src, nbytes, stream):
+        self.calls.append((dst, src, nbytes, stream))
+        if self.refusals:
+            self.refusals -= 1
+            return self.code
+        ctypes.memmove(dst, src, nbytes)
+        return 0
+
+    def _name(self, code, out):
+        out[0] = self.names[code]  # bytes kept alive by self.names
+        return 0

@@ -2,49 +2,19 @@
 whose copy is a memmove between host buffers, so a wrong address, size or order shows in the bytes)."""
 
 import ctypes
-import types
 
 import pytest
 import torch
 
 from tritoff import cuda_host
 
-COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-NAME = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
-ANY = ctypes.CFUNCTYPE(ctypes.c_int)
-
-
-class StandIn:
-    """libcuda's calls as ctypes function pointers: copies memmove at once, and the first ``refusals`` return
-    ``code``."""
-
-    def __init__(self, refusals: int = 0, code: int = cuda_host.INVALID_CONTEXT):
-        self.calls, self.refusals, self.code = [], refusals, code
-        self.names = {cuda_host.INVALID_CONTEXT: b"CUDA_ERROR_INVALID_CONTEXT", 1: b"CUDA_ERROR_INVALID_VALUE"}
-        self.lib = types.SimpleNamespace(
-            cuMemcpyHtoDAsync_v2=COPY(self._copy),
-            cuGetErrorName=NAME(self._name),
-            cuMemHostRegister_v2=ANY(lambda: 0),
-            cuMemHostUnregister=ANY(lambda: 0),
-        )
-
-    def _copy(self, dst, src, nbytes, stream):
-        self.calls.append((dst, src, nbytes, stream))
-        if self.refusals:
-            self.refusals -= 1
-            return self.code
-        ctypes.memmove(dst, src, nbytes)
-        return 0
-
-    def _name(self, code, out):
-        out[0] = self.names[code]  # bytes kept alive by self.names
-        return 0
+from .helpers import StandInDriver
 
 
 @pytest.fixture
 def stand_in(monkeypatch):
     def install(**kwargs):
-        lib = StandIn(**kwargs)
+        lib = StandInDriver(**kwargs)
         monkeypatch.setattr(cuda_host, "_driver", lambda: cuda_host.bind(lib.lib))
         return lib
 
@@ -53,6 +23,12 @@ def stand_in(monkeypatch):
 
 def _spans(dst: torch.Tensor, src: torch.Tensor, ranges):
     return tuple((dst.data_ptr() + a, src.data_ptr() + a, b - a) for a, b in ranges)
+
+
+def test_the_copy_is_declared_with_libcudas_argument_types():
+    # undeclared, ctypes would pass each address as a C int, cut to 32 bits
+    lib = cuda_host.bind(StandInDriver().lib)
+    assert lib.cuMemcpyHtoDAsync_v2.argtypes == [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
 def test_copy_async_moves_each_span_and_names_the_stream(stand_in):
@@ -68,18 +44,19 @@ def test_copy_async_moves_each_span_and_names_the_stream(stand_in):
     assert torch.equal(dst, expected)
 
 
-def test_a_thread_without_a_context_gets_one_and_the_copy_is_retried(stand_in, monkeypatch):
-    lib, made = stand_in(refusals=1), []
-    monkeypatch.setattr(cuda_host, "_ensure_context", lambda: made.append(True))
+def test_a_refused_copy_binds_a_context_once_and_is_tried_again(stand_in):
+    lib, bound = stand_in(refusals=1), []
     src = torch.randint(0, 256, (512,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
-    assert cuda_host.copy_async(_spans(dst, src, [(0, 512)]), 1) is None
-    assert made == [True] and len(lib.calls) == 2 and torch.equal(dst, src)
+    spans = _spans(dst, src, [(0, 256), (256, 512)])
+    assert cuda_host.copy_async(spans, 1, lambda: bound.append(True)) is None
+    assert bound == [True] and len(lib.calls) == 3 and torch.equal(dst, src)
 
 
-def test_a_refused_copy_is_named_and_the_spans_after_it_are_not_issued(stand_in):
-    lib = stand_in(refusals=1, code=1)
+def test_a_copy_refused_again_is_named_and_the_spans_after_it_are_not_issued(stand_in):
+    lib, bound = stand_in(refusals=2, code=1), []
     src = torch.randint(0, 256, (512,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
-    assert cuda_host.copy_async(_spans(dst, src, [(0, 256), (256, 512)]), 1) == "CUDA_ERROR_INVALID_VALUE"
-    assert len(lib.calls) == 1 and not dst.any()
+    spans = _spans(dst, src, [(0, 256), (256, 512)])
+    assert cuda_host.copy_async(spans, 1, lambda: bound.append(True)) == "CUDA_ERROR_INVALID_VALUE"
+    assert bound == [True] and len(lib.calls) == 2 and not dst.any()

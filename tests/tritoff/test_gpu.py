@@ -282,31 +282,52 @@ def test_a_dispatch_mode_sees_the_upcasts_the_hooks_launch():
     assert torch.equal(out, expected)
 
 
-def test_staged_copies_go_through_the_driver_and_fall_back_to_torch_after_a_failure(monkeypatch):
-    from tritoff import cuda_host
+@pytest.mark.parametrize("served", ["host", "disk"])
+def test_staged_copies_go_through_the_driver_and_fall_back_to_torch_after_a_refusal(monkeypatch, tmp_path, served):
+    # packs from the arena or from the disk ring (whose buffer goes back to the reader after an event on the copy
+    # stream): every copy on the copy stream, exact; a refusal part way through a chunk is warned about once, and the
+    # chunk and every later one move through Tensor.copy_
+    from tritoff import cuda_host, transfer
     from tritoff.warn import TritoffWarning
 
+    monkeypatch.setattr(transfer, "_DRIVER_REFUSED", set())
     x = torch.randn(64, 512, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
         expected = dequantize_in_place(_sleepy()).cuda()(x)
-    model, engine = _enabled_sleepy("streamed", "staged")
-    transfer = engine.manager.components["model"].transfer
-    issued = []
-    real = cuda_host.copy_async
+    reserve = 64 * 512 * 2 * 8
+    disk = dict(host_budget=0, spill_dir=str(tmp_path)) if served == "disk" else {}
+    model = _sleepy()
+    engine = tritoff.enable(
+        model, mode="group", budget=_minimum(_sleepy(), reserve=reserve), reserve=reserve, progress=False, **disk
+    )
+    comp = engine.manager.components["model"]
+    issued, real = [], cuda_host.copy_async
 
-    def counted(spans, stream):
-        issued.append(len(spans))
-        return real(spans, stream)
+    def counted(spans, stream, bind_context=None):
+        issued.append((len(spans), stream))
+        return real(spans, stream, bind_context)
 
     monkeypatch.setattr(cuda_host, "copy_async", counted)
     with torch.no_grad():
         outputs = [model(x) for _ in range(2)]
-    assert transfer.driver_copies and sum(issued) >= 2 * 6  # every streamed block, its payload and its scales
-    monkeypatch.setattr(cuda_host, "copy_async", lambda spans, stream: "CUDA_ERROR_STAND_IN")
+    assert comp.transfer.driver_copies and sum(n for n, _ in issued) >= 2 * 6  # each streamed block: payload, scales
+    assert {stream for _, stream in issued} == {comp.transfer.copy_stream.cuda_stream}
+
+    def refused(spans, stream, bind_context=None):  # the first span queued, the second refused even after a retry
+        real(spans[:1], stream)
+        return "CUDA_ERROR_STAND_IN"
+
+    monkeypatch.setattr(cuda_host, "copy_async", refused)
     with torch.no_grad(), pytest.warns(TritoffWarning, match="CUDA_ERROR_STAND_IN") as seen:
         outputs += [model(x) for _ in range(2)]
     warned = [w for w in seen if issubclass(w.category, TritoffWarning)]
-    assert len(warned) == 1 and not transfer.driver_copies  # warned once, PyTorch's copies from then on
+    assert len(warned) == 1 and not comp.transfer.driver_copies  # warned once, PyTorch's copies from then on
+    tritoff.disable(model)
+    budget = _minimum(_sleepy(), reserve=reserve)
+    engine = tritoff.enable(model, mode="group", budget=budget, reserve=reserve, progress=False, **disk)
+    with torch.no_grad():
+        outputs.append(model(x))
+    assert not engine.manager.components["model"].transfer.driver_copies  # the device's next phases too
     torch.cuda.synchronize()
     for out in outputs:
         assert torch.equal(out, expected)

@@ -67,3 +67,40 @@ def test_every_streamed_block_of_a_wan_transformer_moves_in_two_chunks():
     engine = tritoff.enable(tiny_wan_transformer(**config), budget=info.value.minimum, **OPTIONS)
     streamed = [g for g in engine.manager.components["model"].blocks if g.tier == "stream"]
     assert streamed and all(len(g.chunks) == 2 for g in streamed)
+
+
+def test_copies_through_a_driver_stay_exact_and_a_refusal_falls_back_once_per_device(monkeypatch):
+    # the CUDA path's copies, run on the CPU through a stand-in driver whose copy is a memmove: each chunk's payload
+    # and scales reach staging from the cached addresses; a copy refused again after the context retry is warned about
+    # once, its chunk is copied by Tensor.copy_ before the warning, and the device is marked for later Transfers
+    from types import SimpleNamespace
+
+    from tritoff import cuda_host, transfer
+    from tritoff.warn import TritoffWarning
+
+    from .helpers import StandInDriver
+
+    monkeypatch.setattr(transfer, "_DRIVER_REFUSED", set())
+    budget, x = _smallest_budget(), torch.randn(4, 16, dtype=torch.bfloat16)
+    resident = stack(width=1024)
+    tritoff.enable(resident, budget="1GB", **OPTIONS)
+    expected = _outputs(resident, x, 1)[0]
+    model = stack(width=1024)
+    engine = tritoff.enable(model, budget=budget, **OPTIONS)
+    outputs = _outputs(model, x, 1)  # the phase is loaded: its Transfer exists
+    moving = engine.manager.components["model"].transfer
+    driver, retries = StandInDriver(), []
+    monkeypatch.setattr(cuda_host, "_driver", lambda: cuda_host.bind(driver.lib))
+    moving.driver_copies, moving._copy_handle = True, 0xC0FFEE
+    moving.copy_stream = SimpleNamespace(query=lambda: retries.append(True))
+    outputs += _outputs(model, x, 2)
+    streamed = [g for g in engine.manager.components["model"].blocks if g.tier == "stream"]
+    assert len(driver.calls) >= 2 * len(streamed) * 2  # two forwards, two chunks a block, payload and scales each
+    assert {call[3] for call in driver.calls} == {0xC0FFEE} and not retries
+    driver.refusals, driver.code = 2, 1  # refused, and refused again after the retry
+    with pytest.warns(TritoffWarning, match="CUDA_ERROR_INVALID_VALUE") as seen:
+        outputs += _outputs(model, x, 2)
+    assert len([w for w in seen if issubclass(w.category, TritoffWarning)]) == 1 and retries == [True]
+    assert not moving.driver_copies and transfer._DRIVER_REFUSED == {None}
+    for out in outputs:
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
