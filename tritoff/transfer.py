@@ -39,8 +39,8 @@ def side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.St
     return torch.cuda.Stream(device), torch.cuda.Stream(device)
 
 
-# devices whose driver refused a staged copy: their fills use Tensor.copy_ for the rest of the process (a Transfer is
-# made at every phase load, so the refusal is remembered here, not on it)
+# devices whose driver refused a staged copy: every fill there uses Tensor.copy_ for the rest of the process, the
+# Transfers of phases loaded at the time included (one per loaded phase, made again at every load)
 _DRIVER_REFUSED: set[int | None] = set()
 
 
@@ -68,7 +68,8 @@ class Transfer:
         if self.cuda:
             self._upcast_ids = streams.ids(self.upcast_stream)
         # staged copies go through the driver (cuda_host.copy_async) unless it refused one on this device
-        self.driver_copies = self.cuda and cuda_host.copies_available() and device.index not in _DRIVER_REFUSED
+        self._driver = self.cuda and cuda_host.copies_available()
+        self._device_index = torch.cuda.current_device() if self.cuda and device.index is None else device.index
         self._copy_handle = self.copy_stream.cuda_stream if self.cuda else 0
         # (chunk, host address, half) -> the views its copies read and write, and their addresses (see _stage)
         self._copies: dict[tuple[int, int, int], tuple] = {}
@@ -79,6 +80,11 @@ class Transfer:
         # the stream the staging (and the ring's slots) were allocated on: their memory goes back to its pool
         self.home_stream = torch.cuda.current_stream(device) if self.cuda else None
         self.clock = clock if clock is not None else FillClock()
+
+    @property
+    def driver_copies(self) -> bool:
+        """Whether staged copies go through the CUDA driver: on CUDA, until the driver refuses one on this device."""
+        return self._driver and self._device_index not in _DRIVER_REFUSED
 
     @property
     def staging_bytes(self) -> int:
@@ -171,12 +177,11 @@ class Transfer:
             failed = cuda_host.copy_async(spans, self._copy_handle, self.copy_stream.query)
             if failed is None:
                 return staged
-            self.driver_copies = False
-            _DRIVER_REFUSED.add(self.device.index)
+            _DRIVER_REFUSED.add(self._device_index)
         with torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext():
             for dst, src in copies:
                 dst.copy_(src, non_blocking=True)
-        if failed is not None:  # after the copies: a warning raised as an error must not leave the chunk half-staged
+        if failed is not None:  # once the chunk is copied (an error filter raises it: the engine recovers as from any)
             warn(
                 f"the CUDA driver refused a staged copy ({failed}); tritoff queues its copies through PyTorch on "
                 f"{self.device} from now on"

@@ -110,10 +110,11 @@ ANY = ctypes.CFUNCTYPE(ctypes.c_int)
 
 class StandInDriver:
     """libcuda's calls as ctypes function pointers (``lib``, for ``cuda_host.bind``): a copy is a memmove at once
-    (between host buffers), and the first ``refusals`` copies return ``code``."""
+    (between host buffers); the first ``refusals`` copies return ``code``, and with ``context`` False every copy
+    returns CUDA_ERROR_INVALID_CONTEXT until :meth:`bind_context` runs."""
 
-    def __init__(self, refusals: int = 0, code: int = 201):
-        self.calls, self.refusals, self.code = [], refusals, code
+    def __init__(self, refusals: int = 0, code: int = 201, context: bool = True):
+        self.calls, self.refusals, self.code, self.context, self.binds = [], refusals, code, context, 0
         self.names = {201: b"CUDA_ERROR_INVALID_CONTEXT", 1: b"CUDA_ERROR_INVALID_VALUE"}
         self.lib = types.SimpleNamespace(
             cuMemcpyHtoDAsync_v2=COPY(self._copy),
@@ -122,8 +123,14 @@ class StandInDriver:
             cuMemHostUnregister=ANY(lambda: 0),
         )
 
+    def bind_context(self):
+        """What a runtime call does on a thread without a context: make one current."""
+        self.context, self.binds = True, self.binds + 1
+
     def _copy(self, dst, src, nbytes, stream):
         self.calls.append((dst, src, nbytes, stream))
+        if not self.context:
+            return 201
         if self.refusals:
             self.refusals -= 1
             return self.code

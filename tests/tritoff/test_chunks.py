@@ -126,3 +126,24 @@ def test_packs_of_one_geometry_are_cut_once_and_a_refusal_names_its_own_tensor(m
     assert split_pack(layout, 12288) != first and len(cuts) == 3  # another capacity too
     with pytest.raises(ValueError, match=r"blocks\.7\.ffn\.weight"):
         split_pack(renamed, 256)
+
+
+def test_a_layout_of_the_same_shapes_at_other_offsets_is_cut_on_its_own():
+    # a store's layouts carry the file's own offsets: equal shapes must not share a cut made for other offsets
+    import dataclasses
+
+    layout = PackLayout.plan(SPECS, E4M3)
+
+    def shifted(e):
+        scales = e.scale_offset + 256 if e.scale_offset >= 0 else -1
+        return dataclasses.replace(e, offset=e.offset + 256, scale_offset=scales, out_offset=e.out_offset + 256)
+
+    moved = dataclasses.replace(
+        layout,
+        entries=tuple(shifted(e) for e in layout.entries),
+        nbytes=layout.nbytes + 256,
+        out_nbytes=layout.out_nbytes + 256,
+    )
+    first, second = split_pack(layout, 16384), split_pack(moved, 16384)
+    assert [c.payload for c in second] == [(a + 256, b + 256) for a, b in (c.payload for c in first)]
+    assert [r[2] for c in second for r in c.rows] == [r[2] + 256 for c in first for r in c.rows]  # output offsets

@@ -44,13 +44,13 @@ def test_copy_async_moves_each_span_and_names_the_stream(stand_in):
     assert torch.equal(dst, expected)
 
 
-def test_a_refused_copy_binds_a_context_once_and_is_tried_again(stand_in):
-    lib, bound = stand_in(refusals=1), []
+def test_a_thread_without_a_context_binds_one_once_and_the_refused_copy_is_tried_again(stand_in):
+    lib = stand_in(context=False)
     src = torch.randint(0, 256, (512,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     spans = _spans(dst, src, [(0, 256), (256, 512)])
-    assert cuda_host.copy_async(spans, 1, lambda: bound.append(True)) is None
-    assert bound == [True] and len(lib.calls) == 3 and torch.equal(dst, src)
+    assert cuda_host.copy_async(spans, 1, lib.bind_context) is None
+    assert lib.binds == 1 and len(lib.calls) == 3 and torch.equal(dst, src)  # refused, retried, then the second span
 
 
 def test_a_copy_refused_again_is_named_and_the_spans_after_it_are_not_issued(stand_in):

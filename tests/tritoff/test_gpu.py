@@ -323,6 +323,11 @@ def test_staged_copies_go_through_the_driver_and_fall_back_to_torch_after_a_refu
     warned = [w for w in seen if issubclass(w.category, TritoffWarning)]
     assert len(warned) == 1 and not comp.transfer.driver_copies  # warned once, PyTorch's copies from then on
     tritoff.disable(model)
+
+    def used(spans, stream, bind_context=None):
+        raise AssertionError("the driver was used on a device where it refused a copy")
+
+    monkeypatch.setattr(cuda_host, "copy_async", used)
     budget = _minimum(_sleepy(), reserve=reserve)
     engine = tritoff.enable(model, mode="group", budget=budget, reserve=reserve, progress=False, **disk)
     with torch.no_grad():

@@ -72,7 +72,7 @@ def test_every_streamed_block_of_a_wan_transformer_moves_in_two_chunks():
 def test_copies_through_a_driver_stay_exact_and_a_refusal_falls_back_once_per_device(monkeypatch):
     # the CUDA path's copies, run on the CPU through a stand-in driver whose copy is a memmove: each chunk's payload
     # and scales reach staging from the cached addresses; a copy refused again after the context retry is warned about
-    # once, its chunk is copied by Tensor.copy_ before the warning, and the device is marked for later Transfers
+    # once, its chunk is copied by Tensor.copy_ before the warning, and every Transfer on the device stops using it
     from types import SimpleNamespace
 
     from tritoff import cuda_host, transfer
@@ -91,8 +91,11 @@ def test_copies_through_a_driver_stay_exact_and_a_refusal_falls_back_once_per_de
     moving = engine.manager.components["model"].transfer
     driver, retries = StandInDriver(), []
     monkeypatch.setattr(cuda_host, "_driver", lambda: cuda_host.bind(driver.lib))
-    moving.driver_copies, moving._copy_handle = True, 0xC0FFEE
+    moving._driver, moving._copy_handle = True, 0xC0FFEE
     moving.copy_stream = SimpleNamespace(query=lambda: retries.append(True))
+    other = transfer.Transfer(torch.device("cpu"), 0)  # another phase's, loaded on the same device
+    other._driver = True
+    assert moving.driver_copies and other.driver_copies
     outputs += _outputs(model, x, 2)
     streamed = [g for g in engine.manager.components["model"].blocks if g.tier == "stream"]
     assert len(driver.calls) >= 2 * len(streamed) * 2  # two forwards, two chunks a block, payload and scales each
@@ -101,6 +104,6 @@ def test_copies_through_a_driver_stay_exact_and_a_refusal_falls_back_once_per_de
     with pytest.warns(TritoffWarning, match="CUDA_ERROR_INVALID_VALUE") as seen:
         outputs += _outputs(model, x, 2)
     assert len([w for w in seen if issubclass(w.category, TritoffWarning)]) == 1 and retries == [True]
-    assert not moving.driver_copies and transfer._DRIVER_REFUSED == {None}
+    assert not moving.driver_copies and not other.driver_copies and transfer._DRIVER_REFUSED == {None}
     for out in outputs:
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
