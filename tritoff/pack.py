@@ -121,7 +121,7 @@ class PackLayout:
 
     @functools.cached_property
     def geometry(self) -> tuple:
-        """The layout without its names: all its tables and chunks depend on (the blocks of a transformer share it)."""
+        """The layout without its names: what its tables and chunks depend on (a transformer's blocks share it)."""
         return self.nbytes, tuple(
             (e.shape, e.dtype, e.kind, e.offset, e.nbytes, e.scale_offset, e.num_scales, e.out_offset)
             for e in self.entries
