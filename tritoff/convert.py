@@ -43,7 +43,12 @@ def empty_diffusers_component(directory: Path, class_name: str, dtype: torch.dty
     import diffusers
     from accelerate import init_empty_weights
 
-    cls = getattr(diffusers, class_name)
+    cls = getattr(diffusers, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ValueError(
+            f"cannot load {directory}: diffusers {diffusers.__version__} has no model class {class_name!r} (named in "
+            "model_index.json): fix the name, or upgrade diffusers"
+        )
     with init_empty_weights(include_buffers=False):
         module = cls.from_config(cls.load_config(directory))
     if isinstance(dtype, torch.dtype):
@@ -171,7 +176,12 @@ def convert_pipeline(
                 components[name] = empty_diffusers_component(sub, spec[1], dtype)
                 readers[name] = CheckpointReader(sub)
     # everything else loads normally (the streamed components are passed as None so they are not read)
-    loaded = from_pretrained(model, dtype, **dict.fromkeys(readers))
+    try:
+        loaded = from_pretrained(model, dtype, **dict.fromkeys(readers))
+    # what diffusers raises on missing or malformed files (an unknown class, a config of the wrong types), or a package
+    # the pipeline needs: the input's fault, said in one line
+    except (ImportError, AttributeError, TypeError) as err:
+        raise ValueError(f"cannot load {model}: {' '.join(str(err).split())[:400]}") from err
     for name, module in _components(loaded).items():
         components.setdefault(name, module)
     components = {n: components[n] for n in sorted(components)}

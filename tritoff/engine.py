@@ -231,6 +231,12 @@ def _check_device(device) -> torch.device:
     return torch.device("cuda", index)
 
 
+def check_prefetch(prefetch) -> None:
+    """Refuse a ``prefetch`` that is not a whole number of blocks >= 1, in one line."""
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+        raise ValueError(f"prefetch must be an integer >= 1, got {prefetch!r}")
+
+
 def _resolve(
     components, storage, granularity, skip, mode, budget, reserve, device, prefetch, transport, kernels, host_budget
 ):
@@ -243,8 +249,7 @@ def _resolve(
         raise ValueError(f"unknown transport {transport!r}: use one of {', '.join(TRANSPORTS)}")
     if kernels not in KERNELS:
         raise ValueError(f"unknown kernels {kernels!r}: use one of {', '.join(KERNELS)}")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-        raise ValueError(f"prefetch must be an integer >= 1, got {prefetch!r}")
+    check_prefetch(prefetch)
     device = _check_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     free, total = device_memory(device)
     if budget is None:
@@ -832,6 +837,7 @@ def enable(
         for name, module in components.items():
             quantized = SkipRules.for_model(module, options.skip).quantized_names(module)
             if previous is None:  # else placeholders: the weights come back from packs that hold finite values
+                _check_loaded(module, name)
                 _check_finite(module, quantized, name)
             layouts[name] = plan_layouts(group_lists[name], quantized, fmts[name], options.granularity)
     sizes = _sizes(components, group_lists, layouts, options.mode)
@@ -1033,6 +1039,16 @@ def _replace_meta_params(module: nn.Module, device: torch.device) -> None:
                 sub._parameters[name] = nn.Parameter(
                     torch.empty(0, dtype=param.dtype, device=device), requires_grad=False
                 )
+
+
+def _check_loaded(module: nn.Module, component: str) -> None:
+    """Refuse a module whose weights are on the meta device: there are no values to pack."""
+    for name, tensor in (*named_parameters(module), *module.named_buffers()):
+        if tensor.is_meta:
+            raise ValueError(
+                f"{component}.{name} is on the meta device, so there are no weights to pack: load the weights "
+                "before tritoff.enable"
+            )
 
 
 def _check_finite(module: nn.Module, quantized: set[str], component: str) -> None:

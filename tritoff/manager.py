@@ -739,8 +739,14 @@ def _blocks_never_called(comp: ComponentRuntime) -> RuntimeError:
 
 def _normal_mode():
     """Device buffers and their views are made outside inference mode whatever mode the caller runs in: tensors made
-    under ``torch.inference_mode()`` could not be written, or saved for backward, by a later call in normal mode."""
-    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+    under ``torch.inference_mode()`` could not be written, or saved for backward, by a later call in normal mode.
+    Grad mode stays off, as the caller's inference mode had it (leaving inference mode turns it on)."""
+    if not torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.no_grad())
+    return stack
 
 
 class _TritoffHook(ModelHook):

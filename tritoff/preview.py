@@ -8,6 +8,7 @@ shape (see ``tritoff/activations.py``). The planner then places every phase with
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -248,16 +249,21 @@ def plan(
     component's call is traced on the meta device (seconds each for a 14B model). Returns a :class:`Preview`
     (``.text()``, ``.as_dict()``), feasible or not, with the smallest budget that fits.
     """
-    from tritoff.engine import _groups_for, _sizes, shared_bytes
+    from tritoff.engine import _groups_for, _sizes, check_prefetch, shared_bytes
     from tritoff.formats import get_format
     from tritoff.packer import pack_offsets, plan_layouts
     from tritoff.presets import PRESETS, as_loaded, build_preset
     from tritoff.skip import SkipRules
     from tritoff.storage import resolve_storage
 
+    if not isinstance(target, (str, os.PathLike)):
+        raise ValueError(f"target must be a preset name or a pipeline directory, got {type(target).__name__}")
     for what, value in (("frames", frames), ("height", height), ("width", width), ("steps", steps)):
-        if not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
+    check_prefetch(prefetch)
+    if vae_dtype is not None and not isinstance(vae_dtype, torch.dtype):
+        raise ValueError(f"vae_dtype must be a torch dtype such as torch.float32, got {vae_dtype!r}")
     budget_bytes = parse_size(budget)
     host_bytes_budget = parse_host_budget(host_budget, what="host budget")
     link_rate = float(parse_size(link, what="link"))

@@ -224,7 +224,7 @@ def verify_store(directory: str | Path, index: dict | None = None, progress: boo
 def check_target(directory: str | Path, overwrite: bool = False, model: str | Path | None = None) -> Path:
     """Refuse a store target that is a file, a non-empty directory (unless ``overwrite`` and it is a store), or a
     directory inside the local model directory ``model``; returns the target as a path."""
-    target = Path(directory)
+    target = store_path(directory)
     if model is not None and Path(model).is_dir():
         resolved, source = target.resolve(), Path(model).resolve()
         if resolved == source or source in resolved.parents:
@@ -457,7 +457,7 @@ def save_store(
     from tritoff.partial import finished, partial_store, real_target
 
     tmp = partial if partial is not None else partial_store(directory, overwrite)
-    target = real_target(Path(directory))
+    target = real_target(store_path(directory))
     first = next(iter(packed.values()))
     from tritoff.storage import common_fp8
 
@@ -560,9 +560,16 @@ def _check_structure(index, path: Path) -> None:
         raise bad("'source' is not an object")
 
 
+def store_path(directory) -> Path:
+    """``directory`` as a Path, or a one-line ValueError for a value that is no path at all."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise ValueError(f"a store is a directory, given as a str or pathlib.Path, got {directory!r}")
+    return Path(directory)
+
+
 def read_index(directory: str | Path) -> dict:
     """The store's index, checked for its format version, its structure and its own hash."""
-    path = Path(directory) / INDEX
+    path = store_path(directory) / INDEX
     if path.exists() and not path.is_file():
         raise StoreError(f"{path} is not a file; {RECREATE}")
     if not Path(directory).exists():
@@ -790,11 +797,20 @@ def load_store(
     directory = Path(directory)
     index = read_index(directory)
     stored = set(index["components"])
-    if stored != set(components):
+    if not set(components) <= stored:  # a pipeline loaded without some of its components uses the rest
+        if list(components) == ["model"]:  # a module on its own: say which of the store's components it is
+            same = [n for n in sorted(stored) if index["components"][n]["fingerprint"] == fingerprints["model"]]
+            if same:
+                raise StoreError(
+                    f"{directory} holds this module as the pipeline's {' or '.join(same)}: a store is read per "
+                    "pipeline component, so enable the pipeline that holds it (components it lacks are left out)"
+                )
         raise StoreError(
             f"{directory} holds components {sorted(stored)} but the model has {sorted(components)}: enable the "
             "pipeline (or component) the store was converted from, or convert this one into a new store"
         )
+    # only the components enabled: a pipeline loaded without one (text_encoder=None) needs nothing of its file
+    index = {**index, "components": {n: info for n, info in index["components"].items() if n in components}}
     storages = component_storages(index)
     for name in components:
         if index["components"][name]["fingerprint"] != fingerprints[name]:

@@ -1,5 +1,7 @@
 """tritoff/convert.py: reading the checkpoint group by group gives exactly the store of a fully loaded pipeline."""
 
+import json
+
 import pytest
 
 from tritoff.convert import CheckpointReader, convert_pipeline
@@ -155,6 +157,20 @@ def test_a_truncated_checkpoint_is_a_one_line_error(two_pipelines, tmp_path):
     weights = model / "transformer" / "diffusion_pytorch_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(ValueError, match=r"cannot read .*diffusion_pytorch_model.safetensors: .*checkpoint complete"):
+        convert_pipeline(model, tmp_path / "store", progress=False)
+    assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("component", ["transformer", "text_encoder"])
+def test_a_model_class_the_library_lacks_is_a_one_line_error(two_pipelines, tmp_path, component):
+    import shutil
+
+    model = tmp_path / "a"
+    shutil.copytree(two_pipelines / "a", model)
+    index = json.loads((model / "model_index.json").read_text())
+    index[component] = [index[component][0], "NoSuchModel"]
+    (model / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"NoSuchModel"):
         convert_pipeline(model, tmp_path / "store", progress=False)
     assert not (tmp_path / "store").exists()
 

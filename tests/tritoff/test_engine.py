@@ -572,3 +572,14 @@ def test_a_failure_after_packing_leaves_ordinary_modules(wan_reference, monkeypa
     assert torch.equal(run(pipe), wan_reference)
     _enable(pipe, mode="group", budget="5MB")  # and it can be enabled again
     assert torch.equal(run(pipe), wan_reference)
+
+
+def test_weights_on_the_meta_device_are_refused_in_one_line_and_nothing_changes():
+    # a model built empty (init_empty_weights) and never loaded: there are no values to pack
+    pipe = wan()
+    pipe.transformer.to("meta")
+    text_encoder = {n: p.clone() for n, p in pipe.text_encoder.named_parameters()}
+    with pytest.raises(ValueError, match=r"transformer\.\S+ is on the meta device, so there are no weights to pack"):
+        _enable(pipe)
+    assert not hasattr(pipe, "_tritoff_engine")
+    assert all(torch.equal(p, text_encoder[n]) for n, p in pipe.text_encoder.named_parameters())

@@ -876,6 +876,8 @@ def test_a_managed_weight_made_to_require_grad_is_refused_in_one_line(name):
         model(x)
     with torch.no_grad():  # nothing is trained without grad mode: the call works, and the engine recovered
         assert torch.equal(model(x), reference(x))
+    with torch.inference_mode():  # nor under inference mode, which the hooks leave with grad mode kept off
+        assert torch.equal(model(x), reference(x))
 
 
 def test_a_module_list_root_prefetches_its_blocks_in_module_order():

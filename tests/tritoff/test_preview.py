@@ -189,3 +189,23 @@ def test_the_command_prints_json_with_the_promised_fields():
     assert data["host_bytes"] > 4 * GiB
     for phase in data["phases"]:
         assert {"components", "gpu_peak_bytes", "activation_bytes", "streamed_bytes_per_call"} <= set(phase)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(prefetch=0), r"prefetch must be an integer >= 1, got 0"),
+        (dict(prefetch=2.5), r"prefetch must be an integer >= 1, got 2\.5"),
+        (dict(frames=True), r"frames must be an integer >= 1, got True"),
+        (dict(vae_dtype="fp32"), r"vae_dtype must be a torch dtype such as torch\.float32, got 'fp32'"),
+    ],
+)
+def test_options_enable_would_refuse_are_refused_by_the_plan_too(options, message):
+    # a plan that accepted them would call budgets feasible that no engine could run
+    with pytest.raises(ValueError, match=message):
+        tritoff.plan("wan2.1-t2v-14b", **options)
+
+
+def test_a_module_given_as_the_target_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="target must be a preset name or a pipeline directory, got Linear"):
+        tritoff.plan(torch.nn.Linear(2, 2))

@@ -95,6 +95,34 @@ def test_weights_dequantized_by_disable_match_the_store_they_came_from(saved):
     assert torch.equal(run(pipe), expected)
 
 
+def test_a_pipeline_loaded_without_a_component_uses_the_rest_of_the_store(saved, copy):
+    # prompt embeddings computed once, the text encoder left out (from_pretrained(..., text_encoder=None)): its
+    # file is neither needed nor read; a component enabled on its own is told which of the store's it is
+    directory, _ = saved
+    full = wan()
+    _enable(full, store=directory)
+    with torch.no_grad():
+        embeds, negative = full.encode_prompt("a cat", max_sequence_length=16, device="cpu")
+    prompt = dict(prompt=None, prompt_embeds=embeds, negative_prompt_embeds=negative)
+    expected = run(full, **prompt)
+    (copy / read_index(copy)["components"]["text_encoder"]["file"]).unlink()
+    lean = wan()
+    lean.text_encoder = None
+    engine = _enable(lean, store=copy)
+    assert set(engine.packed) == {"transformer", "vae"}
+    assert torch.equal(run(lean, **prompt), expected)
+    with pytest.raises(StoreError, match="holds this module as the pipeline's transformer: a store is read per"):
+        _enable(wan().transformer, store=directory)
+
+
+def test_a_store_that_is_no_path_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="a store is a directory, given as a str or pathlib.Path, got 123"):
+        _enable(wan(), store=123)
+    engine = _enable(wan())
+    with pytest.raises(ValueError, match="a store is a directory, given as a str or pathlib.Path, got 5"):
+        engine.save(5)
+
+
 def _params(pipe, component):
     return getattr(pipe, component).named_parameters()
 
