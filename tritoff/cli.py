@@ -296,7 +296,7 @@ def _load_pipeline(model: str, dtype, store: str | None):
     """``DiffusionPipeline.from_pretrained`` with one-line errors; components held in ``store`` are built empty."""
     import torch
 
-    from tritoff.convert import from_pretrained
+    from tritoff.convert import LOAD_ERRORS, cannot_load, from_pretrained
 
     local = _check_model(model)
     kwargs = {}
@@ -312,11 +312,8 @@ def _load_pipeline(model: str, dtype, store: str | None):
                 kwargs[name] = _empty_component(local, name, spec[1], store)
     try:
         pipe = from_pretrained(model, dtype, **kwargs)
-    # what diffusers raises on missing or malformed files (an unknown class, a config of the wrong types), or a package
-    # the pipeline needs
-    except (OSError, ValueError, ImportError, AttributeError, TypeError) as err:
-        message = _one_line(err)  # every line: some libraries list their reasons below the first
-        raise CliError(f"cannot load {model}: {message[:400]}{'...' if len(message) > 400 else ''}") from None
+    except LOAD_ERRORS as err:
+        raise CliError(cannot_load(model, err)) from None
     if not any(isinstance(getattr(pipe, n, None), torch.nn.Module) for n in ("transformer", "unet")):
         raise CliError(f"{model} has no transformer or unet: tritoff runs diffusion pipelines")
     return pipe

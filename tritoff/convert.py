@@ -136,6 +136,18 @@ def from_pretrained(model, dtype: torch.dtype, **components):
         return cls.from_pretrained(model, torch_dtype=dtype, **components)
 
 
+# what diffusers raises on missing or malformed files (an unknown class, a config of the wrong types), or a package
+# the pipeline needs
+LOAD_ERRORS = (OSError, ValueError, ImportError, AttributeError, TypeError)
+
+
+def cannot_load(model, err: BaseException) -> str:
+    """The one-line message for ``model``, which :func:`from_pretrained` could not load (``err``, every line of it:
+    some libraries list their reasons below the first), cut at 400 characters."""
+    message = " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+    return f"cannot load {model}: {message[:400]}{'...' if len(message) > 400 else ''}"
+
+
 def convert_pipeline(
     model: str | Path,
     out_dir: str | Path,
@@ -178,10 +190,8 @@ def convert_pipeline(
     # everything else loads normally (the streamed components are passed as None so they are not read)
     try:
         loaded = from_pretrained(model, dtype, **dict.fromkeys(readers))
-    # what diffusers raises on missing or malformed files (an unknown class, a config of the wrong types), or a package
-    # the pipeline needs: the input's fault, said in one line
-    except (ImportError, AttributeError, TypeError) as err:
-        raise ValueError(f"cannot load {model}: {' '.join(str(err).split())[:400]}") from err
+    except (ImportError, AttributeError, TypeError) as err:  # the input's fault (OSError and ValueError say so)
+        raise ValueError(cannot_load(model, err)) from err
     for name, module in _components(loaded).items():
         components.setdefault(name, module)
     components = {n: components[n] for n in sorted(components)}
