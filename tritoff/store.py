@@ -569,10 +569,11 @@ def store_path(directory) -> Path:
 
 def read_index(directory: str | Path) -> dict:
     """The store's index, checked for its format version, its structure and its own hash."""
-    path = store_path(directory) / INDEX
+    where = store_path(directory)  # (the messages name the directory as given)
+    path = where / INDEX
     if path.exists() and not path.is_file():
         raise StoreError(f"{path} is not a file; {RECREATE}")
-    if not Path(directory).exists():
+    if not where.exists():
         raise StoreError(f"{directory} does not exist; create a store there with `tritoff convert`, or check the path")
     if not path.is_file():
         raise StoreError(f"{directory} is not a tritoff store (no {INDEX}); create one with `tritoff convert`")
