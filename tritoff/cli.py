@@ -193,16 +193,17 @@ def _size_hint(nbytes: int) -> str:
 
 
 def _budget_error(err, mode: str | None = None, prefetch: int | None = None) -> CliError:
-    """The planner's BudgetError with advice in command-line terms, right for the ``mode`` and ``prefetch`` asked
-    for (None: the command has no such option)."""
+    """The planner's BudgetError in command-line terms: the budget to pass, and each alternative the engine planned
+    that lowers it (``err.alternatives``) where the command has the option (``mode`` or ``prefetch`` None: it has
+    not)."""
     facts = str(err).split("; ")[0]
     hints = [f"--budget {_size_hint(err.minimum)} or more"]
-    if mode not in (None, "model") and prefetch is not None and prefetch > 1:
-        hints.append(f"--prefetch {prefetch - 1} (one ring slot less)")
-    if mode == "model":
-        hints.append("--mode group")
-    elif mode not in (None, "leaf"):
-        hints.append("--mode leaf (one layer per group)")
+    for option, given in (("prefetch", prefetch), ("mode", mode)):
+        if given is not None and option in err.alternatives:
+            value, needed = err.alternatives[option]
+            enough = "this budget" if needed <= err.budget else f"--budget {_size_hint(needed)} or more"
+            if enough != hints[0]:  # not when it needs what the budget is rounded up to anyway
+                hints.append(f"--{option} {value} (with {enough})")
     advice = hints[0] if len(hints) == 1 else ", ".join(hints[:-1]) + ", or " + hints[-1]
     return CliError(f"{facts}; pass {advice}")
 

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from tritoff import chain, disk, operations, torn_down
 from tritoff.adapters import adapter_bytes, merged_adapters, move_adapters, named_parameters, outer_modules
+from tritoff.advice import GROUPINGS, advise
 from tritoff.allocator import warn_if_fragmenting
 from tritoff.arena import HostArena
 from tritoff.budget import default_budget, device_memory, format_bytes, parse_host_budget, parse_size, percentage
@@ -38,10 +39,21 @@ from tritoff.packer import (
     pack_offsets,
     plan_layouts,
     quantize_device,
+    relayout,
     restore_params,
 )
 from tritoff.packer import dequantized as _dequantized  # a module name of its own: tests watch what disable reads
-from tritoff.planner import MODES, ComponentSize, GroupSize, PhasedPlan, Plan, chunk_capacity, plan, plan_phases
+from tritoff.planner import (
+    MODES,
+    BudgetError,
+    ComponentSize,
+    GroupSize,
+    PhasedPlan,
+    Plan,
+    chunk_capacity,
+    plan,
+    plan_phases,
+)
 from tritoff.report import Report
 from tritoff.skip import SkipRules, skip_patterns
 from tritoff.storage import describe_storage, resolve_storage
@@ -662,9 +674,48 @@ def shared_bytes(sizes, group_lists, layouts, components, staged: bool, zero_cop
     return chunks, _buffer_bytes(components) + tables
 
 
-def _plan(sizes, group_lists, layouts, components, options: Options):
+def _plan(sizes, group_lists, layouts, components, options: Options, grouping: str | None = None):
     """The phased plan, with every device byte the engine allocates outside the groups accounted for (module buffers
-    and the kernel tables, cut for each phase's staging chunk), and each component's chunk capacity."""
+    and the kernel tables, cut for each phase's staging chunk), and each component's chunk capacity.
+
+    A budget too small is refused naming the prefetch and mode that lower the smallest budget that works
+    (:func:`tritoff.advice.advise`); ``grouping``, a store's, limits the modes to those it serves."""
+    try:
+        return _plan_phases(sizes, group_lists, layouts, components, options)
+    except BudgetError as err:
+        modes = tuple(m for m in GROUPINGS if grouping is None or (m == "leaf") == (grouping == "leaf"))
+        minimum_for = _minimum_for(components, group_lists, layouts, options)
+        raise advise(err, options.mode, options.prefetch, options.budget, minimum_for, modes) from None
+
+
+def _minimum_for(components, group_lists, layouts, options: Options) -> Callable[[str, int], int | None]:
+    """A function of (mode, prefetch) giving the smallest budget that works with them (what the planner names when
+    given one byte), with ``layouts`` laid out again for another grouping; None where they cannot be."""
+    planned = {}
+
+    def minimum(mode: str, prefetch: int) -> int | None:
+        if mode not in planned:
+            lists = {n: _groups_for(m, mode) for n, m in components.items()}
+            same = {n for n in components if [g.name for g in lists[n]] == [g.name for g in group_lists[n]]}
+            try:
+                lays = {n: layouts[n] if n in same else relayout(layouts[n], lists[n]) for n in components}
+            except KeyError:  # a tensor the packs do not hold
+                planned[mode] = None
+            else:
+                planned[mode] = (lists, lays, _sizes(components, lists, lays, mode))
+        if planned[mode] is None:
+            return None
+        lists, lays, sizes = planned[mode]
+        try:
+            _plan_phases(sizes, lists, lays, components, replace(options, mode=mode, prefetch=prefetch, budget=1))
+        except BudgetError as err:
+            return err.minimum
+        return 1
+
+    return minimum
+
+
+def _plan_phases(sizes, group_lists, layouts, components, options: Options):
     staged = options.transport != "zero_copy"
     zero_copy = not staged and options.device.type == "cuda"
     chunks, fixed = shared_bytes(sizes, group_lists, layouts, components, staged, zero_copy)
@@ -844,7 +895,8 @@ def enable(
     _check_callable(components, sizes)
     operations.check_compiled(_hooked_modules(components, group_lists, sizes), components)
     operations.check_compiled_wrappers(_wrapped_components(target))
-    the_plan, chunks = _plan(sizes, group_lists, layouts, components, options)
+    grouping = index["grouping"] if store is not None else None
+    the_plan, chunks = _plan(sizes, group_lists, layouts, components, options, grouping)
     looped = {name: _looped(name) for name in components}
     in_ram = None if reuse else hold_plan(group_lists, layouts, the_plan, looped, options.host_budget)
     if store is not None:

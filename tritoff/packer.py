@@ -17,6 +17,7 @@ from tritoff.arena import PAGE, HostArena, locks
 from tritoff.disk import PackFile
 from tritoff.formats import StorageFormat, check_granularity, get_format
 from tritoff.groups import Group, block_groups
+from tritoff.kernels.upcast import KIND_FP8
 from tritoff.pack import PackLayout, TensorSpec, align, dequantize_bytes, write_pack
 from tritoff.skip import SkipRules
 
@@ -117,6 +118,14 @@ def plan_layouts(groups: list[Group], quantized: set[str], fmt: StorageFormat, g
         )
         for group in groups
     ]
+
+
+def relayout(layouts: list[PackLayout], groups: list[Group]) -> list[PackLayout]:
+    """The layouts of ``groups``, another grouping of the tensors ``layouts`` lay out, from their entries alone (so
+    from packs whose weights are gone too). Raises KeyError for a tensor ``layouts`` do not hold."""
+    specs = {e.name: TensorSpec(e.name, e.shape, e.dtype, e.kind == KIND_FP8) for lay in layouts for e in lay.entries}
+    storage, granularity = layouts[0].storage, layouts[0].granularity
+    return [PackLayout.plan([specs[name] for name, _ in group.params], storage, granularity) for group in groups]
 
 
 def pack_offsets(layouts: list[PackLayout]) -> tuple[list[int], int]:

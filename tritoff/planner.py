@@ -189,11 +189,22 @@ class PhasedPlan:
 
 
 class BudgetError(ValueError):
-    """The budget cannot hold the plan; the message (and ``minimum``, in bytes) names the smallest budget that works."""
+    """The budget cannot hold the plan; the message (and ``minimum``, in bytes) names the smallest budget that works.
 
-    def __init__(self, message: str, minimum: int):
+    ``alternatives``: other options that lower it, as ``{option: (value, minimum)}``, planned for ``budget``
+    (``tritoff.advice``; empty from the planner alone)."""
+
+    def __init__(
+        self,
+        message: str,
+        minimum: int,
+        alternatives: dict[str, tuple[object, int]] | None = None,
+        budget: int | None = None,
+    ):
         super().__init__(message)
         self.minimum = minimum
+        self.alternatives = alternatives or {}
+        self.budget = budget
 
 
 def spread_order(n: int) -> list[int]:
@@ -217,15 +228,6 @@ def chunk_capacity(component: ComponentSize, staged: bool = True) -> int:
         capacity = min(max(g.largest_pack or g.packed for g in groups), UNIT_STAGING)
     capacity = max(capacity, *(g.min_chunk for g in groups))
     return -(-capacity // 256) * 256
-
-
-def _advice(mode: str, depth: int) -> str:
-    tips = ["raise the budget"]
-    if depth > 1:
-        tips.append("lower prefetch (one ring slot less)")
-    if mode != "leaf":
-        tips.append("try mode='leaf' (one layer per group)")
-    return ", ".join(tips[:-1]) + (" or " if len(tips) > 1 else "") + tips[-1]
 
 
 def plan(
@@ -282,8 +284,7 @@ def plan(
                 f"budget {format_bytes(budget)} is too small for {', '.join(modes)} moving whole{why}: it needs "
                 f"{format_bytes(units)} plus staging {format_bytes(staging)}, buffers and tables {format_bytes(fixed)} "
                 f"and a {format_bytes(reserve_at(need))} activation reserve; use a budget of at least "
-                f"{format_bytes(need)}"
-                + (", or mode='group'" if mode == "model" and any(c.blocks for c in components) else ""),
+                f"{format_bytes(need)}",
                 need,
             )
         return Plan(budget, reserve, depth, modes, staging_bytes=staging, pool_bytes=units, fixed_bytes=fixed)
@@ -305,7 +306,7 @@ def plan(
             f"budget {format_bytes(budget)} is too small: the smallest that works is {format_bytes(smallest(minimum))} "
             f"({slots} ring slots of {format_bytes(slot_bytes)}, staging {format_bytes(staging)}, units "
             f"{format_bytes(units)}, buffers and tables {format_bytes(fixed)}, activation reserve "
-            f"{format_bytes(reserve_at(smallest(minimum)))}); {_advice(mode, depth)}",
+            f"{format_bytes(reserve_at(smallest(minimum)))})",
             smallest(minimum),
         )
     spare = budget - minimum

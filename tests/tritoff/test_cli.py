@@ -388,24 +388,30 @@ def test_tritoffs_warnings_print_in_one_line_and_others_as_python_prints_them(ca
     [
         (
             "group",
-            2,
-            "pass --budget 1.3MB or more, --prefetch 1 (one ring slot less), or --mode leaf (one layer per group)",
+            3,
+            "pass --budget 1.3MB or more, --prefetch 1 (with --budget 1.1MB or more), or --mode leaf "
+            "(with this budget)",
         ),
-        ("auto", 1, "pass --budget 1.3MB or more, or --mode leaf (one layer per group)"),
-        ("leaf", 3, "pass --budget 1.3MB or more, or --prefetch 2 (one ring slot less)"),
-        ("leaf", 1, "pass --budget 1.3MB or more"),
-        ("model", 2, "pass --budget 1.3MB or more, or --mode group"),
+        ("auto", 3, "pass --budget 1.3MB or more, or --mode leaf (with this budget)"),  # no prefetch lowers it
+        ("model", 1, "pass --budget 1.3MB or more"),
         (None, None, "pass --budget 1.3MB or more"),  # the demo: no --mode, no --prefetch
     ],
 )
-def test_budget_advice_fits_the_mode_and_prefetch(mode, prefetch, advice):
+def test_budget_advice_names_what_the_engine_planned(mode, prefetch, advice):
     from tritoff.cli import _budget_error
     from tritoff.planner import BudgetError
 
-    err = _budget_error(BudgetError("budget 1 B is too small: the smallest that works is 1.2 MiB; use mode='leaf'",
-                                    1_258_292), mode, prefetch)  # fmt: skip
-    assert str(err).startswith("budget 1 B is too small: the smallest that works is 1.2 MiB; pass ")
-    assert str(err).endswith(advice) and "mode='leaf'" not in str(err)
+    alternatives = {"prefetch": (1, 1_100_000), "mode": ("leaf", 900_000)}
+    if mode == "auto":  # the engine named no prefetch
+        del alternatives["prefetch"]
+    elif mode == "model":
+        alternatives = {}
+    message = "budget 1 MB is too small: the smallest that works is 1.2 MiB; prefetch=1 needs only 1.05 MiB"
+    err = _budget_error(BudgetError(message, 1_258_292, alternatives, 1_000_000), mode, prefetch)
+    assert str(err).startswith("budget 1 MB is too small: the smallest that works is 1.2 MiB; pass ")
+    assert str(err).endswith(advice) and "needs only" not in str(err)
+    close = BudgetError(message, 1_258_292, {"mode": ("leaf", 1_250_000)}, 1_000_000)
+    assert str(_budget_error(close, "group", 2)).endswith("pass --budget 1.3MB or more")  # the same flag: not named
 
 
 def test_the_cli_knows_the_engines_transports_and_storages():

@@ -117,3 +117,24 @@ def test_the_arena_is_page_locked_once_its_packs_are_written(monkeypatch):
     packed = pack_model(tiny_wan_transformer(), register=True, progress=False)
     assert packed.arena.registered and len(seen) == 1
     assert torch.equal(seen[0], packed.arena.buffer) and seen[0].any()
+
+
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+def test_relayout_regroups_from_the_layouts_alone(granularity):
+    from tritoff.formats import get_format
+    from tritoff.groups import block_groups, leaf_groups
+    from tritoff.packer import plan_layouts, relayout
+    from tritoff.skip import SkipRules
+
+    model = tiny_wan_transformer()
+    quantized = SkipRules.for_model(model, ()).quantized_names(model)
+    fmt = get_format("fp8_e4m3")
+    blocks = plan_layouts(block_groups(model), quantized, fmt, granularity)
+    leaves = leaf_groups(model)
+    expected = plan_layouts(leaves, quantized, fmt, granularity)
+    for param in model.parameters():  # the weights are not read: placeholders (after enable) relay out the same
+        param.data = torch.empty(0, dtype=param.dtype)
+    assert relayout(blocks, leaves) == expected
+    assert len(expected) > len(blocks) and any(e.num_scales for lay in expected for e in lay.entries)
+    with pytest.raises(KeyError):
+        relayout(blocks[:1], leaves)

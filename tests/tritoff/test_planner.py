@@ -54,15 +54,14 @@ def test_every_fixed_byte_is_in_the_plan_and_the_minimum_is_honest():
         plan([comp], minimum - 1, "group", 2, MB, fixed=fixed)
 
 
-def test_budget_advice_fits_the_mode():
+def test_the_planner_alone_names_no_alternative():
+    # which prefetch or mode lowers the minimum is for tritoff.advice to plan: the planner only names its minimum
     comp = _transformer(n=8)
-    with pytest.raises(BudgetError) as info:
-        plan([comp], MB, "leaf", 1, MB)
-    message = str(info.value)
-    assert "mode='leaf'" not in message and "prefetch" not in message
-    with pytest.raises(BudgetError) as info:
-        plan([comp], MB, "group", 2, MB)
-    assert "mode='leaf'" in str(info.value) and "lower prefetch" in str(info.value)
+    for mode, depth in (("leaf", 1), ("group", 2), ("model", 2)):
+        with pytest.raises(BudgetError) as info:
+            plan([comp], MB, mode, depth, MB)
+        message = str(info.value)
+        assert "mode=" not in message and "prefetch" not in message and info.value.alternatives == {}
 
 
 def test_nothing_to_split_moves_whole_or_names_its_minimum():

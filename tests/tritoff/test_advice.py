@@ -1,0 +1,101 @@
+"""tritoff/advice.py: a budget too small names only the prefetch and mode that lower its minimum, each at a minimum
+that works."""
+
+import pytest
+
+import tritoff
+from tritoff.advice import advise
+from tritoff.planner import BudgetError
+
+from .helpers import stack
+
+pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
+
+KB = 1024
+# the smallest budget for each (mode, prefetch), as a planner would name it; None: the mode cannot be planned
+NEEDS = {
+    ("group", 4): 900 * KB,
+    ("group", 3): 800 * KB,
+    ("group", 2): 700 * KB,
+    ("group", 1): 600 * KB,
+    ("leaf", 4): 650 * KB,
+    ("model", 4): 950 * KB,
+}
+
+
+def _advise(budget, mode="group", prefetch=4, needs=NEEDS, modes=("group", "leaf")):
+    err = BudgetError(f"budget {budget} B is too small: the smallest that works is ...", needs[mode, prefetch])
+    return advise(err, mode, prefetch, budget, lambda m, p: needs.get((m, p)), modes)
+
+
+def test_the_fastest_prefetch_that_fits_is_named_else_the_one_needing_least():
+    assert _advise(750 * KB).alternatives["prefetch"] == (2, 700 * KB)  # 2 fits: 1 would lose a slot for nothing
+    assert _advise(500 * KB).alternatives["prefetch"] == (1, 600 * KB)  # none fits: the one needing least
+
+
+def test_the_mode_needing_least_is_named_and_none_that_needs_more():
+    err = _advise(500 * KB, modes=("group", "leaf", "model"))
+    assert err.alternatives["mode"] == ("leaf", 650 * KB)  # model needs more than group: never named
+    assert str(err).endswith("; prefetch=1 needs only 600.00 KiB; mode='leaf' needs only 650.00 KiB")
+    assert err.minimum == 900 * KB and err.budget == 500 * KB
+    fits = _advise(700 * KB)
+    assert str(fits).endswith("; prefetch=2 would fit this budget; mode='leaf' would fit this budget")
+
+
+def test_nothing_that_lowers_nothing_is_named():
+    # a phase moving whole: fewer ring slots change nothing; a mode that cannot be planned (None) is left out
+    flat = {("group", p): 900 * KB for p in (1, 2, 3, 4)} | {("leaf", 4): 900 * KB}
+    err = _advise(500 * KB, needs=flat)
+    assert err.alternatives == {} and str(err).endswith("the smallest that works is ...")
+    err = _advise(500 * KB, needs={("group", 4): 900 * KB})
+    assert err.alternatives == {}
+    # a saving the budget would be rounded up over is not worth a ring slot or smaller groups, unless it then fits
+    slight = {("group", 4): 900 * KB, ("group", 3): 890 * KB, ("leaf", 4): 880 * KB}
+    assert _advise(500 * KB, needs=slight).alternatives == {}
+    assert _advise(885 * KB, needs=slight).alternatives == {"mode": ("leaf", 880 * KB)}
+
+
+def _refusal(model, **options) -> BudgetError:
+    with pytest.raises(BudgetError) as info:
+        tritoff.enable(model, budget=1000, reserve=1000, progress=False, kernels="reference", **options)
+    return info.value
+
+
+def _fits(model, budget, **options) -> bool:
+    try:
+        tritoff.enable(model, budget=budget, reserve=1000, progress=False, kernels="reference", **options)
+    except BudgetError:
+        return False
+    tritoff.disable(model)
+    return True
+
+
+def test_each_named_alternative_works_at_its_minimum_and_not_below():
+    model = stack(n=8)
+    err = _refusal(model, mode="group", prefetch=3)
+    assert set(err.alternatives) == {"prefetch", "mode"}, str(err)
+    (fewer, fewer_needs), (mode, mode_needs) = err.alternatives["prefetch"], err.alternatives["mode"]
+    assert fewer == 1 and fewer_needs < err.minimum and mode == "leaf" and mode_needs < err.minimum
+    assert _fits(model, fewer_needs, mode="group", prefetch=1)
+    assert not _fits(model, fewer_needs - 1, mode="group", prefetch=1)
+    assert _fits(model, mode_needs, mode="leaf", prefetch=3)
+    assert not _fits(model, mode_needs - 1, mode="leaf", prefetch=3)
+    assert _refusal(model, mode="group", prefetch=3).minimum == err.minimum  # a failed enable changed nothing
+
+
+def test_prefetch_is_not_named_where_the_budget_goes_to_a_component_moving_whole():
+    from tritoff.tiny import tiny_wan_pipeline
+
+    pipe = tiny_wan_pipeline()
+    # the tiny VAE moving whole needs more than the streamed transformer: fewer ring slots lower nothing
+    err = _refusal(pipe, mode="group", prefetch=2)
+    assert "vae" in str(err) and "prefetch" not in err.alternatives and "prefetch=" not in str(err)
+
+
+def test_a_store_is_never_told_to_change_its_grouping(tmp_path):
+    model = stack(n=8)
+    engine = tritoff.enable(model, mode="group", budget=10**9, progress=False, kernels="reference")
+    engine.save(tmp_path / "store")
+    tritoff.disable(model)
+    err = _refusal(model, mode="group", prefetch=3, store=tmp_path / "store")
+    assert "mode" not in err.alternatives and "prefetch" in err.alternatives, str(err)

@@ -1,0 +1,57 @@
+"""What to change when the budget is too small: each other prefetch and grouping is planned again, and named only
+where it lowers the smallest budget that works.
+
+Neither helps everywhere: fewer ring slots change nothing in a phase whose component moves whole (a VAE), and one
+layer per group can need more than blocks do (staging and kernel tables are cut per group, and a block's largest
+layer is most of it). So every suggestion carries the minimum it was planned to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tritoff.budget import format_bytes
+from tritoff.planner import BudgetError
+
+GROUPINGS = ("group", "leaf")  # the modes that split components: "auto" and "model" need what "group" needs or more
+# an alternative that does not fit the budget is named only when it needs at most this fraction of the minimum: fewer
+# ring slots or smaller groups cost speed, which a saving the budget would be rounded up over does not repay
+WORTH = 0.95
+
+
+def advise(
+    err: BudgetError,
+    mode: str,
+    prefetch: int,
+    budget: int,
+    minimum_for: Callable[[str, int], int | None],
+    modes: tuple[str, ...] = GROUPINGS,
+) -> BudgetError:
+    """``err`` with the alternatives that lower its minimum, each planned with ``minimum_for(mode, prefetch)`` (the
+    smallest budget that works with them; None: that mode cannot be planned here), where it fits ``budget`` or needs
+    at most ``WORTH`` of the minimum.
+
+    ``alternatives`` on the result maps ``"prefetch"`` and ``"mode"`` to ``(value, minimum)``: for prefetch the
+    largest value below ``prefetch`` that fits ``budget``, else the one needing least; for mode, of ``modes``, the one
+    needing least. The message says what each would need.
+    """
+
+    def worth(needed: int | None) -> bool:
+        return needed is not None and (needed <= budget or needed <= WORTH * err.minimum)
+
+    found = {}
+    for fewer in range(prefetch - 1, 0, -1):  # fewer ring slots need less: the first that fits is the fastest
+        needed = minimum_for(mode, fewer)
+        if worth(needed):
+            found["prefetch"] = (fewer, needed)
+            if needed <= budget:
+                break
+    others = [(m, minimum_for(m, prefetch)) for m in modes if m != mode]
+    others = [(m, needed) for m, needed in others if worth(needed)]
+    if others:
+        found["mode"] = min(others, key=lambda pair: pair[1])
+    clauses = [
+        f"{option}={value!r} " + ("would fit this budget" if needed <= budget else f"needs only {format_bytes(needed)}")
+        for option, (value, needed) in found.items()
+    ]
+    return BudgetError("; ".join([str(err), *clauses]), err.minimum, found, budget)
