@@ -8,7 +8,8 @@ synchronous fills (the CPU's transfer) excluded; then, over a few more forwards,
 (``breakdown_us_per_group``). For scale, it also times the parameter swaps alone: binding
 a block's tensors to slot views and back to placeholders, in a tight loop; and, on CUDA, the host time to issue one
 block's transfer (copy, upcast launch, events), which the hooks do for the blocks ahead, and each of those calls
-alone. Target: ≤ 20 µs per group.
+alone; and the hooks' bookkeeping alone: their methods in a tight loop with the transfers stubbed out. Target: ≤ 20 µs
+per group.
 
 Usage:
   python bench/hooks.py [--device cpu|cuda] [--layers 8] [--forwards 30] [--repeats 3] [--out DIR]
@@ -91,6 +92,7 @@ def main() -> None:
                 "swap_us_per_group": _swap_us(group, device),
                 "issue_us_per_group": _diagnostic(_issue_us, engine, group, device),
                 "issue_steps_us": _diagnostic(_issue_steps_us, engine, group, device),
+                "bookkeeping_us_per_group": _diagnostic(_bookkeeping_us, engine, device),
                 "tensors_per_group": len(group.params),
                 "tiers": tiers,
                 "budget_bytes": minimum,
@@ -110,6 +112,7 @@ def main() -> None:
         "issue_us_per_group": issue,
         "issue_steps_us": runs[-1]["issue_steps_us"],
         "breakdown_us_per_group": runs[-1]["breakdown_us_per_group"],
+        "bookkeeping_us_per_group": runs[-1]["bookkeeping_us_per_group"],
         "target_us": 20.0,
         "met": hook <= 20.0,
     }
@@ -140,6 +143,9 @@ def main() -> None:
     if breakdown and "error" not in breakdown:
         split = {k: round(v, 1) for k, v in breakdown.items()}
         print("per group, by hook (µs; issue is part of the hooks that issued it):", split)
+    bookkeeping = result["bookkeeping_us_per_group"]
+    if isinstance(bookkeeping, float):
+        print(f"bookkeeping alone (hook methods in a tight loop, transfers stubbed): {bookkeeping:.1f} µs per group")
     if result["issue_steps_us"]:
         print("issuing one chunk, step by step (µs):", result["issue_steps_us"])
     print(f"wrote {path}")
@@ -192,6 +198,43 @@ def _breakdown(engine, model, inputs, forwards: int) -> dict:
             delattr(manager, name)
     blocks = comp.stats.hook_calls - calls
     return {key: ns / blocks / 1e3 for key, ns in spent.items()} if blocks else {}
+
+
+def _bookkeeping_us(engine, device) -> float:
+    """Host µs per group of the hooks' own bookkeeping: the manager's hook methods called directly in a tight loop, as
+    one forward calls them (the component's entry, each block's pre and post in the traced order, the exit), with
+    the transfers stubbed out (no copy, no launch; the events and stream waits stay). What remains of the in-place
+    counter once issuing transfers and the forward's own work are taken away. Run last: the slots then hold nothing
+    usable, so what is in flight is dropped after."""
+    import torch
+
+    manager = engine.manager
+    comp = manager.components["model"]
+    blocks = [comp.blocks[i] for i in comp.order]
+
+    def call():
+        manager.component_pre(comp, (), {})
+        for group in blocks:
+            manager.group_pre(group)
+            manager.group_post(group)
+        manager.component_post(comp)
+
+    transfer = comp.ring.transfer  # the one the ring fills through
+    transfer.fill = lambda group, dst, after=None: group.packed_bytes
+    try:
+        with torch.no_grad():
+            for _ in range(20):
+                call()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter_ns()
+            for _ in range(200):
+                call()
+            elapsed = time.perf_counter_ns() - start
+    finally:
+        del transfer.fill
+        manager._invalidate()
+    return elapsed / 200 / len(blocks) / 1e3
 
 
 def _swap_us(group, device) -> float:
