@@ -1156,7 +1156,8 @@ def disable(target, device: str | torch.device | None = None) -> None:
     ``device`` defaults to the device tritoff computed on. Does nothing if tritoff is not enabled on ``target``; a
     component of a pipeline tritoff is enabled on, or what is neither a pipeline nor a module, is refused.
     Raises ``ValueError`` for a device tritoff cannot use, before anything changes; if the weights do not fit on
-    ``device`` (``torch.OutOfMemoryError``) or the call is interrupted, tritoff stays enabled, as it was.
+    ``device`` (``torch.OutOfMemoryError``), a pack cannot be read back from its file (a damaged store, a spill file
+    gone: ``StoreError``) or the call is interrupted, tritoff stays enabled, as it was.
     """
     engine: Engine | None = getattr(target, ENGINE_ATTR, None)
     if engine is None:
@@ -1190,6 +1191,14 @@ def disable(target, device: str | torch.device | None = None) -> None:
             raise torch.OutOfMemoryError(
                 f"the weights ({format_bytes(total)}) do not fit on {device}: {state}; free memory, or "
                 "call tritoff.disable(pipe, device='cpu')"
+            ) from err
+        from tritoff.store import StoreError
+
+        if isinstance(err, (StoreError, OSError)):  # a pack read back from its file (a store, a spill file)
+            state = "tritoff stays torn down" if was_torn_down else "tritoff stays enabled"
+            raise StoreError(
+                f"tritoff.disable cannot read the weights back: {err}; {state}, and the weights are in no other "
+                "copy tritoff holds: load the pipeline again (from_pretrained) for them"
             ) from err
         raise
     delattr(target, ENGINE_ATTR)

@@ -494,3 +494,20 @@ def test_overwriting_through_a_link_replaces_the_linked_store(copy, tmp_path):
     assert (tmp_path / "link").is_symlink() and read_index(copy)["storage"] == "fp8_e5m2"
     verify_store(copy)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy", "link"]
+
+
+def test_disable_with_a_pack_damaged_on_disk_keeps_tritoff_enabled_and_says_so(copy, saved):
+    pipe = wan()
+    engine = _enable(pipe, store=copy, host_budget=0)  # every pack read from the store when needed
+    meta = store_module._read_meta(copy / "transformer.safetensors")["packs"][-1]
+    start = read_index(copy)["components"]["transformer"]["data_offset"] + meta["offset"]
+    _flip(copy / "transformer.safetensors", start)
+    message = r"^tritoff\.disable cannot read the weights back: .*transformer\.safetensors is corrupt.*stays enabled"
+    with pytest.raises(StoreError, match=message):
+        tritoff.disable(pipe)
+    assert pipe._tritoff_engine is engine
+    _flip(copy / "transformer.safetensors", start)  # repaired: the engine runs as before, and disable restores
+    assert torch.equal(run(pipe), saved[1])
+    tritoff.disable(pipe)
+    assert not hasattr(pipe, "_tritoff_engine")
+    assert torch.equal(run(pipe), saved[1])  # plain modules holding the dequantized weights: the store's output
