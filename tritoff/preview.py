@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_map
 from tqdm.auto import tqdm
 
 from tritoff.activations import estimate, meta_twin
@@ -22,6 +23,7 @@ from tritoff.groups import is_host
 from tritoff.planner import BudgetError, fit_together, mode_label
 from tritoff.planner import plan as phase_plan
 from tritoff.shapes import check_dimensions
+from tritoff.store import fingerprint
 
 # the call a pipeline makes per component, by family: prompt tokens, CFG as separate calls (Wan) or one batch of two
 # (CogVideoX), the latent layout, and the VAE's temporal and spatial compression
@@ -196,6 +198,11 @@ def _latent(family: str, frames: int, height: int, width: int, batch: int, dtype
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
+def _shapes(tree) -> str:
+    """``tree`` (a call's arguments) with every tensor as its shape and dtype: what a meta trace depends on."""
+    return repr(tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t, tree))
+
+
 def _call(family: str, name: str, module: nn.Module, frames: int, height: int, width: int):
     """(method, args, kwargs, calls per step or per pipeline call, whether it is called every step) of a component."""
     f = FAMILIES[family]
@@ -295,13 +302,17 @@ def plan(
     sizes = _sizes(components, group_lists, layouts, mode)
     chunks, fixed = shared_bytes(sizes, group_lists, layouts, components, True, False)
     reserves, calls, loops = {}, {}, {}
+    traced = {}  # (architecture, method, input shapes) -> estimate: Wan 2.2's two experts are traced once
     with tqdm(components, desc="tracing activations", unit="component", disable=not progress, leave=False) as bar:
         for name in bar:
             bar.set_postfix_str(name)
             module = components[name]
             method, args, kwargs, per_call, looped = _call(family, name, module, frames, height, width)
-            twin = module if next(module.parameters()).is_meta else meta_twin(module)
-            reserves[name] = estimate(twin, args, kwargs, method) or int(0.1 * budget_bytes)
+            key = (fingerprint(module), method, _shapes((args, kwargs)))
+            if key not in traced:
+                twin = module if next(module.parameters()).is_meta else meta_twin(module)
+                traced[key] = estimate(twin, args, kwargs, method)
+            reserves[name] = traced[key] or int(0.1 * budget_bytes)
             calls[name] = per_call * (steps if looped else 1)
             loops[name] = looped
     if "transformer_2" in components:  # Wan 2.2: the high-noise expert takes the first 87.5% of the steps

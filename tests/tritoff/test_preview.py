@@ -209,3 +209,17 @@ def test_options_enable_would_refuse_are_refused_by_the_plan_too(options, messag
 def test_a_module_given_as_the_target_is_refused_in_one_line():
     with pytest.raises(ValueError, match="target must be a preset name or a pipeline directory, got Linear"):
         tritoff.plan(torch.nn.Linear(2, 2))
+
+
+def test_experts_of_one_architecture_are_traced_once(tmp_path, monkeypatch):
+    from tritoff import preview
+    from tritoff.tiny import tiny_wan_pipeline
+
+    tiny_wan_pipeline(two_experts=True).save_pretrained(tmp_path / "pipe")
+    traced = []
+    real = preview.estimate
+    monkeypatch.setattr(preview, "estimate", lambda twin, *a, **k: traced.append(twin) or real(twin, *a, **k))
+    p = tritoff.plan(str(tmp_path / "pipe"), "64MB", frames=5, height=32, width=32, progress=False)
+    experts = [ph for ph in p.phases if ph.components[0].startswith("transformer")]
+    assert len(experts) == 2 and len(traced) == 3  # text encoder, one expert, VAE
+    assert experts[0].activation_bytes == experts[1].activation_bytes > 0
