@@ -50,8 +50,12 @@ def advise(
     others = [(m, needed) for m, needed in others if worth(needed)]
     if others:
         found["mode"] = min(others, key=lambda pair: pair[1])
-    clauses = [
+    return BudgetError("; ".join([str(err), *clauses(found, budget)]), err.minimum, found, budget)
+
+
+def clauses(alternatives: dict[str, tuple[object, int]], budget: int) -> list[str]:
+    """What each of ``alternatives`` (as :func:`advise` finds them) needs, in words."""
+    return [
         f"{option}={value!r} " + ("would fit this budget" if needed <= budget else f"needs only {format_bytes(needed)}")
-        for option, (value, needed) in found.items()
+        for option, (value, needed) in alternatives.items()
     ]
-    return BudgetError("; ".join([str(err), *clauses]), err.minimum, found, budget)

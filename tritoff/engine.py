@@ -688,6 +688,15 @@ def _plan(sizes, group_lists, layouts, components, options: Options, grouping: s
         raise advise(err, options.mode, options.prefetch, options.budget, minimum_for, modes) from None
 
 
+def regroup(components, group_lists, layouts, mode: str) -> tuple[dict, dict]:
+    """The group lists and layouts of ``components`` in ``mode``: those given where the grouping is the same, else
+    laid out again from ``layouts``' entries (:func:`packer.relayout`, which raises KeyError for a tensor they do not
+    hold)."""
+    lists = {n: _groups_for(m, mode) for n, m in components.items()}
+    same = {n for n in components if [g.name for g in lists[n]] == [g.name for g in group_lists[n]]}
+    return lists, {n: layouts[n] if n in same else relayout(layouts[n], lists[n]) for n in components}
+
+
 def _minimum_for(components, group_lists, layouts, options: Options) -> Callable[[str, int], int | None]:
     """A function of (mode, prefetch) giving the smallest budget that works with them (what the planner names when
     given one byte), with ``layouts`` laid out again for another grouping; None where they cannot be."""
@@ -695,10 +704,8 @@ def _minimum_for(components, group_lists, layouts, options: Options) -> Callable
 
     def minimum(mode: str, prefetch: int) -> int | None:
         if mode not in planned:
-            lists = {n: _groups_for(m, mode) for n, m in components.items()}
-            same = {n for n in components if [g.name for g in lists[n]] == [g.name for g in group_lists[n]]}
             try:
-                lays = {n: layouts[n] if n in same else relayout(layouts[n], lists[n]) for n in components}
+                lists, lays = regroup(components, group_lists, layouts, mode)
             except KeyError:  # a tensor the packs do not hold
                 planned[mode] = None
             else:

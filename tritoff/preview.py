@@ -18,9 +18,10 @@ from torch.utils._pytree import tree_map
 from tqdm.auto import tqdm
 
 from tritoff.activations import estimate, meta_twin
+from tritoff.advice import advise, clauses
 from tritoff.budget import format_bytes, parse_host_budget, parse_size
 from tritoff.groups import is_host
-from tritoff.planner import BudgetError, fit_together, mode_label
+from tritoff.planner import BudgetError, fit_together, mode_label, plan_phases
 from tritoff.planner import plan as phase_plan
 from tritoff.shapes import check_dimensions
 from tritoff.store import fingerprint
@@ -74,6 +75,9 @@ class Preview:
     shape: dict
     phases: list[PhasePreview] = field(default_factory=list)
     reason: str = ""
+    # when it does not fit: a lower prefetch or another mode that lowers the smallest budget, {option: (value,
+    # minimum)} (tritoff.advice)
+    alternatives: dict = field(default_factory=dict)
     host_held_bytes: int | None = None  # packs the host budget holds (None: no host budget, all of them)
     disk_bytes_per_s: float | None = None
 
@@ -92,6 +96,7 @@ class Preview:
             "disk_bytes_per_s": self.disk_bytes_per_s,
             "shape": self.shape,
             "reason": self.reason,
+            "alternatives": {option: list(pair) for option, pair in self.alternatives.items()},
             "phases": [p.as_dict() for p in self.phases],
         }
 
@@ -131,7 +136,8 @@ class Preview:
             host += f"; host budget {format_bytes(self.host_budget)}"
         lines.append("  " + host)
         verdict = "fits" if self.feasible else f"does not fit: {self.reason}"
-        lines.append(f"  {verdict}; the smallest GPU budget that fits is {format_bytes(self.minimum_budget)}")
+        smallest = f"the smallest GPU budget that fits is {format_bytes(self.minimum_budget)}"
+        lines.append("  " + "; ".join([verdict, smallest, *clauses(self.alternatives, self.budget)]))
         return "\n".join(lines)
 
 
@@ -343,9 +349,32 @@ def plan(
             _disk_reads(preview, group_lists, layouts, phases, loops)
     if too_small:
         preview.reason = "; ".join(too_small)
+        preview.alternatives = _alternatives(components, group_lists, layouts, reserves, mode, prefetch, preview)
     else:
         preview.feasible = True
     return preview
+
+
+def _alternatives(components, group_lists, layouts, reserves, mode: str, prefetch: int, preview: Preview) -> dict:
+    """The lower prefetch and the other mode that lower ``preview``'s smallest budget (:func:`tritoff.advice.advise`),
+    each planned as :func:`plan` plans ``mode``."""
+    from tritoff.engine import _sizes, regroup, shared_bytes
+
+    def minimum_for(other: str, fewer: int) -> int | None:
+        try:
+            lists, lays = regroup(components, group_lists, layouts, other)
+        except KeyError:
+            return None
+        sizes = _sizes(components, lists, lays, other)
+        _, fixed = shared_bytes(sizes, lists, lays, components, True, False)
+        try:
+            plan_phases(sizes, 1, other, fewer, reserves, True, None, fixed)
+        except BudgetError as err:
+            return err.minimum
+        return 1
+
+    err = BudgetError("", preview.minimum_budget)
+    return advise(err, mode, prefetch, preview.budget, minimum_for).alternatives
 
 
 def _disk_reads(preview: Preview, group_lists, layouts, phases, looped) -> None:

@@ -223,3 +223,24 @@ def test_experts_of_one_architecture_are_traced_once(tmp_path, monkeypatch):
     experts = [ph for ph in p.phases if ph.components[0].startswith("transformer")]
     assert len(experts) == 2 and len(traced) == 3  # text encoder, one expert, VAE
     assert experts[0].activation_bytes == experts[1].activation_bytes > 0
+
+
+def test_a_plan_that_does_not_fit_names_what_lowers_its_minimum_and_that_works(tmp_path):
+    wan().save_pretrained(tmp_path / "pipe")
+    # blocks large enough for their ring to be most of the transformer's phase (a plan reads configs, not weights)
+    config = json.loads((tmp_path / "pipe" / "transformer" / "config.json").read_text())
+    config.update(num_attention_heads=16, attention_head_dim=64, ffn_dim=4096, num_layers=6)
+    (tmp_path / "pipe" / "transformer" / "config.json").write_text(json.dumps(config))
+    shape = dict(frames=5, height=32, width=32, progress=False)
+    too_small = tritoff.plan(str(tmp_path / "pipe"), "1MB", prefetch=3, **shape)
+    alternatives = too_small.alternatives
+    assert not too_small.feasible and set(alternatives) == {"prefetch", "mode"}, too_small.text()
+    assert too_small.as_dict()["alternatives"] == {k: list(v) for k, v in alternatives.items()}
+    assert f"prefetch={alternatives['prefetch'][0]} needs only" in too_small.text().splitlines()[-1]
+    for option, (value, minimum) in alternatives.items():
+        assert minimum < too_small.minimum_budget
+        options = {**dict(prefetch=3), option: value}
+        assert tritoff.plan(str(tmp_path / "pipe"), minimum, **options, **shape).feasible
+        assert not tritoff.plan(str(tmp_path / "pipe"), minimum - 1, **options, **shape).feasible
+    fits = tritoff.plan(str(tmp_path / "pipe"), too_small.minimum_budget, prefetch=3, **shape)
+    assert fits.feasible and fits.alternatives == {}
