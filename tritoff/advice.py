@@ -1,9 +1,11 @@
-"""What to change when the budget is too small: each other prefetch and grouping is planned again, and named only
-where it lowers the smallest budget that works.
+"""What to change when the budget is too small: each lower prefetch and each other mode is planned again, and named
+only where it lowers the smallest budget that works.
 
-Neither helps everywhere: fewer ring slots change nothing in a phase whose component moves whole (a VAE), and one
-layer per group can need more than blocks do (staging and kernel tables are cut per group, and a block's largest
-layer is most of it). So every suggestion carries the minimum it was planned to.
+None helps everywhere: fewer ring slots change nothing in a phase whose component moves whole (a VAE), one layer per
+group can need more than blocks do (staging and kernel tables are cut per group, and a block's largest layer is most
+of it), and a model without a block list can need less moving whole than streaming its layers. So every suggestion
+carries the minimum it was planned to, and a mode enable would refuse there (a store grouped otherwise, a compiled
+block) is never named.
 """
 
 from __future__ import annotations
@@ -11,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tritoff.budget import format_bytes
-from tritoff.planner import BudgetError
+from tritoff.planner import MODES, BudgetError
 
-GROUPINGS = ("group", "leaf")  # the modes that split components: "auto" and "model" need what "group" needs or more
 # an alternative that does not fit the budget is named only when it needs at most this fraction of the minimum: fewer
 # ring slots or smaller groups cost speed, which a saving the budget would be rounded up over does not repay
 WORTH = 0.95
@@ -25,7 +26,7 @@ def advise(
     prefetch: int,
     budget: int,
     minimum_for: Callable[[str, int], int | None],
-    modes: tuple[str, ...] = GROUPINGS,
+    modes: tuple[str, ...] = MODES,
 ) -> BudgetError:
     """``err`` with the alternatives that lower its minimum, each planned with ``minimum_for(mode, prefetch)`` (the
     smallest budget that works with them; None: that mode cannot be planned here), where it fits ``budget`` or needs

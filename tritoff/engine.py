@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from tritoff import chain, disk, operations, torn_down
 from tritoff.adapters import adapter_bytes, merged_adapters, move_adapters, named_parameters, outer_modules
-from tritoff.advice import GROUPINGS, advise
+from tritoff.advice import advise
 from tritoff.allocator import warn_if_fragmenting
 from tritoff.arena import HostArena
 from tritoff.budget import default_budget, device_memory, format_bytes, parse_host_budget, parse_size, percentage
@@ -674,18 +674,27 @@ def shared_bytes(sizes, group_lists, layouts, components, staged: bool, zero_cop
     return chunks, _buffer_bytes(components) + tables
 
 
-def _plan(sizes, group_lists, layouts, components, options: Options, grouping: str | None = None):
+def _plan(sizes, group_lists, layouts, components, options: Options, fixed_groups: bool = False):
     """The phased plan, with every device byte the engine allocates outside the groups accounted for (module buffers
     and the kernel tables, cut for each phase's staging chunk), and each component's chunk capacity.
 
     A budget too small is refused naming the prefetch and mode that lower the smallest budget that works
-    (:func:`tritoff.advice.advise`); ``grouping``, a store's, limits the modes to those it serves."""
+    (:func:`tritoff.advice.advise`); ``fixed_groups``: the groups are a store's, so no mode grouping otherwise is."""
     try:
         return _plan_phases(sizes, group_lists, layouts, components, options)
     except BudgetError as err:
-        modes = tuple(m for m in GROUPINGS if grouping is None or (m == "leaf") == (grouping == "leaf"))
-        minimum_for = _minimum_for(components, group_lists, layouts, options)
-        raise advise(err, options.mode, options.prefetch, options.budget, minimum_for, modes) from None
+        staged = options.transport != "zero_copy"
+        minimum = minimum_for(
+            components,
+            group_lists,
+            layouts,
+            dict.fromkeys(components, options.reserve),
+            staged=staged,
+            zero_copy=not staged and options.device.type == "cuda",
+            fraction=options.reserve_fraction,
+            fixed_groups=fixed_groups,
+        )
+        raise advise(err, options.mode, options.prefetch, options.budget, minimum) from None
 
 
 def regroup(components, group_lists, layouts, mode: str) -> tuple[dict, dict]:
@@ -697,27 +706,53 @@ def regroup(components, group_lists, layouts, mode: str) -> tuple[dict, dict]:
     return lists, {n: layouts[n] if n in same else relayout(layouts[n], lists[n]) for n in components}
 
 
-def _minimum_for(components, group_lists, layouts, options: Options) -> Callable[[str, int], int | None]:
+def minimum_for(
+    components,
+    group_lists,
+    layouts,
+    reserves: dict[str, int],
+    *,
+    staged: bool = True,
+    zero_copy: bool = False,
+    fraction: float | None = None,
+    fixed_groups: bool = False,
+) -> Callable[[str, int], int | None]:
     """A function of (mode, prefetch) giving the smallest budget that works with them (what the planner names when
-    given one byte), with ``layouts`` laid out again for another grouping; None where they cannot be."""
-    planned = {}
+    given one byte), with ``layouts`` laid out again for another grouping. It gives None for a mode enable would
+    refuse here: a grouping whose tensors the layouts lack, or that ``fixed_groups`` (a store's) rules out, a
+    component moving whole that is never called, hooks inside a block compiled with ``fullgraph=True``."""
+    usable, minimums = {}, {}
+
+    def plannable(mode: str):
+        try:
+            lists, lays = regroup(components, group_lists, layouts, mode)
+        except KeyError:
+            return None
+        if fixed_groups and any(lays[n] is not layouts[n] for n in components):
+            return None
+        sizes = _sizes(components, lists, lays, mode)
+        try:
+            _check_callable(components, sizes)
+            operations.check_compiled(_hooked_modules(components, lists, sizes), components)
+        except ValueError:
+            return None
+        _, fixed = shared_bytes(sizes, lists, lays, components, staged, zero_copy)
+        return sizes, fixed, max([len(s.blocks) for s in sizes] + [1])
 
     def minimum(mode: str, prefetch: int) -> int | None:
-        if mode not in planned:
-            try:
-                lists, lays = regroup(components, group_lists, layouts, mode)
-            except KeyError:  # a tensor the packs do not hold
-                planned[mode] = None
-            else:
-                planned[mode] = (lists, lays, _sizes(components, lists, lays, mode))
-        if planned[mode] is None:
+        if mode not in usable:
+            usable[mode] = plannable(mode)
+        if usable[mode] is None:
             return None
-        lists, lays, sizes = planned[mode]
-        try:
-            _plan_phases(sizes, lists, lays, components, replace(options, mode=mode, prefetch=prefetch, budget=1))
-        except BudgetError as err:
-            return err.minimum
-        return 1
+        sizes, fixed, most = usable[mode]
+        depth = min(prefetch, most)  # a prefetch as deep as the blocks: every one has a slot, a deeper one adds none
+        if (mode, depth) not in minimums:
+            try:
+                plan_phases(sizes, 1, mode, depth, reserves, staged, fraction, fixed)
+                minimums[mode, depth] = 1
+            except BudgetError as err:
+                minimums[mode, depth] = err.minimum
+        return minimums[mode, depth]
 
     return minimum
 
@@ -902,8 +937,7 @@ def enable(
     _check_callable(components, sizes)
     operations.check_compiled(_hooked_modules(components, group_lists, sizes), components)
     operations.check_compiled_wrappers(_wrapped_components(target))
-    grouping = index["grouping"] if store is not None else None
-    the_plan, chunks = _plan(sizes, group_lists, layouts, components, options, grouping)
+    the_plan, chunks = _plan(sizes, group_lists, layouts, components, options, fixed_groups=store is not None)
     looped = {name: _looped(name) for name in components}
     in_ram = None if reuse else hold_plan(group_lists, layouts, the_plan, looped, options.host_budget)
     if store is not None:
@@ -1204,8 +1238,8 @@ def disable(target, device: str | torch.device | None = None) -> None:
         if isinstance(err, (StoreError, OSError)):  # a pack read back from its file (a store, a spill file)
             state = "tritoff stays torn down" if was_torn_down else "tritoff stays enabled"
             raise StoreError(
-                f"tritoff.disable cannot read the weights back: {err}; {state}, and the weights are in no other "
-                "copy tritoff holds: load the pipeline again (from_pretrained) for them"
+                f"tritoff cannot read the weights back to restore them: {err}; {state}, and the weights are in no "
+                "other copy tritoff holds: load the pipeline again (from_pretrained) for them"
             ) from err
         raise
     delattr(target, ENGINE_ATTR)

@@ -21,7 +21,7 @@ from tritoff.activations import estimate, meta_twin
 from tritoff.advice import advise, clauses
 from tritoff.budget import format_bytes, parse_host_budget, parse_size
 from tritoff.groups import is_host
-from tritoff.planner import BudgetError, fit_together, mode_label, plan_phases
+from tritoff.planner import BudgetError, fit_together, mode_label
 from tritoff.planner import plan as phase_plan
 from tritoff.shapes import check_dimensions
 from tritoff.store import fingerprint
@@ -358,23 +358,11 @@ def plan(
 def _alternatives(components, group_lists, layouts, reserves, mode: str, prefetch: int, preview: Preview) -> dict:
     """The lower prefetch and the other mode that lower ``preview``'s smallest budget (:func:`tritoff.advice.advise`),
     each planned as :func:`plan` plans ``mode``."""
-    from tritoff.engine import _sizes, regroup, shared_bytes
-
-    def minimum_for(other: str, fewer: int) -> int | None:
-        try:
-            lists, lays = regroup(components, group_lists, layouts, other)
-        except KeyError:
-            return None
-        sizes = _sizes(components, lists, lays, other)
-        _, fixed = shared_bytes(sizes, lists, lays, components, True, False)
-        try:
-            plan_phases(sizes, 1, other, fewer, reserves, True, None, fixed)
-        except BudgetError as err:
-            return err.minimum
-        return 1
+    from tritoff.engine import minimum_for
 
     err = BudgetError("", preview.minimum_budget)
-    return advise(err, mode, prefetch, preview.budget, minimum_for).alternatives
+    minimum = minimum_for(components, group_lists, layouts, reserves)
+    return advise(err, mode, prefetch, preview.budget, minimum).alternatives
 
 
 def _disk_reads(preview: Preview, group_lists, layouts, phases, looped) -> None:

@@ -2,6 +2,7 @@
 that works."""
 
 import pytest
+import torch
 
 import tritoff
 from tritoff.advice import advise
@@ -99,3 +100,59 @@ def test_a_store_is_never_told_to_change_its_grouping(tmp_path):
     tritoff.disable(model)
     err = _refusal(model, mode="group", prefetch=3, store=tmp_path / "store")
     assert "mode" not in err.alternatives and "prefetch" in err.alternatives, str(err)
+
+
+class _Flat(torch.nn.Module):
+    """Layers and no block list."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(64, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 64)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)))
+
+
+def _flat():
+    torch.manual_seed(0)
+    return _Flat().to(torch.bfloat16).eval()
+
+
+def test_every_mode_is_weighed_and_the_one_needing_least_works():
+    # no block list: moving whole needs less than a ring of layers with their kernel tables
+    err = _refusal(_flat(), mode="leaf", prefetch=1, transport="zero_copy")
+    mode, needed = err.alternatives["mode"]
+    assert mode in ("model", "auto") and needed < err.minimum
+    assert _fits(_flat(), needed, mode=mode, prefetch=1, transport="zero_copy")
+    assert not _fits(_flat(), needed - 1, mode=mode, prefetch=1, transport="zero_copy")
+
+
+def test_a_store_of_a_model_without_blocks_is_never_told_to_stream_its_layers(tmp_path):
+    model = _flat()
+    tritoff.enable(model, mode="model", budget=10**9, progress=False, kernels="reference").save(tmp_path / "store")
+    tritoff.disable(model)
+    # mode="group" would stream the layers, which the store (whole-component groups) does not hold as packs
+    err = _refusal(_flat(), mode="model", prefetch=2, store=tmp_path / "store")
+    assert "mode" not in err.alternatives, str(err)
+
+
+def test_no_mode_enable_would_refuse_is_named():
+    model = stack(n=8)
+    for block in model.blocks:  # tritoff's hooks inside a fullgraph block would break its graph: leaf is refused
+        block.compile(fullgraph=True)
+    err = _refusal(model, mode="group", prefetch=2)
+    assert err.alternatives.get("mode", ("",))[0] != "leaf" and "prefetch" in err.alternatives, str(err)
+    with pytest.raises(ValueError, match="fullgraph=True"):
+        tritoff.enable(model, mode="leaf", budget=10**9, progress=False, kernels="reference")
+
+
+def test_a_deep_prefetch_is_planned_once_per_ring_size(monkeypatch):
+    from tritoff import engine
+
+    planned = []
+    real = engine.plan_phases
+    monkeypatch.setattr(engine, "plan_phases", lambda *a, **k: planned.append(a[3]) or real(*a, **k))
+    err = _refusal(stack(n=4), mode="group", prefetch=50)
+    # 4 blocks: prefetch 4 and more all give each block a slot, so 49..4 are planned once, then 3, 2 and 1, then
+    # each other mode once: 8 plans with the refused one, not 52
+    assert err.alternatives["prefetch"][0] == 1 and planned[:5] == [50, 4, 3, 2, 1] and len(planned) == 8, planned

@@ -502,7 +502,7 @@ def test_disable_with_a_pack_damaged_on_disk_keeps_tritoff_enabled_and_says_so(c
     meta = store_module._read_meta(copy / "transformer.safetensors")["packs"][-1]
     start = read_index(copy)["components"]["transformer"]["data_offset"] + meta["offset"]
     _flip(copy / "transformer.safetensors", start)
-    message = r"^tritoff\.disable cannot read the weights back: .*transformer\.safetensors is corrupt.*stays enabled"
+    message = r"^tritoff cannot read the weights back to restore them: .*transformer\.safetensors is corrupt.*enabled"
     with pytest.raises(StoreError, match=message):
         tritoff.disable(pipe)
     assert pipe._tritoff_engine is engine
