@@ -286,9 +286,13 @@ class HookManager:
             new = self.replan(comp.name, needed)
         except BudgetError as err:
             comp.unplannable.add((key, needed))  # the budget is the same at the next call: say it once
+            # a VAE decoding whole holds the whole video's activations; in tiles, one tile's
+            tiles = hasattr(comp.module, "enable_tiling") and getattr(comp.module, "use_tiling", None) is False
             warn(
                 f"{comp.name}: this call needs about {format_bytes(needed)} of activations, more than the budget "
-                f"leaves ({err}); it may run out of memory: raise the budget, or lower frames or resolution"
+                f"leaves ({err}); it may run out of memory: raise the budget"
+                + (f", decode in tiles ({comp.name}.enable_tiling())" if tiles else "")
+                + ", or lower frames or resolution"
             )
             return
         self.apply_plan(comp, new)

@@ -1343,6 +1343,26 @@ def test_a_call_the_budget_cannot_plan_for_warns_once_per_input_shape():
     assert all(w.filename == __file__ for w in warned)  # the caller's line, not a frame inside torch's module call
 
 
+def test_a_decode_the_budget_cannot_plan_for_suggests_tiles_until_they_are_on():
+    import warnings
+
+    pipe = wan()
+    with pytest.raises(BudgetError) as info:
+        tritoff.enable(pipe, mode="group", budget=1, progress=False, kernels="reference")
+    tritoff.enable(pipe, mode="group", budget=info.value.minimum, progress=False, kernels="reference")
+    latent = torch.randn(1, pipe.vae.config.z_dim, 3, 48, 48, dtype=pipe.vae.dtype)
+    with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+        warnings.simplefilter("always")
+        pipe.vae.decode(latent)
+        tiles = dict(tile_sample_min_height=64, tile_sample_min_width=64)
+        pipe.vae.enable_tiling(**tiles, tile_sample_stride_height=48, tile_sample_stride_width=48)
+        pipe.vae.decode(latent)
+    warned = [str(w.message) for w in seen if "of activations, more than the budget leaves" in str(w.message)]
+    assert len(warned) == 2 and all(m.startswith("vae: ") for m in warned), warned
+    assert warned[0].endswith("raise the budget, decode in tiles (vae.enable_tiling()), or lower frames or resolution")
+    assert "enable_tiling" not in warned[1]  # tiling is on: the tiles' activations still need more
+
+
 @pytest.mark.parametrize("budget", ["4.5MB", "5MB", "5.7MB"])
 def test_a_loaded_phase_entered_with_a_larger_reserve_makes_room_for_it(budget):
     # the VAE, still loaded from the last call, decodes a larger video: its reserve grew while the other phases
