@@ -34,11 +34,13 @@ def advise(
 
     ``alternatives`` on the result maps ``"prefetch"`` and ``"mode"`` to ``(value, minimum)``: for prefetch the
     largest value below ``prefetch`` that fits ``budget``, else the one needing least; for mode, of ``modes``, the one
-    needing least. The message says what each would need.
+    needing least. When neither fits ``budget``, ``"together"`` maps to ``((mode, 1), minimum)``: another mode with a
+    prefetch of 1, where that needs less than each alone (smaller groups can leave the ring the largest need, which
+    fewer slots then lower). The message says what each would need.
     """
 
-    def worth(needed: int | None) -> bool:
-        return needed is not None and (needed <= budget or needed <= WORTH * err.minimum)
+    def worth(needed: int | None, than: int = err.minimum) -> bool:
+        return needed is not None and (needed <= budget or needed <= WORTH * than)
 
     found = {}
     for fewer in range(prefetch - 1, 0, -1):  # fewer ring slots need less: the first that fits is the fastest
@@ -51,12 +53,20 @@ def advise(
     others = [(m, needed) for m, needed in others if worth(needed)]
     if others:
         found["mode"] = min(others, key=lambda pair: pair[1])
+    if prefetch > 1 and all(needed > budget for _, needed in found.values()):
+        both = [((m, 1), minimum_for(m, 1)) for m in modes if m != mode]
+        both = [(pair, needed) for pair, needed in both if needed is not None]
+        best = min(both, key=lambda pair: pair[1], default=None)
+        if best is not None and worth(best[1], min([n for _, n in found.values()] + [err.minimum])):
+            found["together"] = best
     return BudgetError("; ".join([str(err), *clauses(found, budget)]), err.minimum, found, budget)
 
 
 def clauses(alternatives: dict[str, tuple[object, int]], budget: int) -> list[str]:
     """What each of ``alternatives`` (as :func:`advise` finds them) needs, in words."""
-    return [
-        f"{option}={value!r} " + ("would fit this budget" if needed <= budget else f"needs only {format_bytes(needed)}")
-        for option, (value, needed) in alternatives.items()
-    ]
+    said = []
+    for option, (value, needed) in alternatives.items():
+        what = f"mode={value[0]!r} with prefetch={value[1]}" if option == "together" else f"{option}={value!r}"
+        needs = "would fit this budget" if needed <= budget else f"needs only {format_bytes(needed)}"
+        said.append(f"{what} {needs}")
+    return said

@@ -198,12 +198,17 @@ def _budget_error(err, mode: str | None = None, prefetch: int | None = None) -> 
     not)."""
     facts = str(err).split("; ")[0]
     hints = [f"--budget {_size_hint(err.minimum)} or more"]
-    for option, given in (("prefetch", prefetch), ("mode", mode)):
-        if given is not None and option in err.alternatives:
-            value, needed = err.alternatives[option]
-            enough = "this budget" if needed <= err.budget else f"--budget {_size_hint(needed)} or more"
-            if enough != hints[0]:  # not when it needs what the budget is rounded up to anyway
-                hints.append(f"--{option} {value} (with {enough})")
+    flags = {
+        "prefetch": lambda value: f"--prefetch {value}",
+        "mode": lambda value: f"--mode {value}",
+        "together": lambda value: f"--mode {value[0]} --prefetch {value[1]}",
+    }
+    for option, (value, needed) in err.alternatives.items():
+        if (prefetch is None and option != "mode") or (mode is None and option != "prefetch"):
+            continue  # the command has no such option
+        enough = "this budget" if needed <= err.budget else f"--budget {_size_hint(needed)} or more"
+        if enough != hints[0]:  # not when it needs what the budget is rounded up to anyway
+            hints.append(f"{flags[option](value)} (with {enough})")
     advice = hints[0] if len(hints) == 1 else ", ".join(hints[:-1]) + ", or " + hints[-1]
     return CliError(f"{facts}; pass {advice}")
 

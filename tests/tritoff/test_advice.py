@@ -56,6 +56,15 @@ def test_nothing_that_lowers_nothing_is_named():
     assert _advise(885 * KB, needs=slight).alternatives == {"mode": ("leaf", 880 * KB)}
 
 
+def test_another_mode_with_fewer_slots_is_named_where_neither_alone_fits():
+    needs = {**NEEDS, ("leaf", 1): 400 * KB, ("model", 1): 950 * KB}
+    err = _advise(500 * KB, needs=needs)
+    assert err.alternatives["together"] == (("leaf", 1), 400 * KB)
+    assert str(err).endswith("; mode='leaf' with prefetch=1 would fit this budget")
+    assert "together" not in _advise(650 * KB, needs=needs).alternatives  # leaf alone fits: the fewest changes
+    assert "together" not in _advise(500 * KB, needs={**needs, ("leaf", 1): 640 * KB}).alternatives  # > prefetch=1
+
+
 def _refusal(model, **options) -> BudgetError:
     with pytest.raises(BudgetError) as info:
         tritoff.enable(model, budget=1000, reserve=1000, progress=False, kernels="reference", **options)
@@ -74,13 +83,17 @@ def _fits(model, budget, **options) -> bool:
 def test_each_named_alternative_works_at_its_minimum_and_not_below():
     model = stack(n=8)
     err = _refusal(model, mode="group", prefetch=3)
-    assert set(err.alternatives) == {"prefetch", "mode"}, str(err)
+    assert set(err.alternatives) == {"prefetch", "mode", "together"}, str(err)
     (fewer, fewer_needs), (mode, mode_needs) = err.alternatives["prefetch"], err.alternatives["mode"]
     assert fewer == 1 and fewer_needs < err.minimum and mode == "leaf" and mode_needs < err.minimum
     assert _fits(model, fewer_needs, mode="group", prefetch=1)
     assert not _fits(model, fewer_needs - 1, mode="group", prefetch=1)
     assert _fits(model, mode_needs, mode="leaf", prefetch=3)
     assert not _fits(model, mode_needs - 1, mode="leaf", prefetch=3)
+    (both, one), both_needs = err.alternatives["together"]
+    assert (both, one) == ("leaf", 1) and both_needs < min(fewer_needs, mode_needs)
+    assert _fits(model, both_needs, mode="leaf", prefetch=1)
+    assert not _fits(model, both_needs - 1, mode="leaf", prefetch=1)
     assert _refusal(model, mode="group", prefetch=3).minimum == err.minimum  # a failed enable changed nothing
 
 
@@ -154,5 +167,6 @@ def test_a_deep_prefetch_is_planned_once_per_ring_size(monkeypatch):
     monkeypatch.setattr(engine, "plan_phases", lambda *a, **k: planned.append(a[3]) or real(*a, **k))
     err = _refusal(stack(n=4), mode="group", prefetch=50)
     # 4 blocks: prefetch 4 and more all give each block a slot, so 49..4 are planned once, then 3, 2 and 1, then
-    # each other mode once: 8 plans with the refused one, not 52
-    assert err.alternatives["prefetch"][0] == 1 and planned[:5] == [50, 4, 3, 2, 1] and len(planned) == 8, planned
+    # each other mode once, and at prefetch 1 where that is new (auto and leaf; model moves whole): 10 plans with the
+    # refused one, not 55
+    assert err.alternatives["prefetch"][0] == 1 and planned[:5] == [50, 4, 3, 2, 1] and len(planned) == 10, planned

@@ -412,6 +412,9 @@ def test_budget_advice_names_what_the_engine_planned(mode, prefetch, advice):
     assert str(err).endswith(advice) and "needs only" not in str(err)
     close = BudgetError(message, 1_258_292, {"mode": ("leaf", 1_250_000)}, 1_000_000)
     assert str(_budget_error(close, "group", 2)).endswith("pass --budget 1.3MB or more")  # the same flag: not named
+    both = BudgetError(message, 1_258_292, {**alternatives, "together": (("leaf", 1), 800_000)}, 1_000_000)
+    hint = "--mode leaf --prefetch 1 (with this budget)"
+    assert str(_budget_error(both, mode, prefetch)).endswith(hint) == (mode is not None and prefetch is not None)
 
 
 def test_the_cli_knows_the_engines_transports_and_storages():

@@ -234,12 +234,13 @@ def test_a_plan_that_does_not_fit_names_what_lowers_its_minimum_and_that_works(t
     shape = dict(frames=5, height=32, width=32, progress=False)
     too_small = tritoff.plan(str(tmp_path / "pipe"), "1MB", prefetch=3, **shape)
     alternatives = too_small.alternatives
-    assert not too_small.feasible and set(alternatives) == {"prefetch", "mode"}, too_small.text()
-    assert too_small.as_dict()["alternatives"] == {k: list(v) for k, v in alternatives.items()}
+    assert not too_small.feasible and set(alternatives) == {"prefetch", "mode", "together"}, too_small.text()
+    assert json.loads(too_small.json())["alternatives"] == json.loads(json.dumps(alternatives))
     assert f"prefetch={alternatives['prefetch'][0]} needs only" in too_small.text().splitlines()[-1]
     for option, (value, minimum) in alternatives.items():
         assert minimum < too_small.minimum_budget
-        options = {**dict(prefetch=3), option: value}
+        together = option == "together"
+        options = dict(mode=value[0], prefetch=value[1]) if together else {"prefetch": 3, option: value}
         assert tritoff.plan(str(tmp_path / "pipe"), minimum, **options, **shape).feasible
         assert not tritoff.plan(str(tmp_path / "pipe"), minimum - 1, **options, **shape).feasible
     fits = tritoff.plan(str(tmp_path / "pipe"), too_small.minimum_budget, prefetch=3, **shape)
