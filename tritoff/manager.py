@@ -291,7 +291,7 @@ class HookManager:
             warn(
                 f"{comp.name}: this call needs about {format_bytes(needed)} of activations, more than the budget "
                 f"leaves ({err}); it may run out of memory: raise the budget"
-                + (f", decode in tiles ({comp.name}.enable_tiling())" if tiles else "")
+                + (f", decode in tiles ({_tiling_call(comp.name)})" if tiles else "")
                 + ", or lower frames or resolution"
             )
             return
@@ -739,6 +739,11 @@ def _blocks_never_called(comp: ComponentRuntime) -> RuntimeError:
         "tritoff's hooks on the blocks never ran, so its layers had no weights; enable it with mode='leaf' (a hook on "
         "each layer) or mode='model'"
     )
+
+
+def _tiling_call(name: str) -> str:
+    """How to turn on tiled decoding for component ``name`` (``model``: a VAE enabled on its own)."""
+    return "enable_tiling() on the VAE" if name == "model" else f"{name}.enable_tiling()"
 
 
 def _normal_mode():

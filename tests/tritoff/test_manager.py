@@ -1361,6 +1361,15 @@ def test_a_decode_the_budget_cannot_plan_for_suggests_tiles_until_they_are_on():
     assert len(warned) == 2 and all(m.startswith("vae: ") for m in warned), warned
     assert warned[0].endswith("raise the budget, decode in tiles (vae.enable_tiling()), or lower frames or resolution")
     assert "enable_tiling" not in warned[1]  # tiling is on: the tiles' activations still need more
+    tritoff.disable(pipe)
+    vae = wan().vae  # enabled on its own: the hint names no variable the caller does not have
+    with pytest.raises(BudgetError) as info:
+        tritoff.enable(vae, mode="group", budget=1, progress=False, kernels="reference")
+    tritoff.enable(vae, mode="group", budget=info.value.minimum, progress=False, kernels="reference")
+    with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+        warnings.simplefilter("always")
+        vae.decode(latent)
+    assert any("decode in tiles (enable_tiling() on the VAE)" in str(w.message) for w in seen)
 
 
 @pytest.mark.parametrize("budget", ["4.5MB", "5MB", "5.7MB"])
