@@ -28,18 +28,31 @@ def advise(
     minimum_for: Callable[[str, int], int | None],
     modes: tuple[str, ...] = MODES,
 ) -> BudgetError:
-    """``err`` with the alternatives that lower its minimum, each planned with ``minimum_for(mode, prefetch)`` (the
-    smallest budget that works with them; None: that mode cannot be planned here), where it fits ``budget`` or needs
-    at most ``WORTH`` of the minimum.
+    """``err`` with the :func:`alternatives` to ``mode`` and ``prefetch`` that lower its minimum: in
+    ``alternatives`` on the result, and in its message, each with what it would need."""
+    found = alternatives(err.minimum, mode, prefetch, budget, minimum_for, modes)
+    return BudgetError("; ".join([str(err), *clauses(found, budget)]), err.minimum, found, budget)
 
-    ``alternatives`` on the result maps ``"prefetch"`` and ``"mode"`` to ``(value, minimum)``: for prefetch the
-    largest value below ``prefetch`` that fits ``budget``, else the one needing least; for mode, of ``modes``, the one
-    needing least. When neither fits ``budget``, ``"together"`` maps to ``((mode, 1), minimum)``: another mode with a
-    prefetch of 1, where that needs less than each alone (smaller groups can leave the ring the largest need, which
-    fewer slots then lower). The message says what each would need.
+
+def alternatives(
+    minimum: int,
+    mode: str,
+    prefetch: int,
+    budget: int,
+    minimum_for: Callable[[str, int], int | None],
+    modes: tuple[str, ...] = MODES,
+) -> dict[str, tuple[object, int]]:
+    """What lowers ``minimum`` (the smallest budget ``mode`` and ``prefetch`` work with), each planned with
+    ``minimum_for(mode, prefetch)`` (the smallest budget that works with them; None: that mode cannot be planned
+    here), where it fits ``budget`` or needs at most ``WORTH`` of the minimum.
+
+    Maps ``"prefetch"`` and ``"mode"`` to ``(value, minimum)``: for prefetch the largest value below ``prefetch``
+    that fits ``budget``, else the one needing least; for mode, of ``modes``, the one needing least. When neither
+    fits ``budget``, ``"together"`` maps to ``((mode, 1), minimum)``: another mode with a prefetch of 1, where that
+    needs less than each alone (smaller groups can leave the ring the largest need, which fewer slots then lower).
     """
 
-    def worth(needed: int | None, than: int = err.minimum) -> bool:
+    def worth(needed: int | None, than: int = minimum) -> bool:
         return needed is not None and (needed <= budget or needed <= WORTH * than)
 
     found = {}
@@ -57,9 +70,9 @@ def advise(
         both = [((m, 1), minimum_for(m, 1)) for m in modes if m != mode]
         both = [(pair, needed) for pair, needed in both if needed is not None]
         best = min(both, key=lambda pair: pair[1], default=None)
-        if best is not None and worth(best[1], min([n for _, n in found.values()] + [err.minimum])):
+        if best is not None and worth(best[1], min([n for _, n in found.values()] + [minimum])):
             found["together"] = best
-    return BudgetError("; ".join([str(err), *clauses(found, budget)]), err.minimum, found, budget)
+    return found
 
 
 def clauses(alternatives: dict[str, tuple[object, int]], budget: int) -> list[str]:

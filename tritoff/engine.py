@@ -96,6 +96,11 @@ class Options:
     host_budget: int | None = None  # host bytes the packs may hold (None: all of them)
 
     @property
+    def staged(self) -> bool:
+        """Whether packs reach the device through staging (the copy engine, then the upcast): all but zero-copy."""
+        return self.transport != "zero_copy"
+
+    @property
     def reads_host_directly(self) -> bool:
         """Whether kernels read the packs zero-copy from page-locked host memory (which must then be locked)."""
         return self.transport == "zero_copy" and self.device.type == "cuda"
@@ -503,8 +508,7 @@ class Engine:
         """The phase of component ``name`` planned again with activation reserve ``reserve``."""
         size = next(s for s in self.sizes if s.name == name)
         opts = self.options
-        staged = opts.transport != "zero_copy"
-        return plan([size], opts.budget, opts.mode, opts.prefetch, reserve, staged, None, self.plan.fixed_bytes)
+        return plan([size], opts.budget, opts.mode, opts.prefetch, reserve, opts.staged, None, self.plan.fixed_bytes)
 
     def _hook(self, module: nn.Module, hook) -> None:
         self._hooked.append(module)  # first: a teardown after an interruption in the middle unhooks it too
@@ -683,14 +687,13 @@ def _plan(sizes, group_lists, layouts, components, options: Options, fixed_group
     try:
         return _plan_phases(sizes, group_lists, layouts, components, options)
     except BudgetError as err:
-        staged = options.transport != "zero_copy"
         minimum = minimum_for(
             components,
             group_lists,
             layouts,
             dict.fromkeys(components, options.reserve),
-            staged=staged,
-            zero_copy=not staged and options.device.type == "cuda",
+            staged=options.staged,
+            zero_copy=options.reads_host_directly,
             fraction=options.reserve_fraction,
             fixed_groups=fixed_groups,
         )
@@ -758,9 +761,8 @@ def minimum_for(
 
 
 def _plan_phases(sizes, group_lists, layouts, components, options: Options):
-    staged = options.transport != "zero_copy"
-    zero_copy = not staged and options.device.type == "cuda"
-    chunks, fixed = shared_bytes(sizes, group_lists, layouts, components, staged, zero_copy)
+    staged = options.staged
+    chunks, fixed = shared_bytes(sizes, group_lists, layouts, components, staged, options.reads_host_directly)
     reserves = dict.fromkeys(chunks, options.reserve)
     fraction = options.reserve_fraction
     phased = plan_phases(sizes, options.budget, options.mode, options.prefetch, reserves, staged, fraction, fixed)

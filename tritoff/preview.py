@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_map
 from tqdm.auto import tqdm
 
 from tritoff.activations import estimate, meta_twin
-from tritoff.advice import advise, clauses
+from tritoff.advice import alternatives, clauses
 from tritoff.budget import format_bytes, parse_host_budget, parse_size
 from tritoff.groups import is_host
 from tritoff.planner import BudgetError, fit_together, mode_label
@@ -360,9 +360,8 @@ def _alternatives(components, group_lists, layouts, reserves, mode: str, prefetc
     each planned as :func:`plan` plans ``mode``."""
     from tritoff.engine import minimum_for
 
-    err = BudgetError("", preview.minimum_budget)
     minimum = minimum_for(components, group_lists, layouts, reserves)
-    return advise(err, mode, prefetch, preview.budget, minimum).alternatives
+    return alternatives(preview.minimum_budget, mode, prefetch, preview.budget, minimum)
 
 
 def _disk_reads(preview: Preview, group_lists, layouts, phases, looped) -> None:
