@@ -34,6 +34,7 @@ Options: --rows KIND,... (a subset of the row kinds), --reps N, --out DIR (defau
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -60,6 +61,7 @@ from models import COGVIDEOX_5B, COGVIDEOX_SMOKE, UMT5_XXL, WAN_14B, WAN_SMOKE, 
 
 import tritoff  # noqa: E402
 from tritoff.budget import parse_size  # noqa: E402
+from tritoff.kernels import upcast as upcast_kernels  # noqa: E402
 
 # (frames, height, width) per model and shape
 SHAPES = {
@@ -79,6 +81,7 @@ TRANSFORMER_ROWS = (
     "resident",
     "tritoff-group",
     "tritoff-auto",
+    "tritoff-auto-bounded",  # 1-frame tables only: one row per --upcast-grid share
     "diffusers-bf16-group",
     "diffusers-fp8-group",
     "diffusers-model-offload",
@@ -92,6 +95,7 @@ LABELS = {
     "tritoff": "tritoff auto @ {b}",
     "tritoff-group": "tritoff group fp8 @ {b}",
     "tritoff-auto": "tritoff auto @ {b}",
+    "tritoff-auto-upcast": "tritoff auto, HBM upcasts on {p} programs @ {b}",
     "tritoff-disk": "tritoff group fp8, host budget {h} of the packs (the rest read from disk) @ {b}",
     "tritoff-group-compile": "tritoff group fp8 + regional compile @ {b}",
     "diffusers-bf16-group": "diffusers bf16 group offload (block, streams, record_stream) @ {b}",
@@ -176,6 +180,19 @@ class Cap:
     def peak_reserved(self):
         """The allocator's peak of reserved memory (what the cap limits: allocated plus its cached blocks)."""
         return torch.cuda.max_memory_reserved(self.device) if self.device.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def upcast_grid(programs: int | None):
+    """The HBM-side upcasts' grid bound (kernels.upcast.UPCAST_PROGRAMS, read at enable) set to ``programs`` inside
+    (None: unchanged)."""
+    saved = upcast_kernels.UPCAST_PROGRAMS
+    if programs is not None:
+        upcast_kernels.UPCAST_PROGRAMS = programs
+    try:
+        yield
+    finally:
+        upcast_kernels.UPCAST_PROGRAMS = saved
 
 
 def free_memory(device) -> None:
@@ -263,6 +280,20 @@ def regional_compile(model, backend: str) -> int:
     return count
 
 
+def bounded_kinds(shares: list[float], device) -> list[str]:
+    """The row kinds ``tritoff-auto-bounded`` stands for: one per share of the SMs (``tritoff-auto-upcastN``, N
+    programs per HBM-side upcast; kernels.upcast.UPCAST_PROGRAMS)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return list(dict.fromkeys(f"tritoff-auto-upcast{max(1, round(share * sms))}" for share in shares))
+
+
+def bounded_programs(kind: str) -> tuple[str, int | None]:
+    """``(label key, programs)`` of a row kind: the programs of a ``tritoff-auto-upcastN`` row, else None."""
+    if kind.startswith("tritoff-auto-upcast"):
+        return "tritoff-auto-upcast", int(kind.removeprefix("tritoff-auto-upcast"))
+    return kind, None
+
+
 @dataclass
 class Table:
     """One table: a model at one shape under one cap, its rows keyed by row kind."""
@@ -287,7 +318,8 @@ class Table:
 
     def label(self, kind: str) -> str:
         """The printed name of a row of ``kind``."""
-        return LABELS[kind].format(b=self.budget_text, h=f"{HOST_FRACTION:.0%}")
+        base, programs = bounded_programs(kind)
+        return LABELS[base].format(b=self.budget_text, h=f"{HOST_FRACTION:.0%}", p=programs)
 
     def data(self, h2d, kinds, h2d_pageable: str | None = None) -> dict:
         """The table as JSON: its rows in ``kinds`` order, with ratios to the resident row filled in.
@@ -376,7 +408,7 @@ def measure(model, table: Table, kind: str, device, budget: int | None, engine=N
     try:
         with Cap(budget, device) as cap:
             before = (lambda: drop_spill_pages(engine)) if cold else None
-            warmups = 2 if compiled or kind == "tritoff-auto" else 1
+            warmups = 2 if compiled or kind.startswith("tritoff-auto") else 1
             times, out = time_forwards(model, table.inputs, device, table.reps, before, warmups, after_warmup)
             peak = cap.peak()
             row["peak_reserved_bytes"] = cap.peak_reserved()
@@ -467,6 +499,10 @@ def transformer_tables(args, device) -> list[dict]:
             )
         )
     kinds = args.rows or (list(TRANSFORMER_ROWS) + (list(COMPILE_ROWS) if args.compile else []))
+    if "tritoff-auto-bounded" in kinds:  # HBM upcasts on a bounded grid compete with a short compute: 1 frame only
+        at = kinds.index("tritoff-auto-bounded")
+        one_frame = any(t.frames_hw[0] == 1 for t in tables)
+        kinds[at : at + 1] = bounded_kinds(args.upcast_grid, device) if one_frame else []
     h2d, h2d_pageable = measure_h2d(device)
     clock = Clock(args.deadline)
     backend = "eager" if args.smoke else "inductor"  # inductor's CPU compile would take minutes on the CI machine
@@ -501,8 +537,9 @@ def transformer_tables(args, device) -> list[dict]:
     first = tables[0].shape
     activations: dict[tuple, int] = {}  # shape -> the resident row's activation peak
     outputs: dict[tuple, torch.Tensor] = {}  # shape -> the resident row's output
+    auto_kinds = [k for k in kinds if bounded_programs(k)[0] in ("tritoff-auto", "tritoff-auto-upcast")]
     for kind in kinds:
-        if kind == "tritoff-auto" and "tritoff-group" in kinds:
+        if kind in auto_kinds and "tritoff-group" in kinds:
             continue  # measured with tritoff-group: one pack, re-planned for every row
         if not clock.allows(first, clock.cost.get("build", 0.0)):
             for t in tables:
@@ -559,21 +596,25 @@ def transformer_tables(args, device) -> list[dict]:
         elif kind.startswith("tritoff"):
             model, info = built()  # a compile row compiles after enable, as users do (the hooks stay outside)
             compile_pending = kind.endswith("-compile")
-            modes = [("auto" if kind == "tritoff-auto" else "group", kind)]
-            if kind == "tritoff-group" and "tritoff-auto" in kinds:
-                modes.append(("auto", "tritoff-auto"))
+            modes = [("auto" if kind in auto_kinds else "group", kind)]
+            if kind == "tritoff-group":
+                modes += [("auto", k) for k in auto_kinds]
             engine = None
             for mode, row_kind in modes:
+                programs = bounded_programs(row_kind)[1]
                 for t in tables:
-                    if row_kind == "tritoff-auto":  # what a user gets: enable(model, budget=...)
+                    if programs is not None and t.frames_hw[0] != 1:
+                        continue
+                    if mode == "auto":  # what a user gets: enable(model, budget=...)
                         reserve, rule = None, "tritoff's default: traced per phase"
                     else:
                         reserve, rule = reserve_for(t, activations)
                     setup_start = time.perf_counter()
                     try:
-                        engine = tritoff.enable(
-                            model, mode=mode, budget=t.budget, reserve=reserve, device=device, progress=False
-                        )
+                        with upcast_grid(programs):
+                            engine = tritoff.enable(
+                                model, mode=mode, budget=t.budget, reserve=reserve, device=device, progress=False
+                            )
                     except Exception as err:
                         t.rows[row_kind] = {"row": t.label(row_kind), "kind": row_kind, "note": _error_note(err)}
                         save()
@@ -1008,7 +1049,16 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=None, help="epoch seconds: start nothing that ends after")
     parser.add_argument("--smoke", action="store_true", help="small models on the CPU (CI)")
     parser.add_argument("--spill-dir", default=None, help="tritoff-disk row: where packs beyond the host budget go")
+    parser.add_argument(
+        "--upcast-grid",
+        default="0.5,1",
+        help="tritoff-auto-bounded rows (1 frame): programs per HBM upcast as shares of the SMs (default 0.5,1)",
+    )
     args = parser.parse_args()
+    try:
+        args.upcast_grid = [float(share) for share in args.upcast_grid.split(",")]
+    except ValueError:
+        raise SystemExit(f"--upcast-grid: expected shares of the SMs such as 0.5,1, got {args.upcast_grid!r}") from None
     args.configs = parse_configs(args)
     known = PIPELINE_ROWS if args.pipeline else TRANSFORMER_ROWS + COMPILE_ROWS
     args.rows = [r.strip() for r in args.rows.split(",")] if args.rows else None
@@ -1038,7 +1088,10 @@ def main() -> None:
             failed += [
                 r
                 for r in data["rows"]
-                if r["kind"] in ("tritoff-group", "tritoff-auto", "tritoff-disk")
+                if (
+                    r["kind"] in ("tritoff-group", "tritoff-auto", "tritoff-disk")
+                    or r["kind"].startswith("tritoff-auto-up")
+                )
                 and "note" in r
                 and "not run" not in r["note"]
             ]

@@ -474,6 +474,20 @@ def summary_lines(record: dict, out: Path, suffix: str) -> list[str]:
                 f"matmul slowdown while onloading 351 MB packs: staged {ov['slowdown_staged_pct']:.1f}%, "
                 f"zero-copy {ov['slowdown_zero_copy_pct']:.1f}%"
             )
+        beside = kernels.get("upcast_beside_compute", {})
+        if beside.get("grids"):  # programs x elements x warps: the grid for kernels.upcast.UPCAST_PROGRAMS
+            lines.append(
+                f"a block's matmuls at 1 frame, {1e3 * beside['compute_alone_s_per_block']:.2f} ms alone, with the "
+                "next pack's HBM upcast beside them, by grid (programs x elements x warps; 0: one per chunk): "
+                + ", ".join(
+                    f"{name} {r['slowdown_pct']:+.1f}% (upcast alone {r['upcast_alone_GBps']:.0f} GB/s"
+                    + ("" if r["exact"] else ", NOT EXACT")
+                    + ")"
+                    for name, r in beside["grids"].items()
+                )
+            )
+        elif beside.get("error"):
+            lines.append(f"upcast beside compute failed: {beside['error']}")
     for path in _fresh(out, "hooks-*", suffix, since):
         hooks = json.loads(path.read_text())
         issue = hooks.get("issue_us_per_group")

@@ -6,7 +6,10 @@ staged: copy + ``upcast_pack``, (c') the same for 4 packs in a row, streamed as 
 pack through two staging halves, the DMA of one overlapping the upcast of the other), (d) ``upcast_pack_zero_copy``,
 (e) the PyTorch way per tensor (``w.to("cuda", non_blocking=True).to(bf16) * scale``), (f) the HBM-side upcast alone
 against a device-to-device copy, also with 2048 to 16384 elements and 4 or 8 warps per program. Then (c) and (d) beside
-a large matmul: how much each slows it.
+a large matmul: how much each slows it. Last, (g): a Wan-14B block's compute at one frame (its linear layers' matmuls at
+1,560 tokens) with the next block's 351 MB pack upcast from HBM beside it, as tritoff runs fp8-resident blocks, for
+grids of one program per chunk and grids bounded to a share of the SMs (``UPCAST_PROGRAMS``): time per block against
+the matmuls alone, and each grid's upcast rate alone.
 
 Usage: python bench/kernels.py [--smoke] [--out DIR] [--deadline SECONDS]
   --smoke: tiny packs on the CPU through the Triton interpreter. --out: where kernels.json goes (default
@@ -52,6 +55,10 @@ WIDTH = 5120  # Wan-14B hidden size
 UPCAST_BLOCKS = (2048, 4096, 8192, 16384)
 UPCAST_WARPS = (4, 8)
 SIZES_MB = (1, 4, 16, 32, 64, 128, 256, 351, 1024)  # 351 MB: one Wan-14B block in fp8
+# (g): programs per HBM upcast as a multiple of the SM count (0: one per chunk), each with (elements, warps) per program
+UPCAST_GRID_SHARES = (0, 0.25, 0.5, 1, 2)
+UPCAST_GRID_SHAPES = ((BLOCK, WARPS), (16384, 8))
+TOKENS_ONE_FRAME = 1560  # Wan at 480x832, 1 frame
 STREAMED = 4  # packs onloaded in a row for (c')
 
 
@@ -315,6 +322,87 @@ def overlap(device: torch.device, target_bytes: int, reps: int) -> dict:
     return results
 
 
+def upcast_beside_compute(device: torch.device, target_bytes: int, width: int, reps: int, blocks: int = 8) -> dict:
+    """(g) ``blocks`` Wan-14B blocks' linear layers at one frame on the compute stream, each block's matmuls waiting for
+    its pack's upcast from HBM, which ran on a side stream beside the previous block's matmuls (tritoff's fp8-resident
+    tier), for every grid of :data:`UPCAST_GRID_SHARES` x :data:`UPCAST_GRID_SHAPES`: seconds per block against the
+    matmuls alone, and each grid's upcast alone (GB/s read + written). On the CPU (the smoke run) the same steps run
+    one after the other, and every grid is one program per chunk (the interpreter's way)."""
+    cuda = device.type == "cuda"
+    layout, arena, fmt = build_pack(target_bytes, width, register=cuda)
+    staged = arena.buffer.to(device, copy=True)
+    arena.close()
+    outs = [torch.empty(layout.out_nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+    expected = upcast_pack_reference(staged, torch.empty_like(outs[0]), layout.table(), layout.out_dtype, fmt)
+    tokens, hidden = (TOKENS_ONE_FRAME, 13824) if cuda else (16, 2 * width)
+    x = torch.randn(tokens, width, dtype=torch.bfloat16, device=device)
+    square = torch.randn(width, width, dtype=torch.bfloat16, device=device) / width**0.5
+    up = torch.randn(width, hidden, dtype=torch.bfloat16, device=device) / width**0.5
+    down = torch.randn(hidden, width, dtype=torch.bfloat16, device=device) / hidden**0.5
+    side = torch.cuda.Stream(device) if cuda else None
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 4
+
+    def on_side():
+        return torch.cuda.stream(side) if cuda else contextlib.nullcontext()
+
+    def block_compute():
+        for _ in range(8):  # q, k, v, o of self- and cross-attention
+            x @ square
+        (x @ up) @ down
+
+    alone = timed(lambda: [block_compute() for _ in range(blocks)], device, reps) / blocks
+    results = {"sms": sms, "tokens": tokens, "compute_alone_s_per_block": alone, "grids": {}}
+    for share in UPCAST_GRID_SHARES:
+        programs = round(share * sms)
+        for block, warps in UPCAST_GRID_SHAPES:
+            table, n_programs = layout.table(block, device), layout.n_programs(block)
+
+            def upcast(out, block=block, warps=warps, table=table, n_programs=n_programs, programs=programs):
+                upcast_pack(
+                    staged, out, table, n_programs, layout.out_dtype, fmt, block=block, warps=warps, programs=programs
+                )
+
+            upcast_s = timed(lambda upcast=upcast: upcast(outs[0]), device, reps)
+            ready = [torch.cuda.Event() if cuda else None for _ in range(blocks + 1)]
+
+            def first(upcast=upcast, ready=ready):  # the first block's pack, before the window, as in a steady run
+                with on_side():
+                    upcast(outs[0])
+                    if cuda:
+                        ready[0].record(side)
+                        torch.cuda.synchronize(device)
+
+            def forward(upcast=upcast, ready=ready):
+                compute = torch.cuda.current_stream(device) if cuda else None
+                for k in range(blocks):
+                    if cuda:
+                        compute.wait_event(ready[k])
+                    with on_side():
+                        if cuda:
+                            side.wait_stream(compute)  # its slot was read by the block before, as in the ring
+                        upcast(outs[(k + 1) % 2])  # the next block's pack, beside this block's matmuls
+                        if cuda:
+                            ready[k + 1].record(side)
+                    block_compute()
+                if cuda:
+                    compute.wait_stream(side)
+
+            for out in outs:
+                out.fill_(0xFF)  # NaN in bf16: a grid that left chunks unwritten fails the check
+            beside = timed(forward, device, reps, setup=first) / blocks
+            got, want = layout.views(outs[0]), layout.views(expected)
+            results["grids"][f"{programs}x{block}x{warps}"] = {
+                "programs": programs,
+                "elements": block,
+                "warps": warps,
+                "upcast_alone_GBps": (layout.nbytes + layout.out_nbytes) / upcast_s / 1e9,
+                "s_per_block": beside,
+                "slowdown_pct": 100 * (beside / alone - 1),
+                "exact": all(torch.equal(got[name], want[name]) for name in want),
+            }
+    return results
+
+
 def main() -> None:
     """Run, print tables, write kernels.json (after every pack size, so a stopped run keeps what it measured)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -384,6 +472,34 @@ def main() -> None:
             f"\nmatmul slowdown while onloading: staged {ov['slowdown_staged_pct']:.1f}%, "
             f"zero-copy {ov['slowdown_zero_copy_pct']:.1f}%"
         )
+    if "stopped" not in data:
+        write_result("kernels", data, smoke=args.smoke, out=args.out)
+        try:
+            cuda = device.type == "cuda"
+            g = upcast_beside_compute(
+                device, 351 * 2**20 if cuda else 2**16, width, max(2, reps // 4), 8 if cuda else 2
+            )
+        except Exception as err:  # keep what was measured before it
+            g = {"error": f"{type(err).__name__}: {err}"[:500], "grids": {}}
+            print(f"(g) failed: {g['error']}")
+        data["upcast_beside_compute"] = g
+        if "error" not in g:
+            print(
+                f"\n(g) a Wan-14B block's matmuls at 1 frame: {1e3 * g['compute_alone_s_per_block']:.2f} ms "
+                "alone; with the next block's pack upcast from HBM beside them, by programs x elements x warps per "
+                "launch (0 programs: one per chunk):"
+            )
+            grid_rows = [
+                [
+                    name,
+                    f"{r['upcast_alone_GBps']:.0f}",
+                    f"{1e3 * r['s_per_block']:.2f}",
+                    f"{r['slowdown_pct']:+.1f}%",
+                    "yes" if r["exact"] else "NO",
+                ]
+                for name, r in g["grids"].items()
+            ]
+            print(markdown_table(["grid", "upcast alone GB/s", "ms / block", "slowdown", "exact"], grid_rows))
     print(f"\nwrote {write_result('kernels', data, smoke=args.smoke, out=args.out)}")
     mib = [r["pack_bytes"] / 2**20 for r in rows]
     series = {
@@ -410,7 +526,8 @@ def main() -> None:
     )
     if plot:
         print(f"wrote {plot}")
-    if not all(r["exact"] for r in rows):
+    beside = data.get("upcast_beside_compute", {}).get("grids", {}).values()
+    if not all(r["exact"] for r in rows) or not all(r["exact"] for r in beside):
         sys.exit("a kernel result differed from the reference")
 
 

@@ -48,6 +48,11 @@ BLOCK_ZERO_COPY = 8192
 # requests in flight (nvbandwidth-style SM reads reach ~35 GB/s; vLLM saw ~12 SMs come within 5% of the peak), and the
 # other SMs stay free for the block computing meanwhile. bench/kernels.py sweeps it on the GPU.
 ZERO_COPY_PROGRAMS = 32
+# Programs of the hooks' HBM-side upcasts (staged chunks, fp8-resident packs); 0: one program per chunk. Such an upcast
+# runs beside a block's compute: one program per chunk takes every SM it frees until the upcast ends, a bounded grid
+# leaves the others to the compute. bench/kernels.py (g) measures both ways: the upcast's rate alone and how much it
+# slows a matmul running beside it. Read when a pipeline is enabled.
+UPCAST_PROGRAMS = 0
 
 _OUT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _OUT_TL = (tl.bfloat16, tl.float16, tl.float32)
@@ -283,14 +288,16 @@ def upcast_pack(
     native: bool | None = None,
     block: int = BLOCK,
     warps: int = WARPS,
+    programs: int = 0,
 ) -> torch.Tensor:
     """Upcast a pack staged in device memory into ``dst`` (uint8) in one launch; returns ``dst``.
 
     ``table`` and ``n_programs`` (its chunk count) come from the pack, built with ``block`` elements per program;
     ``warps``: warps per program (bench/kernels.py sweeps both); ``native`` forces the hardware fp8 conversion on or
-    off (default: on where the device has it).
+    off (default: on where the device has it); ``programs`` bounds the grid, that many programs striding over the
+    chunks (0: one program per chunk; compiled kernels only, the interpreter runs one per chunk).
     """
-    return _run(staged, dst, table, n_programs, out_dtype, fmt, native, block, warps=warps)
+    return _run(staged, dst, table, n_programs, out_dtype, fmt, native, block, programs, warps)
 
 
 def upcast_pack_zero_copy(

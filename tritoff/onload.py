@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from tritoff.chunks import Chunk, split_pack
+from tritoff.kernels import upcast as upcast_kernels
 from tritoff.kernels.backend import interpreting, native_fp8
 from tritoff.kernels.upcast import (
     BLOCK,
@@ -165,6 +166,7 @@ class GroupRuntime:
         self.native = native_fp8(device)  # asked once: each launch would ask the device again
         # launches from the hooks are prepared (compiled Triton on CUDA; see PreparedUpcast)
         self.prepares = use_triton and device.type == "cuda" and not interpreting()
+        self.upcast_programs = upcast_kernels.UPCAST_PROGRAMS  # the HBM-side upcasts' grid bound, as at enable
         self.chunks = split_pack(self.layout, chunk_bytes) if chunk_bytes else []
         self._build_tables()
         # shapes from the layout: the parameters themselves were emptied when their group was packed
@@ -404,10 +406,19 @@ class GroupRuntime:
                     self.storage,
                     native=self.native,
                     block=BLOCK_ZERO_COPY if zero_copy else BLOCK,
-                    programs=ZERO_COPY_PROGRAMS if zero_copy else 0,
+                    programs=ZERO_COPY_PROGRAMS if zero_copy else self.upcast_programs,
                 )
             prepared(src, dst, stream)
         elif zero_copy:
             upcast_pack_zero_copy(src, dst, table, n_programs, self.layout.out_dtype, self.storage, native=self.native)
         else:
-            upcast_pack(src, dst, table, n_programs, self.layout.out_dtype, self.storage, native=self.native)
+            upcast_pack(
+                src,
+                dst,
+                table,
+                n_programs,
+                self.layout.out_dtype,
+                self.storage,
+                native=self.native,
+                programs=self.upcast_programs,
+            )

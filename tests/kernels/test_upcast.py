@@ -212,29 +212,47 @@ def test_other_elements_and_warps_per_program_unpack_exactly(block, warps, shape
     _compare(layout, out, data)
 
 
+def test_a_grid_bound_in_the_interpreter_still_covers_every_chunk(monkeypatch):
+    # the interpreter runs every launch one program per chunk (see _kernel_arguments): a bound changes nothing there
+    seen = []
+    original = upcast_module._kernel_arguments
+
+    def spy(*args):
+        grid, *rest = original(*args)
+        seen.append((grid, rest[1]["PERSISTENT"]))
+        return (grid, *rest)
+
+    monkeypatch.setattr(upcast_module, "_kernel_arguments", spy)
+    layout, data, _ = _build(MIXED, E4M3)
+    out = poisoned(layout.out_nbytes, "cpu")
+    upcast_pack(data, out, layout.table(BLOCK), layout.n_programs(BLOCK), layout.out_dtype, E4M3, programs=3)
+    _compare(layout, out, data)
+    assert seen == [((layout.n_programs(BLOCK),), False)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("programs", [1, 3, 1000], ids=["one-program", "three-programs", "more-than-chunks"])
-def test_zero_copy_bounded_grid_covers_every_chunk(programs):
-    # compiled only: on the CPU the interpreter runs zero-copy launches one program per chunk (see _upcast_pack_op)
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["staged", "zero-copy"])
+def test_a_bounded_grid_covers_every_chunk(zero_copy, programs):
+    # compiled only: on the CPU the interpreter runs every launch one program per chunk (see _kernel_arguments)
     from tritoff.arena import HostArena
 
     layout, data, _ = _build(MIXED, E4M3)
-    assert layout.n_programs(BLOCK_ZERO_COPY) > 3  # the programs really stride over several chunks each
-    arena = HostArena(layout.nbytes)
-    assert arena.registered
-    arena.buffer.copy_(data)
+    block = BLOCK_ZERO_COPY if zero_copy else BLOCK
+    assert layout.n_programs(block) > 3  # the programs really stride over several chunks each
     out = poisoned(layout.out_nbytes, "cuda")
-    upcast_pack_zero_copy(
-        arena.device_view(0, layout.nbytes),
-        out,
-        layout.table(BLOCK_ZERO_COPY, "cuda"),
-        layout.n_programs(BLOCK_ZERO_COPY),
-        layout.out_dtype,
-        E4M3,
-        programs=programs,
-    )
+    table, n_programs = layout.table(block, "cuda"), layout.n_programs(block)
+    if zero_copy:
+        arena = HostArena(layout.nbytes)
+        assert arena.registered
+        arena.buffer.copy_(data)
+        src = arena.device_view(0, layout.nbytes)
+        upcast_pack_zero_copy(src, out, table, n_programs, layout.out_dtype, E4M3, programs=programs)
+    else:
+        upcast_pack(data.cuda(), out, table, n_programs, layout.out_dtype, E4M3, programs=programs)
     _compare(layout, out, data)
-    arena.close()
+    if zero_copy:
+        arena.close()
 
 
 def test_the_interpreter_refuses_out_of_bounds_accesses():
@@ -357,8 +375,9 @@ def test_a_prepared_launch_needs_compiled_triton():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("programs", [0, 3], ids=["program-per-chunk", "bounded-grid"])
 @pytest.mark.parametrize("zero_copy", [False, True], ids=["staged", "zero-copy"])
-def test_a_prepared_launch_on_a_stream_not_current_matches_the_reference(zero_copy):
+def test_a_prepared_launch_on_a_stream_not_current_matches_the_reference(zero_copy, programs):
     from tritoff.arena import HostArena
     from tritoff.kernels import native_fp8
 
@@ -377,7 +396,7 @@ def test_a_prepared_launch_on_a_stream_not_current_matches_the_reference(zero_co
         E4M3,
         native=native_fp8("cuda"),
         block=block,
-        programs=3 if zero_copy else 0,  # the programs stride over the chunks
+        programs=programs,  # 3: the programs stride over the chunks
     )
     side, outputs = torch.cuda.Stream(), []
     for _ in range(2):

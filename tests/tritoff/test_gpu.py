@@ -258,6 +258,26 @@ def test_a_forward_on_the_callers_own_stream_is_exact_and_leaves_that_stream_cur
     assert any(g._prepared for g in engine.manager.components["model"].blocks)  # the hooks launched prepared
 
 
+@pytest.mark.parametrize("placement", ["streamed", "fp8-resident"])
+def test_hbm_upcasts_on_a_bounded_grid_are_exact(monkeypatch, placement):
+    # UPCAST_PROGRAMS bounds the hooks' HBM-side upcasts (staged chunks, fp8-resident packs): two programs stride
+    # over every chunk, slower than one program per chunk, so a fill racing the compute would show here too
+    from tritoff.kernels import upcast as upcast_kernels
+
+    x = torch.randn(64, 512, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        expected = dequantize_in_place(_sleepy()).cuda()(x)
+    monkeypatch.setattr(upcast_kernels, "UPCAST_PROGRAMS", 2)
+    model, engine = _enabled_sleepy(placement, "staged")
+    with torch.no_grad():
+        outputs = [model(x) for _ in range(3)]
+    torch.cuda.synchronize()
+    for out in outputs:
+        assert torch.equal(out, expected)
+    prepared = [p for g in engine.manager.components["model"].blocks for p in g._prepared.values()]
+    assert prepared and all(p.grid[0] == min(2, p.n_programs) for p in prepared)
+
+
 def test_a_dispatch_mode_sees_the_upcasts_the_hooks_launch():
     # prepared launches skip the registered op: under a dispatch mode (a flop counter, a logger) the op is used
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -1,0 +1,36 @@
+"""tritoff/onload.py: a group's upcasts run on the grid chosen when the pipeline was enabled."""
+
+import pytest
+import torch
+
+import tritoff
+from tritoff import onload
+from tritoff.kernels import upcast as upcast_kernels
+
+from .helpers import dequantize_in_place, stack
+
+pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
+
+
+def test_the_upcast_grid_bound_is_read_at_enable_and_given_to_every_upcast(monkeypatch):
+    # UPCAST_PROGRAMS bounds the HBM-side upcasts' grid (compiled kernels only); a change after enable is not seen
+    grids = []
+    original = onload.upcast_pack
+
+    def spy(*args, **kwargs):
+        grids.append(kwargs["programs"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(onload, "upcast_pack", spy)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = dequantize_in_place(stack())(x)
+    monkeypatch.setattr(upcast_kernels, "UPCAST_PROGRAMS", 3)
+    model = stack()
+    engine = tritoff.enable(model, mode="group", budget="1GB", progress=False)
+    monkeypatch.setattr(upcast_kernels, "UPCAST_PROGRAMS", 0)
+    with torch.no_grad():
+        out = model(x)
+    assert grids and set(grids) == {3}
+    assert all(g.upcast_programs == 3 for g in engine.manager.components["model"].blocks)
+    assert torch.equal(out, expected)
