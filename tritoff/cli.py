@@ -535,8 +535,17 @@ def _cmd_plan(args) -> int:
         elif what != "host_budget":
             _check_budget(value, what.replace("_", " "))
     from tritoff.budget import parse_host_budget
+    from tritoff.presets import PRESETS, VAE_SHAPES
 
     parse_host_budget(args.host_budget, what="--host-budget")
+    # the model and its dimensions from configs alone, before torch and diffusers are imported (seconds)
+    if args.model in PRESETS:
+        family, _, transformer, _ = PRESETS[args.model]
+        _check_dimensions(args, VAE_SHAPES[family], transformer)
+    elif Path(args.model).is_dir():
+        _check_dimensions(args, *_local_configs(Path(args.model)))
+    else:
+        raise CliError(f"{args.model} is neither a local pipeline directory nor a preset ({', '.join(PRESETS)})")
     import tritoff
 
     with warnings.catch_warnings():

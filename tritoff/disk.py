@@ -168,20 +168,7 @@ def spill_files(directory, sizes: dict[str, int], warn_tmpfs: bool = True) -> di
     sizes = {name: n for name, n in sizes.items() if n}
     if not sizes:
         return {}
-    if directory is not None and not isinstance(directory, (str, os.PathLike)):
-        raise ValueError(f"spill_dir must be a path, got {type(directory).__name__}")
-    directory = Path(directory).expanduser() if directory is not None else default_spill_dir()
-    if directory.exists() and not directory.is_dir():
-        raise ValueError(f"spill_dir {directory} is not a directory: pass a writable directory on a disk")
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise PermissionError("not writable")
-    except OSError as err:
-        raise ValueError(
-            f"spill_dir {directory} cannot hold the packs beyond host_budget ({err.strerror or err}): pass a "
-            "writable directory on a disk"
-        ) from None
+    directory = spill_directory(directory)
     free, total = shutil.disk_usage(directory).free, sum(sizes.values())
     if free < total:
         raise ValueError(
@@ -198,6 +185,28 @@ def spill_files(directory, sizes: dict[str, int], warn_tmpfs: bool = True) -> di
         owner = tempfile.TemporaryFile(dir=directory, prefix="tritoff-spill-")
         files[name] = PackFile(owner.fileno(), 0, f"{directory}/<spill file of {name}>", verify=False, owner=owner)
     return files
+
+
+def spill_directory(directory) -> Path:
+    """The directory spill files go into (``directory``, default :func:`default_spill_dir`), made if missing; a
+    one-line ValueError unless it is a directory this process can write files in."""
+    if directory is not None and not isinstance(directory, (str, os.PathLike)):
+        raise ValueError(f"spill_dir must be a path, got {type(directory).__name__}")
+    if directory is not None and not os.fspath(directory).strip():
+        raise ValueError("spill_dir is empty: pass a writable directory on a disk (or leave it out: ~/.cache/tritoff)")
+    directory = Path(directory).expanduser() if directory is not None else default_spill_dir()
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"spill_dir {directory} is not a directory: pass a writable directory on a disk")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError("not writable")
+    except OSError as err:
+        raise ValueError(
+            f"spill_dir {directory} cannot hold the packs beyond host_budget ({err.strerror or err}): pass a "
+            "writable directory on a disk"
+        ) from None
+    return directory
 
 
 def default_spill_dir() -> Path:

@@ -240,7 +240,7 @@ def _check_device(device) -> torch.device:
     if device.type == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but CUDA is not available; pass device='cpu'")
+        raise ValueError(f"device {str(device)!r} was asked for but CUDA is not available; pass device='cpu'")
     index = torch.cuda.current_device() if device.index is None else device.index
     count = torch.cuda.device_count()
     if index >= count:
@@ -883,6 +883,10 @@ def enable(
     if given_spill_dir is not None and (options.host_budget is None or store is not None):
         why = "every pack is held in memory" if options.host_budget is None else "the store's packs are read from it"
         warn(f"spill_dir is used only with host_budget and without store ({why}): ignored")
+    elif given_spill_dir is not None:  # refused now even if nothing spills yet: a later re-enable spills there
+        from tritoff.disk import spill_directory
+
+        spill_directory(given_spill_dir)
     if previous is not None:
         before, now = previous.options, options
         if (before.storage, before.granularity) != (now.storage, now.granularity) or not _same_skip(

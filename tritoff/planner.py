@@ -279,7 +279,7 @@ def plan(
         # model mode, or nothing to split (no block lists): the components move whole
         need = smallest(units + staging + reserve + fixed)
         if need > budget:
-            why = "" if mode == "model" else " (nothing in it can be split into blocks)"
+            why = "" if mode == "model" else " (nothing in it can be split: no block list, or a VAE, which moves whole)"
             raise BudgetError(
                 f"budget {format_bytes(budget)} is too small for {', '.join(modes)} moving whole{why}: it needs "
                 f"{format_bytes(units)} plus staging {format_bytes(staging)}, buffers and tables {format_bytes(fixed)} "

@@ -59,6 +59,13 @@ T5_XXL = dict(
     dropout_rate=0.0,
 )
 
+# what the command line checks a preset's frames, height and width against before torch is imported: the keys of each
+# family's VAE config that fix them (the diffusers classes' defaults, the published configs; a test compares them)
+VAE_SHAPES = {
+    "wan": dict(temperal_downsample=[False, True, True]),
+    "cogvideox": dict(block_out_channels=(128, 256, 256, 512), temporal_compression_ratio=4),
+}
+
 # name -> (pipeline family, denoiser components, transformer config, text encoder config); the VAEs are the
 # diffusers classes' default configs, which are the published ones
 PRESETS = {

@@ -193,6 +193,24 @@ def test_mp4_without_its_writer_is_an_error_not_a_gif(work, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["no-such-model"], "no-such-model is neither a local pipeline directory nor a preset (wan2.1-t2v-14b"),
+        (["wan2.1-t2v-14b", "--frames", "6"], "--frames 6 is not one more than a multiple of 4"),
+        (["cogvideox-5b", "--height", "470"], "--height 470 is not a multiple of 16"),
+        (["{pipe}", "--width", "15"], "--width 15 is not a multiple of"),
+    ],
+    ids=["unknown", "preset-frames", "preset-height", "directory-width"],
+)
+def test_plan_refuses_a_model_or_shape_before_importing_torch(work, argv, message):
+    # a plan builds its model on the meta device (seconds): what configs alone can refuse is refused first
+    blocked = "import sys; sys.modules['torch'] = None; from tritoff.cli import main; sys.exit(main())"
+    argv = [a.format(pipe=work[0] / "pipe") for a in argv]
+    done = subprocess.run([sys.executable, "-c", blocked, "plan", *argv], capture_output=True, text=True, env=_env())
+    assert_one_line_error(done.returncode, done.stdout, done.stderr, message)
+
+
 def test_help_shows_defaults_and_the_run_options():
     code, out, err = tritoff("run", "--help")
     assert code == 0

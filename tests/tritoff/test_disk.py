@@ -337,6 +337,20 @@ def test_a_spill_dir_that_is_not_a_path_is_refused_in_one_line(value):
     assert not hasattr(pipe, "_tritoff_engine")
 
 
+@pytest.mark.parametrize("where", ["empty", "a-file"])
+def test_a_spill_dir_that_cannot_hold_files_is_refused_even_when_nothing_spills_yet(tmp_path, where):
+    # a host budget holding every pack spills nothing now, but a re-enable with a smaller one spills there
+    (tmp_path / "file").write_text("")
+    value = {"empty": "", "a-file": str(tmp_path / "file")}[where]
+    message = {"empty": "spill_dir is empty", "a-file": "is not a directory"}[where]
+    pipe = wan()
+    with pytest.raises(ValueError, match=message):
+        _enable(pipe, host_budget="1GB", spill_dir=value)
+    assert not hasattr(pipe, "_tritoff_engine")
+    engine = _enable(pipe, host_budget="1GB", spill_dir=str(tmp_path / "new"))  # a directory that can be made
+    assert engine.stats["total"]["host_arena_bytes"] > 0 and (tmp_path / "new").is_dir()
+
+
 def test_a_take_waiting_while_the_wanted_list_changes_still_gets_its_pack(tmp_path):
     gate = threading.Event()
     held, packs, _ = _ring_packs(tmp_path, gate=gate)

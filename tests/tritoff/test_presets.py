@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from tritoff.presets import PRESETS, as_loaded, build_preset
+from tritoff.presets import PRESETS, VAE_SHAPES, as_loaded, build_preset
 from tritoff.tiny import tiny_umt5, tiny_wan_transformer
 
 # parameters of the published checkpoints: Wan2.1 14B DiT, UMT5-XXL encoder (11.4 GB in bf16), Wan VAE (508 MB in
@@ -177,3 +177,16 @@ def test_a_shared_parameter_stays_one_parameter_and_requires_grad_is_kept():
     assert isinstance(model[3].weight, torch.nn.Parameter)
     assert not model.training
     assert len(list(model.parameters())) == 4  # the shared Linear's two, the last Linear's two
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_the_shape_keys_the_command_line_checks_are_those_of_the_presets_vae(name):
+    # tritoff plan checks a preset's frames, height and width against VAE_SHAPES before torch is imported
+    from tritoff.shapes import spatial_multiple, temporal_multiple
+
+    family, components = _build(name)
+    config, transformer = dict(components["vae"].config), PRESETS[name][2]
+    shape_keys = VAE_SHAPES[family]
+    assert {key: config[key] for key in shape_keys} == {k: type(config[k])(v) for k, v in shape_keys.items()}
+    assert temporal_multiple(shape_keys) == temporal_multiple(config) == 4
+    assert spatial_multiple(shape_keys, transformer) == spatial_multiple(config, transformer) == 16
