@@ -10,8 +10,14 @@ import functools
 import importlib.util
 import os
 import sys
+import threading
 
 import torch
+
+# Triton's interpreter patches triton.language's functions in place for the length of each launch and puts them back
+# after: two threads interpreting at once undo each other's patches ("Did you forget to add @triton.jit ?"), so
+# interpreted launches take turns
+_INTERPRETER_LOCK = threading.RLock()
 
 
 def interpreting() -> bool:
@@ -102,7 +108,10 @@ def launch_device(tensor: torch.Tensor):
     """A context making ``tensor``'s GPU the current device for a launch run now, when it is not already: Triton
     launches on the current device (its context, its current stream) whatever device the tensors are on, so a kernel on
     ``cuda:1`` tensors launched while ``cuda:0`` is current would run in the wrong context, unordered with the work
-    queued on ``cuda:1``. (Under torch.compile, the compiled code sets the device itself.)"""
+    queued on ``cuda:1``. (Under torch.compile, the compiled code sets the device itself.) On the CPU, in Triton's
+    interpreter, it holds the lock interpreted launches take turns with, across threads."""
+    if tensor.device.type == "cpu" and interpreting():
+        return _INTERPRETER_LOCK
     if tensor.device.type != "cuda" or torch.compiler.is_compiling():
         return contextlib.nullcontext()
     if tensor.device.index == torch.cuda.current_device():

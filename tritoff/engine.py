@@ -197,14 +197,19 @@ def _name_in(engine: Engine, module: nn.Module) -> str | None:
 
 
 def _hooked_elsewhere(components: dict[str, nn.Module], own) -> str | None:
-    """The first module of ``components`` that an engine other than the one of manager ``own`` hooked, named as that
-    engine names it (``transformer.blocks.0``, not ``model.blocks.0`` for a component passed on its own)."""
-    for component in components.values():
-        for module in component.modules():
+    """The first module of ``components`` that an engine other than the one of manager ``own`` hooked, named by
+    whichever of the two was given a pipeline (``transformer.blocks.0``, not ``model.blocks.0``: ``model`` is what a
+    module enabled on its own is called), else by its class."""
+    for name, component in components.items():
+        for module_name, module in component.named_modules():
             hook = getattr(module, "_hf_hook", None)
             if isinstance(hook, (ComponentHook, GroupHook)) and hook.manager is not own:
                 owner = next((e for e in list(_ENGINES) if e.manager is hook.manager), None)
-                return (_name_in(owner, module) if owner is not None else None) or type(module).__name__
+                theirs = (
+                    _name_in(owner, module) if owner is not None and not isinstance(owner.target, nn.Module) else None
+                )
+                ours = None if name == "model" else f"{name}.{module_name}".rstrip(".")
+                return theirs or ours or type(module).__name__
     return None
 
 
@@ -227,6 +232,23 @@ def _check_not_managed_elsewhere(components: dict[str, nn.Module], previous) -> 
                         f"{mine[id(param)]} is already managed by tritoff through another pipeline or module (shared "
                         "weights cannot be packed twice); call tritoff.disable on that one first"
                     )
+
+
+def _check_not_in_a_call(engine: Engine, what: str) -> None:
+    """Refuse ``what`` (``disable``, ``enable`` again) from inside a forward of a module ``engine`` manages, from a hook
+    or callback on this thread: the forward would go on with its hooks gone. A forward on another thread is waited for
+    instead (the manager's lock), as a teardown does."""
+    manager = engine.manager
+    if manager is None:
+        return
+    with manager.lock:
+        if manager.guarded_calls:
+            names = list(dict.fromkeys(c.name for c in manager.running))
+            running = type(engine.target).__name__ if names in ([], ["model"]) else ", ".join(names)
+            raise RuntimeError(
+                f"tritoff.{what} was called during a forward of {running} (from a hook or callback inside it); call "
+                "it after that call returns"
+            )
 
 
 def _check_device(device) -> torch.device:
@@ -824,6 +846,8 @@ def enable(
     components = _components(target)
     previous: Engine | None = getattr(target, ENGINE_ATTR, None)
     given_spill_dir = spill_dir  # this call's: only it is warned about
+    if previous is not None:
+        _check_not_in_a_call(previous, "enable")
     _check_components(components, previous)
     _check_not_managed_elsewhere(components, previous)
     if previous is None:
@@ -864,7 +888,8 @@ def enable(
             )
         storage, granularity, skip = held, index["granularity"], tuple(index["skip"])
         if (mode == "leaf") != (index["grouping"] == "leaf"):
-            raise ValueError(f"the store at {store} was made with {index['grouping']} groups; use a matching mode")
+            fits = "mode='leaf'" if index["grouping"] == "leaf" else "mode='group', 'auto' or 'model'"
+            raise ValueError(f"the store at {store} was made with {index['grouping']} groups: use {fits} with it")
     if previous is not None:  # what is left out keeps what the enabled engine packed with and placed
         storage = previous.options.storage if storage is None else storage
         granularity = previous.options.granularity if granularity is None else granularity
@@ -1221,6 +1246,7 @@ def disable(target, device: str | torch.device | None = None) -> None:
         return
 
     device = _check_device(device) if device is not None else engine.options.device
+    _check_not_in_a_call(engine, "disable")
     was_torn_down = engine._torn_down
     try:
         _restore(engine, device)

@@ -34,10 +34,11 @@ def resolve_storage(storage, components: dict) -> dict[str, str]:
     """Each component's storage format name from ``storage`` (see the module docstring). ``components`` maps names
     to modules, or to None where only names are known."""
     if isinstance(storage, dict):
-        unknown = sorted(set(storage) - set(components))
+        unknown = sorted(set(storage) - set(components), key=repr)  # keys of any type: 1 and "x" do not compare
         if unknown:
             raise ValueError(
-                f"storage names {', '.join(map(repr, unknown))}, which is not a component; the components are "
+                f"storage names {', '.join(map(repr, unknown))}, which "
+                f"{'is not a component' if len(unknown) == 1 else 'are not components'}; the components are "
                 f"{', '.join(components)}"
             )
         chosen = {name: storage_name(fmt) for name, fmt in storage.items()}

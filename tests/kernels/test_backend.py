@@ -54,3 +54,54 @@ def test_eager_only_when_every_tensor_is_plain_and_no_mode_is_active():
     assert seen == [False]
     with FakeTensorMode():
         assert not eager(plain)
+
+
+def test_interpreted_launches_from_several_threads_take_turns(monkeypatch):
+    # Triton's interpreter patches triton.language for the length of a launch and keeps the program id in a global:
+    # two launches at once would undo each other's patches or read each other's program ids
+    import threading
+    import time
+
+    from triton.runtime import interpreter
+
+    from tritoff.formats import get_format
+    from tritoff.kernels import quantize, upcast_pack
+    from tritoff.kernels.upcast import BLOCK
+    from tritoff.pack import PackLayout, TensorSpec, write_pack
+
+    assert interpreting()
+    running, most = [0], [0]
+    original = interpreter.GridExecutor.__call__
+
+    def counted(self, *args, **kwargs):
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        time.sleep(0.02)  # hands the GIL to the other threads in the middle of the launch
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            running[0] -= 1
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+    fmt = get_format("fp8_e4m3")
+    layout = PackLayout.plan([TensorSpec("w", (8, 300), torch.bfloat16, True)], fmt)
+    pack = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    weights = {"w": torch.randn(8, 300).to(torch.bfloat16)}
+    write_pack(layout, pack, weights, lambda w, f, granularity: quantize(w, f, granularity))
+    results, errors = [], []
+
+    def work():
+        try:
+            out = torch.zeros(layout.out_nbytes, dtype=torch.uint8)
+            upcast_pack(pack.clone(), out, layout.table(BLOCK), layout.n_programs(BLOCK), layout.out_dtype, fmt)
+            results.append(out)
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(results) == 4 and most[0] == 1
+    assert all(torch.equal(out, results[0]) for out in results)

@@ -407,6 +407,19 @@ def test_a_module_shared_with_an_enabled_pipeline_is_refused():
     run(pipe)  # the first pipeline still works
 
 
+def test_a_component_enabled_on_its_own_is_named_as_the_pipeline_names_it():
+    # a module enabled on its own is the engine's "model", a name the user never gave
+    pipe = wan()
+    _enable(pipe.transformer, mode="group", budget="4MB")
+    with pytest.raises(ValueError, match="^transformer is already managed by tritoff"):
+        _enable(pipe, mode="group", budget="4MB")
+    with pytest.raises(ValueError, match="^tritoff is enabled on the pipeline or module holding transformer, not on"):
+        tritoff.disable(pipe)
+    with pytest.raises(ValueError, match="^WanTransformer3DModel is already managed by tritoff"):
+        _enable(torch.nn.Sequential(pipe.transformer), mode="model", budget="1GB")  # neither names it
+    tritoff.disable(pipe.transformer)
+
+
 def test_flags_must_be_booleans_and_a_granularity_other_than_the_stores_is_refused(tmp_path):
     pipe = wan()
     for flag in ("verify", "progress"):
@@ -418,6 +431,8 @@ def test_flags_must_be_booleans_and_a_granularity_other_than_the_stores_is_refus
         _enable(wan(), mode="group", store=tmp_path / "store", granularity="row")
     engine = _enable(pipe, mode="group", budget="8MB")  # a re-plan keeps the engine's granularity
     assert engine.options.granularity == "tensor"
+    with pytest.raises(ValueError, match="was made with block groups: use mode='group', 'auto' or 'model' with it$"):
+        _enable(wan(), mode="leaf", store=tmp_path / "store")
 
 
 @pytest.mark.parametrize("mode", ["group", "auto"])

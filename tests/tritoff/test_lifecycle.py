@@ -207,3 +207,22 @@ def test_teardown_of_a_replaced_or_disabled_engine_does_nothing():
     new.teardown()
     assert not any(is_placeholder(p) for p in model.parameters())
     assert torch.equal(_output(model), expected)
+
+
+@pytest.mark.parametrize("call", ["disable", "enable"])
+def test_disable_or_enable_from_inside_a_forward_is_refused_and_the_next_call_is_exact(call):
+    # the running forward would go on with its hooks gone; between calls (a pipeline's step callback) both work
+    model = stack()
+    _enable(model)
+    expected = _expected()
+
+    def inside(module, args, output):
+        tritoff.disable(model) if call == "disable" else _enable(model, mode="leaf")
+
+    handle = model.blocks[1].register_forward_hook(inside)
+    with pytest.raises(RuntimeError, match=f"tritoff.{call} was called during a forward of Stack"):
+        _output(model)
+    handle.remove()
+    assert torch.equal(_output(model), expected)
+    tritoff.disable(model) if call == "disable" else _enable(model, mode="leaf")  # after the call: works
+    assert torch.equal(_output(model), expected)

@@ -54,6 +54,8 @@ def test_a_storage_naming_no_component_is_refused_and_changes_nothing():
     assert all(torch.equal(p, before[n]) for n, p in pipe.transformer.named_parameters())
     with pytest.raises(ValueError, match="unknown storage 'int4'"):
         _enable(pipe, storage={"vae": "int4"}, mode="group", budget="4MB")
+    with pytest.raises(ValueError, match="^storage names 'x', 1, which are not components"):  # keys of two types
+        _enable(pipe, storage={1: "bf16", "x": "fp16"}, mode="group", budget="4MB")
 
 
 def test_resolve_and_parse():
