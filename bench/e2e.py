@@ -1056,9 +1056,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     try:
-        args.upcast_grid = [float(share) for share in args.upcast_grid.split(",")]
+        shares = [float(share) for share in args.upcast_grid.split(",")]
     except ValueError:
-        raise SystemExit(f"--upcast-grid: expected shares of the SMs such as 0.5,1, got {args.upcast_grid!r}") from None
+        shares = []
+    if not shares or not all(0 < share < 64 for share in shares):  # also refuses nan and inf
+        raise SystemExit(f"--upcast-grid: expected shares of the SMs above 0, such as 0.5,1, got {args.upcast_grid!r}")
+    args.upcast_grid = shares
     args.configs = parse_configs(args)
     known = PIPELINE_ROWS if args.pipeline else TRANSFORMER_ROWS + COMPILE_ROWS
     args.rows = [r.strip() for r in args.rows.split(",")] if args.rows else None

@@ -248,6 +248,13 @@ _upcast_pack_eager = _upcast_pack_launcher(traceable=False)
 _upcast_pack_op = register_op("upcast_pack", mutates_args=("dst",))(_upcast_pack_launcher(traceable=True))
 
 
+def check_programs(programs, what: str = "programs") -> int:
+    """``programs``, a grid bound (an int >= 0; 0: one program per chunk), or a one-line ValueError naming ``what``."""
+    if isinstance(programs, bool) or not isinstance(programs, int) or programs < 0:
+        raise ValueError(f"{what} must be an int >= 0 (0: one program per chunk), got {programs!r}")
+    return programs
+
+
 def _check(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, out_dtype: torch.dtype) -> None:
     if src.dtype != torch.uint8 or dst.dtype != torch.uint8:
         raise TypeError(f"pack and destination must be uint8 byte buffers, got {src.dtype} and {dst.dtype}")
@@ -267,6 +274,7 @@ def _check_table(table: torch.Tensor, out_dtype: torch.dtype) -> None:
 
 def _run(src, dst, table, n_programs, out_dtype, fmt, native, block, grid=0, warps=WARPS):
     _check(src, dst, table, out_dtype)
+    check_programs(grid)
     if n_programs == 0:
         return dst
     use_native = native_fp8(dst.device) if native is None else native
@@ -351,6 +359,7 @@ class PreparedUpcast:
         if _INTERPRETED:
             raise ValueError("a prepared upcast launches a compiled kernel, which Triton's interpreter has none of")
         _check_table(table, out_dtype)
+        check_programs(programs)
         self.table = table
         self.n_programs = n_programs
         e5m2 = fmt.dtype == torch.float8_e5m2

@@ -290,7 +290,9 @@ def _check_dimensions(args, vae: dict, denoiser: dict) -> None:
 
 def _local_configs(local: Path) -> tuple[dict, dict]:
     index = _json(local / "model_index.json")
-    denoiser = next((n for n in ("transformer", "unet") if isinstance(index.get(n), list) and index[n][0]), None)
+    # an entry [library, class] names a component; [null, null] (left out when saved) or [] names none
+    named = [n for n in ("transformer", "unet") if isinstance(index.get(n), list) and index[n] and index[n][0]]
+    denoiser = named[0] if named else None
     configs = []
     for name in ("vae", denoiser):
         path = local / name / "config.json" if name else None
@@ -543,6 +545,10 @@ def _cmd_plan(args) -> int:
         family, _, transformer, _ = PRESETS[args.model]
         _check_dimensions(args, VAE_SHAPES[family], transformer)
     elif Path(args.model).is_dir():
+        if not (Path(args.model) / "model_index.json").is_file():
+            raise CliError(
+                f"{args.model} has no model_index.json: give a diffusers pipeline directory or a preset name"
+            )
         _check_dimensions(args, *_local_configs(Path(args.model)))
     else:
         raise CliError(f"{args.model} is neither a local pipeline directory nor a preset ({', '.join(PRESETS)})")

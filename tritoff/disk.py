@@ -187,19 +187,27 @@ def spill_files(directory, sizes: dict[str, int], warn_tmpfs: bool = True) -> di
     return files
 
 
-def spill_directory(directory) -> Path:
-    """The directory spill files go into (``directory``, default :func:`default_spill_dir`), made if missing; a
-    one-line ValueError unless it is a directory this process can write files in."""
+def spill_directory(directory, create: bool = True) -> Path:
+    """The directory spill files go into (``directory``, default :func:`default_spill_dir`), made if missing
+    (``create``; else only checked that it could be); a one-line ValueError unless it is, or can become, a directory
+    this process can write files in."""
     if directory is not None and not isinstance(directory, (str, os.PathLike)):
         raise ValueError(f"spill_dir must be a path, got {type(directory).__name__}")
     if directory is not None and not os.fspath(directory).strip():
         raise ValueError("spill_dir is empty: pass a writable directory on a disk (or leave it out: ~/.cache/tritoff)")
-    directory = Path(directory).expanduser() if directory is not None else default_spill_dir()
+    try:
+        directory = Path(directory).expanduser() if directory is not None else default_spill_dir()
+    except RuntimeError as err:  # ~user of no such user
+        raise ValueError(f"spill_dir {directory}: {err}; pass a writable directory on a disk") from None
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"spill_dir {directory} is not a directory: pass a writable directory on a disk")
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        if not os.access(directory, os.W_OK | os.X_OK):
+        if create:
+            directory.mkdir(parents=True, exist_ok=True)
+        existing = next(p for p in (directory, *directory.absolute().parents) if p.exists())
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
             raise PermissionError("not writable")
     except OSError as err:
         raise ValueError(

@@ -236,8 +236,8 @@ def _check_not_managed_elsewhere(components: dict[str, nn.Module], previous) -> 
 
 def _check_not_in_a_call(engine: Engine, what: str) -> None:
     """Refuse ``what`` (``disable``, ``enable`` again) from inside a forward of a module ``engine`` manages, from a hook
-    or callback on this thread: the forward would go on with its hooks gone. A forward on another thread is waited for
-    instead (the manager's lock), as a teardown does."""
+    or callback on this thread: the forward would go on with its hooks gone. A forward running on another thread is
+    waited for instead (the manager's lock), as a teardown does; the rest of that thread's pipeline call is not."""
     manager = engine.manager
     if manager is None:
         return
@@ -843,6 +843,9 @@ def enable(
     for flag, value in (("verify", verify), ("progress", progress)):
         if not isinstance(value, bool):
             raise ValueError(f"{flag} must be True or False, got {value!r}")
+    from tritoff.kernels import upcast as upcast_kernels
+
+    upcast_kernels.check_programs(upcast_kernels.UPCAST_PROGRAMS, "UPCAST_PROGRAMS")  # read again by each group
     components = _components(target)
     previous: Engine | None = getattr(target, ENGINE_ATTR, None)
     given_spill_dir = spill_dir  # this call's: only it is warned about
@@ -908,10 +911,10 @@ def enable(
     if given_spill_dir is not None and (options.host_budget is None or store is not None):
         why = "every pack is held in memory" if options.host_budget is None else "the store's packs are read from it"
         warn(f"spill_dir is used only with host_budget and without store ({why}): ignored")
-    elif given_spill_dir is not None:  # refused now even if nothing spills yet: a later re-enable spills there
+    elif given_spill_dir is not None:  # refused now even if nothing spills yet (re-enabled in other groups, it may)
         from tritoff.disk import spill_directory
 
-        spill_directory(given_spill_dir)
+        spill_directory(given_spill_dir, create=False)  # made when something spills: a failed enable leaves nothing
     if previous is not None:
         before, now = previous.options, options
         if (before.storage, before.granularity) != (now.storage, now.granularity) or not _same_skip(
@@ -1240,8 +1243,8 @@ def disable(target, device: str | torch.device | None = None) -> None:
         where = _hooked_elsewhere(_components(target, "disable"), None) or _managed_elsewhere(target)
         if where is not None:
             raise ValueError(
-                f"tritoff is enabled on the pipeline or module holding {where}, not on this one; call tritoff.disable "
-                "on that one"
+                f"tritoff is enabled on {where} or on the pipeline or module holding it, not on this one; call "
+                "tritoff.disable on that one"
             )
         return
 

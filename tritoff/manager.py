@@ -841,7 +841,11 @@ def guard_forward(module: torch.nn.Module, manager: HookManager) -> None:
 
     @functools.wraps(hooked)
     def forward(*args, **kwargs):
+        if module.__dict__.get("_hf_hook") is not hook and module.__dict__.get("forward") is not guarded:
+            # unhooked after this call took its forward (tritoff.disable or enable from a forward pre-hook of the
+            # module): the module's forward now is the one to run
+            return module.forward(*args, **kwargs)
         return manager.call_guarded(hooked, args, kwargs, comp, group)
 
     # the wrapper itself is never traced (its try block would split graphs) but what it calls still compiles
-    module.forward = torch.compiler.disable(forward, recursive=False)
+    guarded = module.forward = torch.compiler.disable(forward, recursive=False)

@@ -166,7 +166,8 @@ class GroupRuntime:
         self.native = native_fp8(device)  # asked once: each launch would ask the device again
         # launches from the hooks are prepared (compiled Triton on CUDA; see PreparedUpcast)
         self.prepares = use_triton and device.type == "cuda" and not interpreting()
-        self.upcast_programs = upcast_kernels.UPCAST_PROGRAMS  # the HBM-side upcasts' grid bound, as at enable
+        # the HBM-side upcasts' grid bound, as at enable
+        self.upcast_programs = upcast_kernels.check_programs(upcast_kernels.UPCAST_PROGRAMS, "UPCAST_PROGRAMS")
         self.chunks = split_pack(self.layout, chunk_bytes) if chunk_bytes else []
         self._build_tables()
         # shapes from the layout: the parameters themselves were emptied when their group was packed

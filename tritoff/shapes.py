@@ -10,7 +10,9 @@ from __future__ import annotations
 def spatial_multiple(vae: dict, denoiser: dict) -> int | None:
     """What height and width must be multiples of: the VAE's spatial downscale times the denoiser's spatial patch
     size, from their configs (None when the VAE's config says neither)."""
-    if isinstance(vae.get("temperal_downsample"), list):  # Wan: one 2x spatial downscale per stage
+    if isinstance(vae.get("scale_factor_spatial"), int) and vae["scale_factor_spatial"] >= 1:  # Wan, as its pipeline
+        scale = vae["scale_factor_spatial"]  # reads it (16 for Wan 2.2 TI2V's VAE)
+    elif isinstance(vae.get("temperal_downsample"), list):  # Wan configs saved without it: a 2x downscale per stage
         scale = 2 ** len(vae["temperal_downsample"])
     elif isinstance(vae.get("block_out_channels"), (list, tuple)):  # diffusers VAEs: one per block after the first
         scale = 2 ** (len(vae["block_out_channels"]) - 1)
@@ -24,7 +26,9 @@ def spatial_multiple(vae: dict, denoiser: dict) -> int | None:
 def temporal_multiple(vae: dict) -> int | None:
     """The VAE's time compression from its config: frames after the first go into latents this many at a time (None
     when the config says nothing of it)."""
-    if isinstance(vae.get("temperal_downsample"), list):  # Wan: a 2x time downscale per stage that has one
+    if isinstance(vae.get("scale_factor_temporal"), int) and vae["scale_factor_temporal"] >= 1:  # Wan, as its pipeline
+        return vae["scale_factor_temporal"]
+    if isinstance(vae.get("temperal_downsample"), list):  # Wan configs saved without it: 2x per stage that has one
         return 2 ** sum(bool(down) for down in vae["temperal_downsample"])
     ratio = vae.get("temporal_compression_ratio")  # CogVideoX
     return int(ratio) if isinstance(ratio, (int, float)) and ratio >= 1 else None

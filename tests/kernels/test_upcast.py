@@ -410,3 +410,11 @@ def test_a_prepared_launch_on_a_stream_not_current_matches_the_reference(zero_co
     assert len(prepared._runners) == 1
     if zero_copy:
         arena.close()
+
+
+@pytest.mark.parametrize("programs", [-1, 2.5, "64", True])
+def test_a_grid_bound_that_is_not_a_count_is_refused_before_any_launch(programs):
+    layout, data, _ = _build(MIXED, E4M3)
+    out = poisoned(layout.out_nbytes, "cpu")
+    with pytest.raises(ValueError, match=f"programs must be an int >= 0 .*got {programs!r}"):
+        upcast_pack(data, out, layout.table(), layout.n_programs(), layout.out_dtype, E4M3, programs=programs)

@@ -181,6 +181,15 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, work, tmp_path):
     assert not list(tmp_path.glob("*.mp4")) and not list(tmp_path.glob("*.gif"))  # nothing half-written
 
 
+def test_plan_of_a_pipeline_whose_index_names_no_denoiser_says_so_in_one_line(work, tmp_path):
+    import shutil
+
+    shutil.copytree(work[0] / "pipe", tmp_path / "pipe")
+    index = json.loads((tmp_path / "pipe" / "model_index.json").read_text())
+    (tmp_path / "pipe" / "model_index.json").write_text(json.dumps({**index, "transformer": []}))
+    assert_one_line_error(*tritoff("plan", tmp_path / "pipe"), "transformer is [], not [library, class]")
+
+
 def test_mp4_without_its_writer_is_an_error_not_a_gif(work, tmp_path):
     blocked = "import sys; sys.modules['imageio_ffmpeg'] = None; from tritoff.cli import main; sys.exit(main())"
     done = subprocess.run(
@@ -200,13 +209,14 @@ def test_mp4_without_its_writer_is_an_error_not_a_gif(work, tmp_path):
         (["wan2.1-t2v-14b", "--frames", "6"], "--frames 6 is not one more than a multiple of 4"),
         (["cogvideox-5b", "--height", "470"], "--height 470 is not a multiple of 16"),
         (["{pipe}", "--width", "15"], "--width 15 is not a multiple of"),
+        (["{tmp}"], "has no model_index.json: give a diffusers pipeline directory or a preset name"),
     ],
-    ids=["unknown", "preset-frames", "preset-height", "directory-width"],
+    ids=["unknown", "preset-frames", "preset-height", "directory-width", "not-a-pipeline"],
 )
-def test_plan_refuses_a_model_or_shape_before_importing_torch(work, argv, message):
+def test_plan_refuses_a_model_or_shape_before_importing_torch(work, tmp_path, argv, message):
     # a plan builds its model on the meta device (seconds): what configs alone can refuse is refused first
     blocked = "import sys; sys.modules['torch'] = None; from tritoff.cli import main; sys.exit(main())"
-    argv = [a.format(pipe=work[0] / "pipe") for a in argv]
+    argv = [a.format(pipe=work[0] / "pipe", tmp=tmp_path) for a in argv]
     done = subprocess.run([sys.executable, "-c", blocked, "plan", *argv], capture_output=True, text=True, env=_env())
     assert_one_line_error(done.returncode, done.stdout, done.stderr, message)
 

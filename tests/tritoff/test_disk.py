@@ -16,6 +16,7 @@ import tritoff
 from tritoff import disk, groups
 from tritoff.disk import DiskRing, PackFile, spill_files
 from tritoff.packer import pack_bytes, pack_model
+from tritoff.planner import BudgetError
 from tritoff.store import StoreError
 
 from .helpers import dequantized_pipeline, run, stack, wan
@@ -337,18 +338,38 @@ def test_a_spill_dir_that_is_not_a_path_is_refused_in_one_line(value):
     assert not hasattr(pipe, "_tritoff_engine")
 
 
-@pytest.mark.parametrize("where", ["empty", "a-file"])
+@pytest.mark.parametrize("where", ["empty", "a-file", "under-a-file", "no-such-user"])
 def test_a_spill_dir_that_cannot_hold_files_is_refused_even_when_nothing_spills_yet(tmp_path, where):
-    # a host budget holding every pack spills nothing now, but a re-enable with a smaller one spills there
+    # a host budget holding every pack spills nothing now, but enabled again in other groups (leaf <-> block) it may
     (tmp_path / "file").write_text("")
-    value = {"empty": "", "a-file": str(tmp_path / "file")}[where]
-    message = {"empty": "spill_dir is empty", "a-file": "is not a directory"}[where]
+    value = {
+        "empty": "",
+        "a-file": str(tmp_path / "file"),
+        "under-a-file": str(tmp_path / "file" / "spill"),
+        "no-such-user": "~no-such-user-of-tritoff/spill",
+    }[where]
+    message = {
+        "empty": "spill_dir is empty",
+        "a-file": "is not a directory",
+        "under-a-file": "cannot hold the packs beyond host_budget",
+        "no-such-user": "spill_dir ~no-such-user-of-tritoff/spill: ",
+    }[where]
     pipe = wan()
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as info:
         _enable(pipe, host_budget="1GB", spill_dir=value)
-    assert not hasattr(pipe, "_tritoff_engine")
-    engine = _enable(pipe, host_budget="1GB", spill_dir=str(tmp_path / "new"))  # a directory that can be made
-    assert engine.stats["total"]["host_arena_bytes"] > 0 and (tmp_path / "new").is_dir()
+    assert "\n" not in str(info.value) and not hasattr(pipe, "_tritoff_engine")
+
+
+def test_a_spill_dir_is_made_only_when_something_spills(tmp_path):
+    pipe = wan()
+    with pytest.raises(BudgetError):  # a failed enable leaves no directory behind
+        tritoff.enable(pipe, budget=1, host_budget=0, spill_dir=str(tmp_path / "failed" / "spill"), progress=False)
+    assert not (tmp_path / "failed").exists()
+    _enable(pipe, host_budget="1GB", spill_dir=str(tmp_path / "held" / "spill"))  # every pack held: nothing spills
+    assert not (tmp_path / "held").exists()
+    tritoff.disable(pipe)
+    engine = _enable(pipe, host_budget=0, spill_dir=str(tmp_path / "spilled" / "spill"))
+    assert engine.stats["total"]["host_arena_bytes"] == 0 and (tmp_path / "spilled" / "spill").is_dir()
 
 
 def test_a_take_waiting_while_the_wanted_list_changes_still_gets_its_pack(tmp_path):

@@ -226,3 +226,20 @@ def test_disable_or_enable_from_inside_a_forward_is_refused_and_the_next_call_is
     assert torch.equal(_output(model), expected)
     tritoff.disable(model) if call == "disable" else _enable(model, mode="leaf")  # after the call: works
     assert torch.equal(_output(model), expected)
+
+
+@pytest.mark.parametrize("call", ["disable", "enable"])
+def test_disable_or_enable_from_a_forward_pre_hook_of_the_root_runs_the_forward_it_leaves(call):
+    # the root's pre-hooks run after its call took the hooked forward, before the forward counts as running
+    model = stack()
+    _enable(model)
+    expected = _expected()
+
+    def before(module, args):
+        tritoff.disable(model) if call == "disable" else _enable(model, mode="leaf")
+
+    handle = model.register_forward_pre_hook(before)
+    assert torch.equal(_output(model), expected)
+    handle.remove()
+    assert hasattr(model, "_tritoff_engine") == (call == "enable")
+    assert torch.equal(_output(model), expected)

@@ -34,3 +34,13 @@ def test_the_upcast_grid_bound_is_read_at_enable_and_given_to_every_upcast(monke
     assert grids and set(grids) == {3}
     assert all(g.upcast_programs == 3 for g in engine.manager.components["model"].blocks)
     assert torch.equal(out, expected)
+
+
+def test_an_upcast_grid_bound_that_is_not_a_count_is_refused_at_enable(monkeypatch):
+    monkeypatch.setattr(upcast_kernels, "UPCAST_PROGRAMS", -1)
+    model = stack()
+    before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="^UPCAST_PROGRAMS must be an int >= 0"):
+        tritoff.enable(model, mode="group", budget="1GB", progress=False)
+    assert not hasattr(model, "_tritoff_engine")
+    assert all(p is before[n][0] and torch.equal(p, before[n][1]) for n, p in model.named_parameters())

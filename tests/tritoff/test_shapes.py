@@ -32,3 +32,12 @@ def test_a_frame_count_the_vae_would_round_names_the_two_nearest_that_work():
     with pytest.raises(ValueError, match="frames 50 .* use 49 or 53"):
         check_dimensions({"temporal_compression_ratio": 4}, {}, frames=50)
     check_dimensions({}, WAN_DIT, frames=80)  # an unknown VAE: nothing is refused
+
+
+def test_a_wan_vae_that_states_its_scale_factors_is_read_as_its_pipeline_reads_it():
+    # Wan 2.2 TI2V's VAE downscales 16x in space (WanPipeline: vae.config.scale_factor_spatial x patch size = 32)
+    ti2v = {**WAN_VAE, "scale_factor_spatial": 16, "scale_factor_temporal": 4}
+    assert spatial_multiple(ti2v, WAN_DIT) == 32 and temporal_multiple(ti2v) == 4
+    with pytest.raises(ValueError, match="height 48 is not a multiple of 32 .*; use 32 or 64"):
+        check_dimensions(ti2v, WAN_DIT, height=48)
+    assert spatial_multiple({**WAN_VAE, "scale_factor_spatial": 8}, WAN_DIT) == 16  # Wan 2.1: as from its stages
