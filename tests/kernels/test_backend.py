@@ -59,11 +59,11 @@ def test_eager_only_when_every_tensor_is_plain_and_no_mode_is_active():
 def test_interpreted_launches_from_several_threads_take_turns(monkeypatch):
     # Triton's interpreter patches triton.language for the length of a launch and keeps the program id in a global:
     # two launches at once would undo each other's patches or read each other's program ids
-    import threading
     import time
 
     from triton.runtime import interpreter
 
+    from tests.tritoff.helpers import in_threads
     from tritoff.formats import get_format
     from tritoff.kernels import quantize, upcast_pack
     from tritoff.kernels.upcast import BLOCK
@@ -88,20 +88,12 @@ def test_interpreted_launches_from_several_threads_take_turns(monkeypatch):
     pack = torch.zeros(layout.nbytes, dtype=torch.uint8)
     weights = {"w": torch.randn(8, 300).to(torch.bfloat16)}
     write_pack(layout, pack, weights, lambda w, f, granularity: quantize(w, f, granularity))
-    results, errors = [], []
+    results = []
 
     def work():
-        try:
-            out = torch.zeros(layout.out_nbytes, dtype=torch.uint8)
-            upcast_pack(pack.clone(), out, layout.table(BLOCK), layout.n_programs(BLOCK), layout.out_dtype, fmt)
-            results.append(out)
-        except Exception as err:  # noqa: BLE001 - reported below
-            errors.append(err)
+        out = torch.zeros(layout.out_nbytes, dtype=torch.uint8)
+        upcast_pack(pack.clone(), out, layout.table(BLOCK), layout.n_programs(BLOCK), layout.out_dtype, fmt)
+        results.append(out)
 
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors and len(results) == 4 and most[0] == 1
+    assert not in_threads(work, 4) and len(results) == 4 and most[0] == 1
     assert all(torch.equal(out, results[0]) for out in results)

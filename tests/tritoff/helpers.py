@@ -1,6 +1,7 @@
 """Helpers shared by the engine tests: tiny pipelines, their dequantized twins, deterministic calls."""
 
 import ctypes
+import threading
 import types
 
 import torch
@@ -140,3 +141,21 @@ class StandInDriver:
     def _name(self, code, out):
         out[0] = self.names[code]  # bytes kept alive by self.names
         return 0
+
+
+def in_threads(work, threads: int) -> list[BaseException]:
+    """Run ``work()`` on ``threads`` threads at once; the exceptions they raised."""
+    errors = []
+
+    def guarded():
+        try:
+            work()
+        except Exception as err:  # noqa: BLE001 - handed back to the test
+            errors.append(err)
+
+    running = [threading.Thread(target=guarded) for _ in range(threads)]
+    for thread in running:
+        thread.start()
+    for thread in running:
+        thread.join()
+    return errors

@@ -209,6 +209,11 @@ def test_teardown_of_a_replaced_or_disabled_engine_does_nothing():
     assert torch.equal(_output(model), expected)
 
 
+def _disable_or_enable(call, model):
+    """``tritoff.disable(model)``, or ``enable`` again in other groups (leaf), as ``call`` says."""
+    tritoff.disable(model) if call == "disable" else _enable(model, mode="leaf")
+
+
 @pytest.mark.parametrize("call", ["disable", "enable"])
 def test_disable_or_enable_from_inside_a_forward_is_refused_and_the_next_call_is_exact(call):
     # the running forward would go on with its hooks gone; between calls (a pipeline's step callback) both work
@@ -216,15 +221,12 @@ def test_disable_or_enable_from_inside_a_forward_is_refused_and_the_next_call_is
     _enable(model)
     expected = _expected()
 
-    def inside(module, args, output):
-        tritoff.disable(model) if call == "disable" else _enable(model, mode="leaf")
-
-    handle = model.blocks[1].register_forward_hook(inside)
+    handle = model.blocks[1].register_forward_hook(lambda module, args, output: _disable_or_enable(call, model))
     with pytest.raises(RuntimeError, match=f"tritoff.{call} was called during a forward of Stack"):
         _output(model)
     handle.remove()
     assert torch.equal(_output(model), expected)
-    tritoff.disable(model) if call == "disable" else _enable(model, mode="leaf")  # after the call: works
+    _disable_or_enable(call, model)  # after the call: works
     assert torch.equal(_output(model), expected)
 
 
@@ -235,10 +237,7 @@ def test_disable_or_enable_from_a_forward_pre_hook_of_the_root_runs_the_forward_
     _enable(model)
     expected = _expected()
 
-    def before(module, args):
-        tritoff.disable(model) if call == "disable" else _enable(model, mode="leaf")
-
-    handle = model.register_forward_pre_hook(before)
+    handle = model.register_forward_pre_hook(lambda module, args: _disable_or_enable(call, model))
     assert torch.equal(_output(model), expected)
     handle.remove()
     assert hasattr(model, "_tritoff_engine") == (call == "enable")

@@ -12,7 +12,7 @@ from tritoff.planner import BudgetError
 from tritoff.tiny import realistic_init, tiny_umt5
 from tritoff.warn import TritoffWarning
 
-from .helpers import dequantize_in_place, dequantized_pipeline, run, wan
+from .helpers import dequantize_in_place, dequantized_pipeline, in_threads, run, wan
 
 pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
 
@@ -902,30 +902,20 @@ def test_a_module_list_root_prefetches_its_blocks_in_module_order():
 
 
 def test_calls_from_two_threads_take_turns():
-    import threading
-
     x = torch.randn(8, 16, dtype=torch.bfloat16)
     reference = dequantize_in_place(_stack())
     with torch.no_grad():
         expected = reference(x)
     model = _stack()
     _enable(model, _minimum(_stack()))
-    outputs, errors = [], []
+    outputs = []
 
     def work():
-        try:
-            for _ in range(6):
-                with torch.no_grad():
-                    outputs.append(model(x))
-        except Exception as err:
-            errors.append(err)
+        for _ in range(6):
+            with torch.no_grad():
+                outputs.append(model(x))
 
-    threads = [threading.Thread(target=work) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors and len(outputs) == 12
+    assert not in_threads(work, 2) and len(outputs) == 12
     assert all(torch.equal(out, expected) for out in outputs)
 
 
