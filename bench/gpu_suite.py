@@ -6,14 +6,17 @@ It installs what the machine lacks (the wheels pinned in bench/gpu_wheels.txt, f
 output directory and prints a summary table with the issue's targets last (the run tool returns the output's tail).
 
 Parts (issue 8):
-  1  every GPU-marked test and opcheck of the custom ops on CUDA (junit XML, summarized in suite-part1.json),
-     bench/kernels.py (kernels.json: 1 MB .. 1 GB packs, staged and zero-copy, beside the H2D memcpy and
-     device-to-device rooflines), bench/hooks.py (hooks-cuda.json: host time in the block hooks), then the other
-     tests that take the device fixture (the kernels against their references) on CUDA
+  1  most needed first: every GPU-marked test (junit XML, summarized in suite-part1.json), bench/hooks.py
+     (hooks-cuda.json: host time in the block hooks), bench/kernels.py (kernels.json: 1 MB .. 1 GB packs, staged and
+     zero-copy, beside the H2D memcpy and device-to-device rooflines), opcheck of the custom ops on CUDA, then the
+     other tests that take the device fixture (the kernels against their references) on CUDA
   2  bench/e2e.py, Wan-14B transformer: 480x832x81 and 1 frame under a 12 GB cap, 480x832x81 under 8 GB
   3  bench/e2e.py, CogVideoX-5B transformer at 480x720x49, and the whole Wan pipeline at 12 GB
   4  bench/e2e.py --compile, Wan-14B at 480x832x81 under 12 GB: regional compile, all-resident and tritoff
   setup  the installs alone, for running one benchmark by hand in the same command
+
+A session lent 15 minutes of device time runs two parts: ``1 --budget 210``, then ``3`` with what is left
+(docs/benchmarks.md, "A 15-minute session").
 
 Watchdog: the part has a time budget (--budget, default 480 s from the start of the command). Each step gets a
 deadline inside it and is told so (--deadline): the benchmarks start no measurement that would end after it and
@@ -51,11 +54,12 @@ SITE = Path(
     + hashlib.sha1(sys.prefix.encode()).hexdigest()[:8]
 )
 GRACE_S = 15  # after a step's deadline, before it is stopped: time to finish writing
+HOOKS_S = 60  # part 1's hooks step (26 s on the H100, 2026-11-25)
 # What each part is expected to take on an H100 (estimates from FLOP counts and transfer sizes; see
 # docs/benchmarks.md): printed first, and the measured time is printed beside it at the end.
 ESTIMATES = {
-    "1": "~4 min: tests ~1 min (Triton compiles), kernels 1-2 min (packs built on the GPU), hooks ~20 s, then the "
-    "other tests that take the device fixture (kernels against their references) on CUDA",
+    "1": "~4 min: GPU tests ~2 min (Triton compiles), hooks ~30 s, kernels 1-2 min (packs built on the GPU), opcheck "
+    "~30 s, then the other tests that take the device fixture (kernels against their references) on CUDA",
     "2": "~6.5 min: Wan-14B forward ~4-6 s at 480x832x81, a warm-up and 3 timed per row; 3 tables x 7 rows, one build "
     "per row kind (~1 s on the GPU), two tritoff packs (~15 s), diffusers offload setups ~20 s each; last, the "
     "host-budget row (writes ~10 GB of spill, reads ~10 GB per forward from disk), which the budget may cut",
@@ -265,14 +269,15 @@ class Suite:
 
     # parts --------------------------------------------------------------------------------------------------------
     def part1(self) -> None:
-        """GPU tests, opcheck, kernel and hook benchmarks, then the kernels against their references."""
-        now = time.time()
+        """GPU tests, hook and kernel benchmarks, opcheck, then the kernels against their references: most needed first,
+        so a short ``--budget`` (a 15-minute session's first call) still runs the tests and the hooks."""
         timeout = ["--timeout=300"] if _has("pytest_timeout") else []
-        self.pytest("gpu", ["-m", "gpu", "-v", *timeout, "tests"], now + 150)
-        self.pytest("opcheck", ["-v", *timeout, "tests/kernels/test_custom_ops.py"], time.time() + 90)
+        # the tests leave the hooks their time: the two figures a short part must not lose
+        self.pytest("gpu", ["-m", "gpu", "-v", *timeout, "tests"], min(time.time() + 150, self.deadline - HOOKS_S))
         smoke = ["--smoke"] if self.smoke else []
+        self.python("hooks", "hooks.py", [*smoke, "--out", str(self.out)], time.time() + HOOKS_S)
         self.python("kernels", "kernels.py", [*smoke, "--out", str(self.out)], time.time() + 200)
-        self.python("hooks", "hooks.py", [*smoke, "--out", str(self.out)], time.time() + 60)
+        self.pytest("opcheck", ["-v", *timeout, "tests/kernels/test_custom_ops.py"], time.time() + 90)
         # the other tests that run on the GPU when there is one (the kernels against their references); the rest
         # compare with references computed on the CPU, which CUDA's matmuls do not reproduce bit for bit
         per_test = ["--timeout=120"] if timeout else []

@@ -154,3 +154,35 @@ def test_two_suite_sites_on_the_path_chain_once_and_the_first_wins(tmp_path):
     )
     assert probe.returncode == 0 and not probe.stderr, probe.stderr
     assert probe.stdout.startswith("kernels")
+
+
+def test_a_short_part_1_runs_the_gpu_tests_then_the_hooks_and_only_then_the_rest(tmp_path, monkeypatch):
+    # a 15-minute session's first call (--budget 210): the installs, then steps taking what they took on the H100
+    # (tests 130 s: more than on 2026-11-25, with more GPU tests); the hooks must run whole, the rest in what is left
+    gpu_suite = _gpu_suite()
+    clock = [1000.0]
+    monkeypatch.setattr(gpu_suite.time, "time", lambda: clock[0])
+    suite = gpu_suite.Suite(gpu_suite.parse_args(["1", "--budget", "210", "--out", str(tmp_path)]))
+    clock[0] += 30  # the installs
+    takes = {"pytest gpu": 130, "hooks": 26, "kernels": 60, "pytest opcheck": 34, "pytest rest": 29}
+    ran = []
+
+    def step(name, cmd, until, quiet=False):
+        until = min(until, suite.deadline)
+        if until - clock[0] < 10:
+            ran.append((name, None))
+            return {"step": name, "rc": None}
+        clock[0] += min(takes[name], until + gpu_suite.GRACE_S - clock[0])
+        ran.append((name, until))
+        return {"step": name, "rc": 0}
+
+    monkeypatch.setattr(suite, "step", step)
+    suite.part1()
+    suite.log.close()
+    names = [name for name, _ in ran]
+    assert names == ["pytest gpu", "hooks", "kernels", "pytest opcheck", "pytest rest"]
+    until = dict(ran)
+    assert until["pytest gpu"] <= suite.deadline - gpu_suite.HOOKS_S  # the tests leave the hooks their minute
+    assert until["hooks"] - (1000 + 30 + 130) >= takes["hooks"]  # which it finished in
+    assert until["kernels"] == suite.deadline  # cut at the budget, keeping what it measured
+    assert until["pytest opcheck"] is None and until["pytest rest"] is None  # no time left: named as not run
