@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tritoff.activations import CUDA_SLACK, MARGIN, estimate, meta_twin, peak_bytes
-from tritoff.tiny import tiny_umt5, tiny_wan_transformer
+from tritoff.activations import CUDA_SLACK, MARGIN, _PeakBytes, _pure, estimate, meta_twin, peak_bytes
+from tritoff.tiny import WAN_VAE_TINY, tiny_cogvideox_transformer, tiny_umt5, tiny_wan_transformer
 
 FP32 = 4
 
@@ -135,6 +135,97 @@ class _GrowInput(nn.Module):
 @pytest.mark.parametrize("how", ["resize", "out"])
 def test_an_input_grown_in_place_counts_the_growth(how):
     assert peak_bytes(_GrowInput(how), (torch.empty(0), torch.randn(32, 32))) == 32 * 32 * FP32
+
+
+# -- the memo of repeated ops -------------------------------------------------------------------------------------
+
+
+def _wan_vae_tiled():
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan(**WAN_VAE_TINY).eval()
+    vae.enable_tiling(32, 32, 16, 16)  # tiles of 32 pixels every 16: 9 overlapping tiles for a 48 x 48 frame
+    return vae, "decode", (torch.randn(1, WAN_VAE_TINY["z_dim"], 2, 6, 6),), {"return_dict": False}
+
+
+def _wan():
+    model = tiny_wan_transformer(seed=1)
+    text = torch.randn(1, 8, 32, dtype=torch.bfloat16)
+    return model, "forward", (torch.randn(1, 16, 3, 16, 16, dtype=torch.bfloat16), torch.tensor([500]), text), {}
+
+
+def _cogvideox():
+    model = tiny_cogvideox_transformer(seed=1)
+    config = model.config
+    latents = torch.randn(1, 3, config.in_channels, 16, 16, dtype=torch.bfloat16)
+    text = torch.randn(1, config.max_text_seq_length, config.text_embed_dim, dtype=torch.bfloat16)
+    return model, "forward", (latents, text, torch.tensor([500])), {}
+
+
+def _umt5():
+    return tiny_umt5(torch.float16, seed=1), "forward", (torch.randint(0, 256, (2, 9)),), {}
+
+
+@pytest.mark.parametrize(
+    "component", [_wan_vae_tiled, _wan, _cogvideox, _umt5], ids=["wan-vae-tiled", "wan", "cogvideox", "umt5"]
+)
+def test_ops_answered_from_the_memo_trace_the_same_peak_as_every_meta_kernel(component):
+    model, method, args, kwargs = component()
+    twin = meta_twin(model)
+    assert twin is not None
+    remembered = peak_bytes(twin, args, kwargs, method)
+    assert remembered == peak_bytes(twin, args, kwargs, method, memo=False) > 0
+
+
+def test_a_repeated_op_is_answered_from_the_memo_with_outputs_of_its_size_and_dtype():
+    x = torch.empty(16, 8, device="meta")
+    with _PeakBytes() as tracker:
+        first = x * 2
+        again = x * 2
+        other = x.int() * 2.0  # an int tensor times a float: float, not the int the same op on 2 gives
+        integer = x.int() * 2
+    tracker.release()
+    assert tracker.hits == 2  # the second x * 2 and the second x.int()
+    assert (again.shape, again.stride(), again.dtype) == (first.shape, first.stride(), first.dtype)
+    assert again.untyped_storage()._cdata != first.untyped_storage()._cdata  # a new storage, counted as one
+    assert (other.dtype, integer.dtype) == (torch.float32, torch.int32)
+
+
+def test_the_memo_keys_what_meta_kernels_read_besides_shapes_the_default_dtype_and_a_subclass():
+    from torch.testing._internal.two_tensor import TwoTensor  # a wrapper subclass that dispatches on its own
+
+    x = torch.empty(16, dtype=torch.int64, device="meta")
+    pair = TwoTensor(torch.empty(16, 8, device="meta"), torch.empty(16, 8, device="meta"))
+    with _PeakBytes() as tracker:
+        single = x * 1.5  # int times a float: the default dtype
+        torch.set_default_dtype(torch.float64)
+        try:
+            double = x * 1.5
+        finally:
+            torch.set_default_dtype(torch.float32)
+        torch.empty(16, 8, device="meta") * 2
+        paired = pair * 2  # the same op on the same shape, through the subclass's own dispatch
+    tracker.release()
+    assert (single.dtype, double.dtype) == (torch.float32, torch.float64)
+    assert type(paired) is TwoTensor
+
+
+class _Aliases(nn.Module):
+    """Three aliases of one new tensor, made by an op whose schema does not say it aliases (``_unsafe_view``)."""
+
+    def forward(self, x):
+        y = x * 2
+        views = [torch.ops.aten._unsafe_view(y, [y.numel()]) for _ in range(3)]
+        return y, views
+
+
+def test_ops_that_write_to_or_alias_their_inputs_always_run():
+    assert _pure(torch.ops.aten.mul.Tensor) and _pure(torch.ops.aten.convolution.default)
+    assert not _pure(torch.ops.aten.add_.Tensor) and not _pure(torch.ops.aten.view.default)  # in place, a view
+    assert not _pure(torch.ops.aten.mm.out)  # writes to its out= argument
+    # _unsafe_view returns its input's storage: answered from the memo, each repeat would count 256 bytes more
+    assert peak_bytes(_Aliases(), (torch.randn(8, 8),)) == peak_bytes(_Aliases(), (torch.randn(8, 8),), memo=False)
+    assert peak_bytes(_Aliases(), (torch.randn(8, 8),)) == 8 * 8 * FP32
 
 
 # -- estimate -----------------------------------------------------------------------------------------------------
