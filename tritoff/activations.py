@@ -91,10 +91,9 @@ class _PeakBytes(TorchDispatchMode):
             return func(*args, **kwargs)
         try:  # the default dtype too: factories and promotions of ints to floats read it
             key = (func, torch.get_default_dtype(), _metadata(args), _metadata(kwargs))
-            hash(key)
+            shapes = self.memo.get(key)
         except TypeError:  # an argument that cannot be a key (a tensor on another device, an unhashable object)
             return func(*args, **kwargs)
-        shapes = self.memo.get(key)
         if shapes is None:
             out = func(*args, **kwargs)
             inputs = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
