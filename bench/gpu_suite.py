@@ -54,6 +54,7 @@ SITE = Path(
     + hashlib.sha1(sys.prefix.encode()).hexdigest()[:8]
 )
 GRACE_S = 15  # after a step's deadline, before it is stopped: time to finish writing
+MIN_STEP_S = 10  # a step with less time than this before its deadline is not started, and is named as not run
 HOOKS_S = 60  # part 1's hooks step (26 s on the H100, 2026-11-25)
 # What each part is expected to take on an H100 (estimates from FLOP counts and transfer sizes; see
 # docs/benchmarks.md): printed first, and the measured time is printed beside it at the end.
@@ -208,7 +209,7 @@ class Suite:
         """Run ``cmd`` until ``until`` (epoch seconds, within the part's deadline) plus a grace; log its output."""
         until = min(until, self.deadline)
         entry = {"step": name, "command": " ".join(cmd), "budget_s": round(until - time.time())}
-        if until - time.time() < 10:
+        if until - time.time() < MIN_STEP_S:
             entry.update(rc=None, wall_s=0.0, note="not run: the part's time budget ran out")
             self.say(f"\n== {name}: not run, the part's time budget ran out")
             self.record["steps"].append(entry)
