@@ -107,7 +107,10 @@ def _quantize_rows_kernel(
         tl.store(scale_ptr + row, ((k + 127) << 23).to(tl.float32, bitcast=True))
         inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
     else:
-        inv = 1.0 / tl.load(scale_ptr)  # a power of two: the reciprocal is exact
+        # the scale is 2^k with |k| <= MAX_EXP: 2^-k from its exponent bits, since a compiled 1.0 / scale divides
+        # approximately (div.full.f32, up to 2 ulp)
+        scale_bits = tl.load(scale_ptr.to(tl.pointer_type(tl.int32), bitcast=True))
+        inv = ((254 << 23) - scale_bits).to(tl.float32, bitcast=True)
     for start in range(0, row_len, BLOCK):
         m = start + cols < row_len
         x = tl.load(w_ptr + base + start + cols, mask=m, other=0.0).to(tl.float32) * inv

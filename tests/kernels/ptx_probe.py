@@ -30,6 +30,7 @@ def facts(kernel) -> dict:
         "loads": dict(Counter(re.findall(r"ld\.global[.\w]*", ptx))),
         "stores": dict(Counter(re.findall(r"st\.global[.\w]*", ptx))),
         "fp8_cvt": len(re.findall(r"cvt\.[\w.]*e[45]m[23]", ptx)),
+        "float_div": len(re.findall(r"div[.\w]*\.f(?:32|64)\b", ptx)),
     }
 
 
@@ -74,11 +75,14 @@ def main() -> None:
                 signature |= dict.fromkeys(
                     ("FMAX", *QUANTIZE_CONSTANTS, "FP8_DTYPE", "NATIVE_FP8", "PER_ROW"), "constexpr"
                 )
-                constants = dict(
-                    QUANTIZE_CONSTANTS, FMAX=448.0, FP8_DTYPE=tl.float8e4nv, NATIVE_FP8=native, PER_ROW=True
-                )
-                kernel = triton.compile(ASTSource(_quantize_rows_kernel, signature, constants, ALIGNED), target=target)
-                out[f"quantize sm{cc} {'native' if native else 'bits'} {weight[1:]}"] = facts(kernel)
+                for per_row in (True, False):
+                    constants = dict(
+                        QUANTIZE_CONSTANTS, FMAX=448.0, FP8_DTYPE=tl.float8e4nv, NATIVE_FP8=native, PER_ROW=per_row
+                    )
+                    source = ASTSource(_quantize_rows_kernel, signature, constants, ALIGNED)
+                    kernel = triton.compile(source, target=target)
+                    scales = "per-row" if per_row else "per-tensor"
+                    out[f"quantize sm{cc} {'native' if native else 'bits'} {weight[1:]} {scales}"] = facts(kernel)
     print(json.dumps(out))
 
 

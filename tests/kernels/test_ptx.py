@@ -29,7 +29,14 @@ def test_every_variant_compiles(ptx):
     # 3 outputs x 2 formats, for sm_90 native, sm_90 from bits and sm_80 from bits; the quantizers likewise
     assert sum(k.startswith("upcast") for k in ptx) == 6 + 6 + 6
     assert sum(k.startswith("zero-copy") for k in ptx) == 3
-    assert sum(k.startswith("quantize") for k in ptx) == 2 + 2 + 2
+    assert sum(k.startswith("quantize") for k in ptx) == (2 + 2 + 2) * 2  # per-row and per-tensor scales
+
+
+def test_scales_are_applied_without_a_float_division(ptx):
+    # a compiled float division is approximate (div.full.f32: up to 2 ulp); scales are powers of two, applied exactly
+    # from their exponent bits
+    for name, facts in ptx.items():
+        assert facts["float_div"] == 0, name
 
 
 def test_main_variant_moves_16_bytes_per_access(ptx):

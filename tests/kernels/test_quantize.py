@@ -49,6 +49,18 @@ def test_edge_values(fmt, device):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("exponent", [-110, -90, 0, 90, 110])
+def test_a_tensor_scale_far_from_one_is_applied_exactly(fmt, exponent, device):
+    # the per-tensor path takes the reciprocal of a stored scale; at 2^+-90 (and clamped at +-100) it must be exact
+    w = torch.randn(8, 300) * 2.0**exponent
+    codes, scales = quantize(w.to(device), fmt, "tensor")
+    ref_codes, ref_scales = quantize_reference(w, fmt, "tensor")
+    assert ref_codes.view(torch.uint8).any()  # not a tensor of zeros
+    torch.testing.assert_close(scales.cpu(), ref_scales, rtol=0, atol=0)
+    torch.testing.assert_close(codes.cpu(), ref_codes, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_round_to_nearest_even_on_every_tie(fmt, device):
     # every fp8 value, and the midpoints between neighbours: the ties that round-half-even decides
     values = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()
