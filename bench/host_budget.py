@@ -27,6 +27,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FRACTIONS = (None, 0.5, 0.25, 0.0)  # of the packs; None: no host budget
 
+
+def row_kinds(device: str, smoke: bool) -> list[tuple[float | None, str, str]]:
+    """(fraction of the packs held, page cache, reader) of each row: every pack held once (nothing is read from disk),
+    then each smaller fraction with warm and cold caches and each reader. A smoke run keeps one row of each kind: all
+    held, part held (warm, synchronous reads) and none held (cold, the read-ahead thread)."""
+    if smoke:
+        return [(None, "warm", "sync"), (0.25, "warm", "sync"), (0.0, "cold", "thread")]
+    readers = ("sync", "thread") if device == "cpu" else ("thread",)
+    kinds = [(f, c, r) for f in FRACTIONS[1:] for c in ("warm", "cold") for r in readers]
+    return [(None, "warm", readers[0]), *kinds]
+
+
 CHILD = """
 import json, os, statistics, sys, time, warnings
 args = json.loads(sys.argv[1])
@@ -146,41 +158,36 @@ def main() -> None:
         del engine
         print(f"store of {packed / 2**20:.1f} MiB written in {time.perf_counter() - start:.1f} s", flush=True)
         budget = int(args.budget) if args.budget else int(smallest * 1.1)
-        readers = ("sync", "thread") if args.device == "cpu" else ("thread",)
-        for fraction in FRACTIONS:
-            for cache in ("warm", "cold"):
-                for reader in readers:
-                    if fraction is None and (cache == "cold" or reader == "thread"):
-                        continue  # every pack held: nothing is read from disk
-                    host_budget = None if fraction is None else int(fraction * packed)
-                    child = dict(
-                        device=args.device,
-                        config=config,
-                        shape=[args.frames, args.size, args.size],
-                        store=str(store),
-                        budget=budget,
-                        host_budget=host_budget,
-                        reps=args.reps,
-                        cache=cache,
-                        reader=reader,
-                    )
-                    result = subprocess.run(
-                        [sys.executable, "-c", CHILD, json.dumps(child)],
-                        capture_output=True,
-                        text=True,
-                        cwd=ROOT,
-                        # the checkout first, then the caller's path (carried wheels on the GPU machine)
-                        env={
-                            **os.environ,
-                            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                        },
-                    )
-                    if result.returncode != 0:
-                        sys.exit(f"host budget {host_budget}: {result.stderr[-2000:]}")
-                    row = json.loads(result.stdout.strip().splitlines()[-1])
-                    row.update(host_budget_bytes=host_budget, cache=cache, reader=reader)
-                    rows.append(row)
-                    print(json.dumps({k: row[k] for k in ("host_budget_bytes", "cache", "reader")}), flush=True)
+        for fraction, cache, reader in row_kinds(args.device, args.smoke):
+            host_budget = None if fraction is None else int(fraction * packed)
+            child = dict(
+                device=args.device,
+                config=config,
+                shape=[args.frames, args.size, args.size],
+                store=str(store),
+                budget=budget,
+                host_budget=host_budget,
+                reps=args.reps,
+                cache=cache,
+                reader=reader,
+            )
+            result = subprocess.run(
+                [sys.executable, "-c", CHILD, json.dumps(child)],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                # the checkout first, then the caller's path (carried wheels on the GPU machine)
+                env={
+                    **os.environ,
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                },
+            )
+            if result.returncode != 0:
+                sys.exit(f"host budget {host_budget}: {result.stderr[-2000:]}")
+            row = json.loads(result.stdout.strip().splitlines()[-1])
+            row.update(host_budget_bytes=host_budget, cache=cache, reader=reader)
+            rows.append(row)
+            print(json.dumps({k: row[k] for k in ("host_budget_bytes", "cache", "reader")}), flush=True)
     held = next(r for r in rows if r["host_budget_bytes"] is None)
     for row in rows:
         row["slowdown_vs_all_held"] = row["seconds_per_forward"] / held["seconds_per_forward"]
