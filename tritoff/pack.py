@@ -185,6 +185,7 @@ def write_entry(
         if not torch.isfinite(t).all():
             raise ValueError(f"{e.name} contains NaN or Inf: fix or skip this weight before quantizing it")
         codes, scales = quantizer(t, layout.storage, layout.granularity)
+        codes = within_range(codes, scales, layout.storage, e.dtype)
         if snr is not None:
             from tritoff.snr import CHUNK, snr_db_of_chunks
 
@@ -194,6 +195,23 @@ def write_entry(
         data[e.scale_offset : e.scale_offset + 4 * e.num_scales].view(torch.float32).copy_(scales.cpu())
     else:
         payload.copy_(t.detach().to(e.dtype).reshape(-1).contiguous().view(torch.uint8).cpu())
+
+
+def within_range(codes: torch.Tensor, scales: torch.Tensor, fmt, dtype: torch.dtype) -> torch.Tensor:
+    """``codes`` (uint8, rows of ``scales``) whose dequantized value ``code * scale`` would overflow ``dtype`` step down
+    to the largest fp8 value that fits, in place: the cast rounds a row's largest value up (an fp16 weight of 64000 at
+    scale 2^8 becomes 256 * 2^8 = 65536, Inf in fp16), so weights saturate at the compute dtype's largest value as
+    they do at the format's. Only rows whose scale times the format's largest value exceeds it are read (fp16 rows
+    holding values past 2^15 or so; never a bf16 or fp32 one, whose range holds every code at any scale)."""
+    limit = torch.finfo(dtype).max
+    at_risk = (scales * fmt.max > limit).nonzero().flatten()
+    if at_risk.numel():
+        rows = codes.view(len(scales), -1)
+        risky = rows[at_risk]
+        over = risky.view(fmt.dtype).float().abs() * scales[at_risk, None] > limit
+        # one step down in magnitude: the bits below the sign count up with the value; the unrounded value fit
+        rows[at_risk] = torch.where(over, risky - 1, risky)
+    return codes
 
 
 def _dequantized_chunks(t: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, piece: int):

@@ -86,6 +86,35 @@ def test_written_tensors_read_back_as_the_kernels_unpack_them():
     assert set(snr) == {"q.weight", "conv.weight"} and all(db > 25 for db in snr.values())  # e4m3 rows: ~30 dB
 
 
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+@pytest.mark.parametrize("storage", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp16_weights_near_its_largest_value_saturate_instead_of_coming_back_infinite(storage, granularity):
+    # 64000 at scale 2^8 rounds to 256 in e4m3 (62000 at scale 2 to 32768 in e5m2): 65536, past fp16's 65504
+    fmt = get_format(storage)
+    w = (torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 100).to(torch.float16)
+    w[0, 3], w[1, 5], w[2, 7] = 64000.0, -65504.0, 62000.0
+    layout = PackLayout.plan([TensorSpec("w", (4, 64), torch.float16, True)], fmt, granularity)
+    data = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    write_pack(layout, data, {"w": w}, quantize_reference)
+    got = unpack_reference(layout, data)["w"]
+    largest = 61440.0 if storage == "fp8_e4m3" else 57344.0  # the largest fp8 value times 2^k that fp16 holds
+    assert torch.isfinite(got).all()
+    assert got[0, 3] == largest and got[1, 5] == -largest and got[2, 7] == largest
+
+    # every other code is the plain quantizer's, and bf16 weights (whose range holds any code) are left as they are
+    def plain(weight):
+        codes, scales = quantize_reference(weight, fmt, granularity)
+        return (codes.view(fmt.dtype).float().view(len(scales), -1) * scales[:, None]).view(w.shape).to(weight.dtype)
+
+    assert torch.isinf(plain(w)).any()  # the case this guards against does arise
+    kept = torch.isfinite(plain(w))
+    assert torch.equal(got[kept], plain(w)[kept])
+    bf16 = PackLayout.plan([TensorSpec("w", (4, 64), torch.bfloat16, True)], fmt, granularity)
+    write_pack(bf16, data, {"w": w.bfloat16()}, quantize_reference)
+    assert torch.equal(unpack_reference(bf16, data)["w"], plain(w.bfloat16()))
+    assert unpack_reference(bf16, data)["w"].float().abs().max() == 65536.0  # bf16 holds it: nothing stepped down
+
+
 def test_a_weight_with_nan_or_the_wrong_shape_is_refused_by_name():
     layout = PackLayout.plan(SPECS[:1], E4M3)
     data = torch.zeros(layout.nbytes, dtype=torch.uint8)
