@@ -62,9 +62,10 @@ class PackFile:
         """Open the store file at ``path`` for reading."""
         return cls(os.open(path, os.O_RDONLY), data_offset, str(path), verify=verify)
 
-    def read(self, pack, out: torch.Tensor) -> None:
+    def read(self, pack, out: torch.Tensor, recheck: bool = False) -> None:
         """Read ``pack``'s bytes into the uint8 CPU tensor ``out`` (at least the pack's size), checking its hash on
-        the first read."""
+        the first read, or on this one (``recheck``: bytes handed back as a model's weights, which a file changed
+        in place since its first read must not give)."""
         nbytes = pack.layout.nbytes
         view = memoryview(out[:nbytes].numpy())
         position, done = self.data_offset + pack.offset, 0
@@ -73,7 +74,7 @@ class PackFile:
             if got == 0:
                 raise OSError(f"{self.path} ended early while reading pack {pack.name}; the file was truncated")
             done += got
-        if self._unchecked(pack):
+        if self._unchecked(pack) or (recheck and self.verify and pack.hash is not None):
             # the hash covers the pack's page-aligned span: with the header's, every byte of the file is checked
             hasher = xxhash.xxh3_128(view)
             padding = align(nbytes, PAGE) - nbytes

@@ -71,12 +71,13 @@ class PackedModel:
         return sum(p.layout.out_nbytes for p in self.packs)
 
 
-def pack_bytes(pack: Pack) -> torch.Tensor:
-    """``pack``'s bytes: its view of the arena, or a fresh copy read from its file."""
+def pack_bytes(pack: Pack, recheck: bool = False) -> torch.Tensor:
+    """``pack``'s bytes: its view of the arena, or a fresh copy read from its file (checked against its hash on the
+    file's first read of it, or on this one: ``recheck``)."""
     if not pack.on_disk:
         return pack.data
     out = torch.empty(pack.layout.nbytes, dtype=torch.uint8)
-    pack.file.read(pack, out)
+    pack.file.read(pack, out, recheck=recheck)
     return out
 
 
@@ -97,7 +98,8 @@ def release_params(group: Group) -> None:
 def dequantized(pack: Pack, device: torch.device) -> dict[str, torch.Tensor]:
     """The pack's tensors dequantized exactly (with the reference), each in a storage of its own on ``device``, by
     name: views of one shared buffer of mixed dtypes would not survive ``torch.save`` or pickling."""
-    out = dequantize_bytes(pack.layout, pack_bytes(pack))
+    # checked again: a store file changed in place since the engine first read it must not become the model's weights
+    out = dequantize_bytes(pack.layout, pack_bytes(pack, recheck=True))
     return {name: tensor.to(device, copy=True) for name, tensor in pack.layout.views(out).items()}
 
 

@@ -76,13 +76,13 @@ class CountingFile:
     def __init__(self, real, fail=(), gate=None):
         self.real, self.fail, self.gate, self.reads = real, set(fail), gate, []
 
-    def read(self, pack, out):
+    def read(self, pack, out, recheck=False):
         if self.gate is not None:
             self.gate.wait()
         self.reads.append(pack.name)
         if pack.name in self.fail:
             raise OSError(f"cannot read {pack.name}")
-        self.real.read(pack, out)
+        self.real.read(pack, out, recheck)
 
 
 def _ring_packs(tmp_path, **file_kwargs):
@@ -309,6 +309,34 @@ def test_a_corrupt_lookup_table_served_from_disk_is_refused_at_enable(store, tmp
     pipe = wan(**BIG)
     _enable(pipe, store=directory, host_budget=0)  # the intact store: the table is checked, then mapped
     assert torch.isfinite(run(pipe)).all()
+
+
+def test_disable_checks_a_pack_again_that_the_store_file_changed_in_place_since_it_was_first_read(store, tmp_path):
+    import shutil
+
+    from tritoff.store import read_index
+
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    pipe = wan(**BIG)
+    engine = _enable(pipe, store=copy, host_budget=0)
+    out = run(pipe)  # every pack read from the file, and checked
+    pack = next(p for p in engine.packed["transformer"].packs if p.on_disk)
+    position = read_index(copy)["components"]["transformer"]["data_offset"] + pack.offset + 100
+    with open(copy / "transformer.safetensors", "r+b") as f:  # the same file, changed in place
+        f.seek(position)
+        byte = f.read(1)
+        f.seek(position)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(StoreError, match=rf"transformer\.safetensors is corrupt .*pack {pack.name} differs"):
+        tritoff.disable(pipe)
+    assert hasattr(pipe, "_tritoff_engine")  # still enabled, as it was: nothing wrong handed back
+    with open(copy / "transformer.safetensors", "r+b") as f:  # repaired, the same engine serves it again
+        f.seek(position)
+        f.write(byte)
+    assert torch.equal(run(pipe), out)
+    tritoff.disable(pipe)
+    assert torch.equal(run(pipe), out)
 
 
 def test_a_failed_re_enable_leaves_the_pipeline_enabled(tmp_path, expected):
