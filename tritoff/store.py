@@ -583,10 +583,11 @@ def read_index(directory: str | Path) -> dict:
         raise StoreError(f"{path} is corrupt ({err}); {RECREATE}") from None
     if not isinstance(index, dict):
         raise StoreError(f"{path} is not a valid tritoff store index (not an object); {RECREATE}")
-    if index.get("store_version") not in READABLE_VERSIONS:
+    version = index.get("store_version")
+    if type(version) is not int or version not in READABLE_VERSIONS:  # "4", 4.0 and True are no format numbers
         readable = ", ".join(map(str, READABLE_VERSIONS[:-1])) + f" and {READABLE_VERSIONS[-1]}"
         raise StoreError(
-            f"{directory} has store format {index.get('store_version')}, this tritoff reads formats {readable}; "
+            f"{directory} has store format {version!r}, this tritoff reads formats {readable}; "
             "recreate it with `tritoff convert`"
         )
     _check_structure(index, path)

@@ -144,6 +144,11 @@ def test_truncated_missing_and_other_version_are_refused(copy, tmp_path):
     (copy / INDEX).write_text(json.dumps(index))
     with pytest.raises(StoreError, match="store format 1, this tritoff reads formats 2, 3 and 4"):
         _enable(wan(), store=copy)
+    for version, shown in (("4", "'4'"), (4.0, "4.0"), (True, "True")):  # a format number is an int
+        index["store_version"] = version
+        (copy / INDEX).write_text(json.dumps(index))
+        with pytest.raises(StoreError, match=f"store format {shown}, this tritoff reads formats 2, 3 and 4"):
+            _enable(wan(), store=copy)
     with pytest.raises(StoreError, match="not a tritoff store"):
         _enable(wan(), store=tmp_path)
     (tmp_path / INDEX).mkdir()
