@@ -202,6 +202,11 @@ def spill_directory(directory, create: bool = True) -> Path:
         raise ValueError(f"spill_dir {directory}: {err}; pass a writable directory on a disk") from None
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"spill_dir {directory} is not a directory: pass a writable directory on a disk")
+    if directory.is_symlink() and not directory.exists():  # mkdir would say only "File exists"
+        raise ValueError(
+            f"spill_dir {directory} is a link to {os.readlink(directory)}, which does not exist: create that "
+            "directory, or pass a writable directory on a disk"
+        )
     try:
         if create:
             directory.mkdir(parents=True, exist_ok=True)

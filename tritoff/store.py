@@ -238,8 +238,8 @@ def check_target(directory: str | Path, overwrite: bool = False, model: str | Pa
         raise StoreError(f"the current directory was removed: give {target} as an absolute path") from None
     if where == here or where in here.parents:
         raise StoreError(
-            f"{target} is the current directory or holds it: the store replaces the directory, leaving this shell "
-            "in a removed one; name a directory to create (tritoff convert MODEL my-store)"
+            f"{target} is the current directory or holds it: the store replaces the directory, which would leave "
+            "the working directory removed; name a directory to create, such as my-store"
         )
     if target.is_dir() and _is_mount_point(where):
         raise StoreError(
