@@ -43,7 +43,7 @@ def get_format(name: str | StorageFormat) -> StorageFormat:
     """Return the :class:`StorageFormat` called ``name`` (``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"bf16"``, ``"fp16"``)."""
     if isinstance(name, StorageFormat):
         return name
-    key = str(name).lower().replace("-", "_")
+    key = str(name).strip().lower().replace("-", "_")  # spelled as the budgets are: case, "-" and spaces around
     if key in FORMATS:
         return FORMATS[key]
     raise ValueError(f"unknown storage {name!r}: use one of {', '.join(FORMATS)}")

@@ -20,6 +20,7 @@ FP8 = ["fp8_e4m3", "fp8_e5m2"]
         pytest.param("Fp8-E5M2", "fp8_e5m2", id="mixed"),
         pytest.param("BF16", "bf16", id="bf16"),
         pytest.param("fp16", "fp16", id="fp16"),
+        pytest.param(" fp8_e4m3\n", "fp8_e4m3", id="spaces-around"),
     ],
 )
 def test_names_are_read_whatever_their_case_and_dashes(name, key):
@@ -32,7 +33,7 @@ def test_a_storage_format_is_returned_as_it_is():
     assert get_format(FORMATS["bf16"]) is FORMATS["bf16"]
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8", "e4m3", "fp32", ""])
+@pytest.mark.parametrize("name", ["int8", "fp8", "e4m3", "fp32", "", "fp8 e4m3"])
 def test_an_unknown_name_is_refused_with_the_valid_ones(name):
     message = f"unknown storage {name!r}: use one of fp8_e4m3, fp8_e5m2, bf16, fp16"
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
