@@ -74,7 +74,7 @@ class PackFile:
             if got == 0:
                 raise OSError(f"{self.path} ended early while reading pack {pack.name}; the file was truncated")
             done += got
-        if self._unchecked(pack) or (recheck and self.verify and pack.hash is not None):
+        if self._unchecked(pack, recheck):
             # the hash covers the pack's page-aligned span: with the header's, every byte of the file is checked
             hasher = xxhash.xxh3_128(view)
             padding = align(nbytes, PAGE) - nbytes
@@ -93,8 +93,9 @@ class PackFile:
         self.drop_cache(pack)
         self._accept(pack, hasher.hexdigest())
 
-    def _unchecked(self, pack) -> bool:
-        return self.verify and pack.hash is not None and pack.offset not in self._verified
+    def _unchecked(self, pack, recheck: bool = False) -> bool:
+        """Whether ``pack``'s bytes are to be checked against its hash: on the first read, or again (``recheck``)."""
+        return self.verify and pack.hash is not None and (recheck or pack.offset not in self._verified)
 
     def _accept(self, pack, digest: str) -> None:
         """Remember ``pack`` as checked if ``digest`` is its hash; refuse the file, naming it, otherwise."""
