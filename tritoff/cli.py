@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import _thread
 import argparse
+import atexit
 import glob
 import json
 import math
@@ -254,6 +255,8 @@ def _cmd_demo(args) -> int:
 def _check_model(model: str) -> Path:
     """A local pipeline directory, or something shaped like a hub id; else a one-line error."""
     local = Path(model)
+    if local.is_file():
+        raise CliError(f"{model} is a file: give the diffusers pipeline directory that holds model_index.json")
     if local.exists() and not (local / "model_index.json").is_file():
         raise CliError(f"{model} is not a diffusers pipeline directory (no model_index.json)")
     if not local.exists() and (model.startswith((".", "/", "~")) or model.count("/") != 1):
@@ -550,6 +553,8 @@ def _cmd_plan(args) -> int:
                 f"{args.model} has no model_index.json: give a diffusers pipeline directory or a preset name"
             )
         _check_dimensions(args, *_local_configs(Path(args.model)))
+    elif Path(args.model).is_file():
+        raise CliError(f"{args.model} is a file: give the diffusers pipeline directory that holds model_index.json")
     else:
         raise CliError(f"{args.model} is neither a local pipeline directory nor a preset ({', '.join(PRESETS)})")
     import tritoff
@@ -915,15 +920,41 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout, sys.stderr, warnings.formatwarning = stdout, stderr, format_warning
 
 
+def _flush_outputs() -> None:
+    for output in (sys.stdout, sys.stderr):
+        if output is None:  # started with the stream closed (2>&-)
+            continue
+        try:
+            output.flush()
+        except (OSError, ValueError, RuntimeError):  # a reader gone, a closed stream, a flush a signal interrupted
+            pass
+
+
+def _exit_interrupted(signum, frame) -> None:
+    """Ctrl-C or SIGTERM outside a command (Python starting, or the exit handlers after it): exit 130 at once, saying
+    so once. Left to Python, the interrupt would print a traceback."""
+    if not _interrupted:  # a command that was interrupted has said so already
+        _flush_outputs()
+        try:
+            os.write(2, b"tritoff: interrupted\n")
+        except OSError:
+            pass
+    os._exit(EXIT_INTERRUPTED)
+
+
 def entry() -> None:
-    """The ``tritoff`` console script: :func:`main`, then exit with its code. Once interrupted, a second Ctrl-C while
-    Python shuts down is ignored: it would print a traceback after "tritoff: interrupted"."""
+    """The ``tritoff`` console script: :func:`main`, then exit with its code, without Python's teardown of the modules
+    it loaded. An interrupt before or after the command exits 130 with one line (none after "tritoff: interrupted")."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_interrupted)  # main puts it back once the command has ended
     prefer_expandable_segments()  # before torch starts CUDA: a budget holds only if the allocator does not fragment
     code = main()
-    if code == EXIT_INTERRUPTED:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
-    sys.exit(code)
+    # The command has ended with its files closed and complete. Python's teardown of torch's and diffusers' modules
+    # (~2 s) would only delay the exit, and it stops handling signals first: a Ctrl-C then ended the process by the
+    # signal, with no word. The exit handlers still run (inductor's worker pools, weakref finalizers).
+    atexit._run_exitfuncs()
+    _flush_outputs()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -286,6 +286,8 @@ def plan(
         family, components = build_preset(model)
     else:
         path = Path(target)
+        if path.is_file():
+            raise ValueError(f"{target} is a file: give the diffusers pipeline directory that holds model_index.json")
         if not path.is_dir():
             raise ValueError(f"{target} is neither a local pipeline directory nor a preset ({', '.join(PRESETS)})")
         family, components, model = _load_directory(path)

@@ -24,6 +24,7 @@ Anything that does not match is refused with a one-line error: a store is never 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -266,8 +267,10 @@ def check_target(directory: str | Path, overwrite: bool = False, model: str | Pa
         with tempfile.TemporaryFile(dir=parent, prefix=f".{target.name}."):
             pass
     except OSError as err:
+        # the directory exists: "No such file or directory" would mislead (/proc answers so to a new file)
+        reason = "it takes no new files" if err.errno == errno.ENOENT else err.strerror or err
         raise StoreError(
-            f"cannot write a store in {parent} ({err.strerror or err}): choose a directory on a writable disk"
+            f"cannot write a store in {parent} ({reason}): choose a directory on a writable disk"
         ) from None
     return target
 

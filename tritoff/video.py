@@ -68,6 +68,8 @@ def check_writable(path: str | Path) -> Path:
     parent = path.parent if str(path.parent) else Path(".")
     if path.suffix.lower() not in VIDEO_SUFFIXES:
         raise ValueError(f"cannot write {path}: name the video .mp4 or .gif")
+    if parent.exists() and not parent.is_dir():
+        raise NotADirectoryError(f"cannot write {path}: {parent} is a file, not a directory")
     if not parent.is_dir():
         raise FileNotFoundError(f"cannot write {path}: directory {parent} does not exist")
     if path.is_dir():

@@ -6,6 +6,7 @@ when the module starts and the quick checks run meanwhile, so the cores stay bus
 commands' results come last.
 """
 
+import atexit
 import json
 import os
 import shutil
@@ -161,7 +162,9 @@ BAD = [
     (["convert", "{pipe}", "{tmp}"], "is not empty and holds no tritoff store"),
     (["convert", "no-such-dir", "{tmp}/s"], "not found"),
     (["convert", "{pipe}", "{tmp}/s", "--skip", "("], "--skip '(' is not a valid regular expression"),
-    (["convert", "{pipe}", "/proc/s"], "cannot write a store in /proc ("),
+    (["convert", "{pipe}", "/proc/s"], "cannot write a store in /proc (it takes no new files): choose a directory"),
+    (["run", "{pipe}/model_index.json", "--prompt", "x"], "model_index.json is a file: give the diffusers pipeline"),
+    (["convert", "{pipe}/model_index.json", "{tmp}/s"], "model_index.json is a file: give the diffusers pipeline"),
     (["convert", "{pipe}", "{tmp}/s", "--storage", "vae=bf16,vae=fp8_e4m3"], "names vae twice"),
     (["plan", "wan2.1-t2v-14b", "--height", "481"], "height 481 is not a multiple of 16 (the VAE's"),
     ([], "the following arguments are required: command"),
@@ -210,8 +213,9 @@ def test_mp4_without_its_writer_is_an_error_not_a_gif(work, tmp_path):
         (["cogvideox-5b", "--height", "470"], "--height 470 is not a multiple of 16"),
         (["{pipe}", "--width", "15"], "--width 15 is not a multiple of"),
         (["{tmp}"], "has no model_index.json: give a diffusers pipeline directory or a preset name"),
+        (["{pipe}/model_index.json"], "model_index.json is a file: give the diffusers pipeline directory that holds"),
     ],
-    ids=["unknown", "preset-frames", "preset-height", "directory-width", "not-a-pipeline"],
+    ids=["unknown", "preset-frames", "preset-height", "directory-width", "not-a-pipeline", "its-index-file"],
 )
 def test_plan_refuses_a_model_or_shape_before_importing_torch(work, tmp_path, argv, message):
     # a plan builds its model on the meta device (seconds): what configs alone can refuse is refused first
@@ -246,20 +250,30 @@ def test_the_command_turns_on_expandable_segments_before_torch_starts_cuda(monke
         seen["conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
         return 0
 
+    def exit_now(code):  # the console script ends the process this way; here, the test goes on
+        raise SystemExit(code)
+
     monkeypatch.setattr(cli, "main", main)
+    monkeypatch.setattr(os, "_exit", exit_now)
+    monkeypatch.setattr(atexit, "_run_exitfuncs", lambda: None)  # pytest's own exit handlers run when pytest exits
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setattr(allocator, "set_by_command", False)
     for name in allocator.ENV_NAMES:
         monkeypatch.setenv(name, "restored by monkeypatch")
         monkeypatch.delenv(name)
-    with pytest.raises(SystemExit) as done:
-        cli.entry()
-    assert done.value.code == 0 and seen["conf"] == "expandable_segments:True" and allocator.set_by_command
-    seen.clear()
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")  # the user's own setting is kept
-    with pytest.raises(SystemExit):
-        cli.entry()
-    assert seen["conf"] == "max_split_size_mb:64"
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as done:
+            cli.entry()
+        assert done.value.code == 0 and seen["conf"] == "expandable_segments:True" and allocator.set_by_command
+        seen.clear()
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")  # the user's own setting is kept
+        with pytest.raises(SystemExit):
+            cli.entry()
+        assert seen["conf"] == "max_split_size_mb:64"
+    finally:
+        for sig, handler in previous.items():  # entry installs its own, for the process's last moments
+            signal.signal(sig, handler)
 
 
 def test_a_reader_gone_from_stdout_or_stderr_costs_nothing():
@@ -678,6 +692,39 @@ def test_an_interrupt_landing_in_a_finalizer_stops_the_command(monkeypatch, caps
         assert cli.main(["info"]) == 130
         time.sleep(0.01)  # the caller's code: nothing arrives here
     assert capsys.readouterr().err.strip().splitlines() == ["tritoff: interrupted"] * 20
+
+
+def _entry_with(tmp_path, command: str):
+    """Run the console script's ``entry`` in a child whose command (``main``) is ``command``; (code, out, err)."""
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import atexit, os, signal, sys\n"
+        "from tritoff import cli\n"
+        f"atexit.register(lambda: open({str(tmp_path / 'exited')!r}, 'w').close())\n"
+        f"def main(argv=None):\n    {command}\n"
+        "cli.main = main\n"
+        "cli.entry()\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=_env(), timeout=120)
+    return done.returncode, done.stdout, done.stderr
+
+
+def test_the_console_script_exits_with_the_commands_code_its_output_flushed_and_exit_handlers_run(tmp_path):
+    code, out, err = _entry_with(tmp_path, "sys.stdout.write('no newline, still buffered'); return 3")
+    assert (code, out, err) == (3, "no newline, still buffered", "")
+    assert (tmp_path / "exited").exists()
+
+
+def test_an_interrupt_once_the_command_has_ended_exits_130_in_one_line(tmp_path):
+    """A Ctrl-C in the moments after a command's last line (Python used to spend ~2 s tearing down torch, with signals
+    no longer handled) exits 130 with one line, not a traceback or a death by the signal."""
+    code, out, err = _entry_with(tmp_path, "print('video: v.mp4'); os.kill(os.getpid(), signal.SIGINT); return 0")
+    assert (code, out, err) == (130, "video: v.mp4\n", "tritoff: interrupted\n")
+    # interrupted inside the command: said once, by the command
+    code, out, err = _entry_with(
+        tmp_path, "cli._interrupted = True; print('tritoff: interrupted', file=sys.stderr); os.kill(os.getpid(), 2)"
+    )
+    assert (code, err) == (130, "tritoff: interrupted\n")
 
 
 def test_the_demos_frame_check_reads_the_demos_vae():

@@ -100,6 +100,8 @@ def test_a_directory_missing_a_models_config_or_with_a_broken_index_is_refused(t
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr and "config.json is missing" in done.stderr
     assert done.stdout == ""
+    with pytest.raises(ValueError, match=r"model_index\.json is a file: give the diffusers pipeline directory"):
+        tritoff.plan(tmp_path / "pipe" / "model_index.json", "1GB")
     for broken in ("{not json", "[1, 2]"):
         (tmp_path / "pipe" / "model_index.json").write_text(broken)
         with pytest.raises(ValueError, match=r"model_index\.json (cannot be read|is not a pipeline index)"):

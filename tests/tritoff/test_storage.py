@@ -8,7 +8,7 @@ import torch
 
 import tritoff
 from tritoff.pack import KIND_FP8
-from tritoff.storage import parse_storage, resolve_storage
+from tritoff.storage import describe_storage, parse_storage, resolve_storage
 from tritoff.store import INDEX, _index_hash, read_index
 
 from .helpers import WAN_CALL, dequantized_pipeline, run, wan
@@ -109,3 +109,14 @@ def test_a_format_2_store_is_read_with_its_one_storage(tmp_path):
     engine = _enable(pipe, mode="group", budget="4MB", store=tmp_path / "store")
     assert set(engine.options.storage.values()) == {"fp8_e4m3"}
     assert torch.equal(run(pipe, WAN_CALL), run(dequantized_pipeline(wan, storage), WAN_CALL))
+
+
+def test_the_reports_storage_names_the_majority_or_says_mixed():
+    assert describe_storage({"text_encoder": "fp8_e4m3", "transformer": "fp8_e4m3", "vae": "bf16"}) == (
+        "fp8_e4m3 (vae: own dtype)"
+    )
+    assert describe_storage({"text_encoder": "bf16", "transformer": "bf16"}) == "bf16"
+    # one component each: none of them is the pipeline's storage
+    assert describe_storage({"text_encoder": "fp8_e4m3", "transformer": "bf16", "vae": "fp8_e5m2"}) == (
+        "mixed (text_encoder: fp8_e4m3, transformer: own dtype, vae: fp8_e5m2)"
+    )

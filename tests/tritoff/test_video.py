@@ -139,6 +139,12 @@ def test_writable_targets_are_returned_as_paths(tmp_path, suffix):
             id="missing-directory",
         ),
         pytest.param(
+            "a-file/out.gif",
+            NotADirectoryError,
+            "cannot write {dir}/a-file/out.gif: {dir}/a-file is a file, not a directory",
+            id="a-file-as-its-directory",
+        ),
+        pytest.param(
             "taken.gif",
             IsADirectoryError,
             "cannot write {dir}/taken.gif: it is a directory; give a file name ending in .mp4 or .gif",
@@ -148,6 +154,7 @@ def test_writable_targets_are_returned_as_paths(tmp_path, suffix):
 )
 def test_unwritable_targets_are_refused_in_one_line(tmp_path, name, error, message):
     (tmp_path / "taken.gif").mkdir()
+    (tmp_path / "a-file").write_bytes(b"")
     path = f"{tmp_path}/{name}" if name.strip() else name
     with pytest.raises(error) as info:
         check_writable(path)
