@@ -176,3 +176,17 @@ def test_save_pretrained_is_refused_while_enabled_and_writes_the_weights_after_d
     reference = dequantize_in_place(wan().transformer)
     expected = dict(reference.named_parameters())
     assert all(torch.equal(p, expected[n]) for n, p in saved.named_parameters())
+
+
+def test_from_pipe_shares_the_enabled_components_when_given_their_dtype():
+    from diffusers import WanPipeline
+
+    pipe = wan().to(torch.float32)  # from_pipe casts every shared component to one dtype
+    engine = tritoff.enable(pipe, mode="group", budget="8MB", progress=False, kernels="reference")
+    assert engine.plan.tier_counts("transformer")["stream"] > 0
+    before = run(pipe, LATENTS)
+    with pytest.raises(RuntimeError, match="^moving or casting [a-z_]+ to torch.bfloat16: its weights live in"):
+        WanPipeline.from_pipe(pipe, torch_dtype=torch.bfloat16)
+    shared = WanPipeline.from_pipe(pipe, torch_dtype=torch.float32)
+    assert shared.transformer is pipe.transformer
+    assert torch.equal(run(shared, LATENTS), before) and torch.equal(run(pipe, LATENTS), before)
