@@ -28,6 +28,7 @@ from tritoff.planner import MODES
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+_MODEL_IS_A_FILE = "is a file: give the diffusers pipeline directory that holds model_index.json"
 # tritoff.engine.TRANSPORTS and tritoff.formats.FORMATS, known without importing torch, so that a typo is answered at
 # once (a test keeps them equal)
 TRANSPORTS = ("auto", "staged", "zero_copy")
@@ -256,7 +257,7 @@ def _check_model(model: str) -> Path:
     """A local pipeline directory, or something shaped like a hub id; else a one-line error."""
     local = Path(model)
     if local.is_file():
-        raise CliError(f"{model} is a file: give the diffusers pipeline directory that holds model_index.json")
+        raise CliError(f"{model} {_MODEL_IS_A_FILE}")
     if local.exists() and not (local / "model_index.json").is_file():
         raise CliError(f"{model} is not a diffusers pipeline directory (no model_index.json)")
     if not local.exists() and (model.startswith((".", "/", "~")) or model.count("/") != 1):
@@ -554,7 +555,7 @@ def _cmd_plan(args) -> int:
             )
         _check_dimensions(args, *_local_configs(Path(args.model)))
     elif Path(args.model).is_file():
-        raise CliError(f"{args.model} is a file: give the diffusers pipeline directory that holds model_index.json")
+        raise CliError(f"{args.model} {_MODEL_IS_A_FILE}")
     else:
         raise CliError(f"{args.model} is neither a local pipeline directory nor a preset ({', '.join(PRESETS)})")
     import tritoff

@@ -60,21 +60,17 @@ def resolve_storage(storage, components: dict) -> dict[str, str]:
 def describe_storage(storages: dict[str, str]) -> str:
     """A few words for reports: the storage of most components, then the others', e.g. ``fp8_e4m3 (vae: own
     dtype)``; ``mixed (...)`` naming each component's when no storage is held by more components than any other."""
+    uniform = len(set(storages.values())) == 1
+    shown = {name: fmt if fmt in FP8 or uniform else "own dtype" for name, fmt in storages.items()}
     by_format: dict[str, list[str]] = {}
-    for name, fmt in storages.items():
-        by_format.setdefault(fmt if fmt in FP8 or len(set(storages.values())) == 1 else "own dtype", []).append(name)
+    for name, fmt in shown.items():
+        by_format.setdefault(fmt, []).append(name)
     main, *others = sorted(by_format, key=lambda f: (-len(by_format[f]), f not in FP8))
     if not others:
         return main
     if len(by_format[main]) == len(by_format[others[0]]):  # a tie: no storage is the pipeline's
-        return f"mixed ({', '.join(f'{n}: {fmt}' for n, fmt in _described(storages, by_format))})"
+        return f"mixed ({', '.join(f'{n}: {fmt}' for n, fmt in shown.items())})"
     return f"{main} ({', '.join(f'{n}: {fmt}' for fmt in others for n in by_format[fmt])})"
-
-
-def _described(storages: dict[str, str], by_format: dict[str, list[str]]) -> list[tuple[str, str]]:
-    """(component, its storage as described) in the order of ``storages``."""
-    described = {n: fmt for fmt, names in by_format.items() for n in names}
-    return [(n, described[n]) for n in storages]
 
 
 def common_fp8(storages: dict[str, str]) -> str:

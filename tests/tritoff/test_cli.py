@@ -722,7 +722,8 @@ def test_an_interrupt_once_the_command_has_ended_exits_130_in_one_line(tmp_path)
     assert (code, out, err) == (130, "video: v.mp4\n", "tritoff: interrupted\n")
     # interrupted inside the command: said once, by the command
     code, out, err = _entry_with(
-        tmp_path, "cli._interrupted = True; print('tritoff: interrupted', file=sys.stderr); os.kill(os.getpid(), 2)"
+        tmp_path,
+        "cli._interrupted = True; print('tritoff: interrupted', file=sys.stderr); os.kill(os.getpid(), signal.SIGINT)",
     )
     assert (code, err) == (130, "tritoff: interrupted\n")
 
