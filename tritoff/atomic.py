@@ -22,6 +22,18 @@ def umask() -> int:
     return mask
 
 
+def can_create_in(directory: str | Path) -> bool:
+    """Whether a file can be created in ``directory``: modes do not stop root, but a read-only or virtual file system
+    (``/sys``, ``/proc``) does, which only trying tells."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".tritoff-probe.")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | Path, suffix: str = ""):
     """Yield a temporary path in ``path``'s directory; on success rename it to ``path``, on failure remove it. The

@@ -23,6 +23,7 @@ _UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
+MAX_BYTES = 2**63  # sizes from this up are refused
 _PATTERN = re.compile(r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*|%)\s*$")  # 12GB, 1.5e9
 
 
@@ -31,7 +32,7 @@ def parse_size(value: int | float | str, *, what: str = "budget", total: int | N
     if isinstance(value, bool):
         raise ValueError(f"invalid {what} {value!r}: give bytes, e.g. '12GB', '12GiB' or '80%'")
     if isinstance(value, (int, float)):
-        if not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):  # an int is finite, if too large for a float
             raise ValueError(f"invalid {what} {value!r}: give a finite number of bytes, e.g. '12GB'")
         if value <= 0:
             raise ValueError(f"invalid {what} {value!r}: it must be positive, e.g. '12GB'")
@@ -55,9 +56,13 @@ def parse_size(value: int | float | str, *, what: str = "budget", total: int | N
 
 
 def _whole_bytes(size: float, value, what: str) -> int:
-    """``size`` rounded down to whole bytes; less than one byte is refused (``budget=0.5`` meant a unit)."""
+    """``size`` rounded down to whole bytes; less than one byte is refused (``budget=0.5`` meant a unit), and so is
+    more than any machine addresses (2**63 bytes: arithmetic in floats and in torch would overflow on it)."""
     if size < 1:
         raise ValueError(f"invalid {what} {value!r}: that is less than one byte; give a unit, e.g. '12GB'")
+    if size >= MAX_BYTES:
+        shown = repr(value) if len(repr(value)) <= 24 else f"of {len(str(value))} characters"
+        raise ValueError(f"invalid {what} {shown}: more than 2**63 bytes, more than any machine has; e.g. '12GB'")
     return int(size)
 
 

@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 
 from tritoff.allocator import prefer_expandable_segments
+from tritoff.atomic import can_create_in
 from tritoff.planner import MODES
 
 EXIT_USAGE = 2
@@ -154,8 +155,8 @@ def _check_spill_dir(args) -> None:
     path = Path(args.spill_dir).expanduser()
     if path.exists() and not path.is_dir():
         raise CliError(f"--spill-dir {args.spill_dir} is not a directory")
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK) or not can_create_in(existing):
         raise CliError(f"--spill-dir {args.spill_dir}: {existing} is not a writable directory")
 
 

@@ -27,6 +27,7 @@ import torch
 import xxhash
 
 from tritoff.arena import PAGE, HostArena
+from tritoff.atomic import can_create_in
 from tritoff.pack import align
 from tritoff.warn import warn
 
@@ -214,7 +215,7 @@ def spill_directory(directory, create: bool = True) -> Path:
         existing = next(p for p in (directory, *directory.absolute().parents) if p.exists())
         if not existing.is_dir():
             raise NotADirectoryError(f"{existing} is not a directory")
-        if not os.access(existing, os.W_OK | os.X_OK):
+        if not os.access(existing, os.W_OK | os.X_OK) or not can_create_in(existing):
             raise PermissionError("not writable")
     except OSError as err:
         raise ValueError(

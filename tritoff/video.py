@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import os
-import tempfile
+import subprocess
 from pathlib import Path
 
 import numpy as np
 
-from tritoff.atomic import atomic_path
+from tritoff.atomic import atomic_path, can_create_in
 
 # channel counts a frame may have: grey, RGB, RGBA
 CHANNELS = (1, 3, 4)
@@ -74,36 +75,61 @@ def check_writable(path: str | Path) -> Path:
         raise FileNotFoundError(f"cannot write {path}: directory {parent} does not exist")
     if path.is_dir():
         raise IsADirectoryError(f"cannot write {path}: it is a directory; give a file name ending in .mp4 or .gif")
-    if not os.access(parent, os.W_OK) or not _can_create_in(parent):
+    if not os.access(parent, os.W_OK) or not can_create_in(parent):
         raise PermissionError(f"cannot write {path}: directory {parent} is not writable")
     if path.suffix.lower() == ".mp4":
         _mp4_writer()
     return path
 
 
-def _can_create_in(directory: Path) -> bool:
-    """Whether a file can be created in ``directory``: modes do not stop root, but a read-only or virtual file system
-    (``/sys``) does, which only trying tells."""
-    try:
-        fd, probe = tempfile.mkstemp(dir=directory, prefix=".tritoff-probe.")
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(probe)
-    return True
-
-
 def _mp4_writer():
-    """imageio's v3 API, with its ffmpeg plugin available; else a one-line error saying what to install."""
+    """imageio-ffmpeg, which carries an ffmpeg; else a one-line error saying what to install."""
     try:
-        import imageio.v3 as iio
-        import imageio_ffmpeg  # noqa: F401
+        import imageio_ffmpeg
     except ImportError:
         raise ValueError(
             "writing .mp4 needs imageio and imageio-ffmpeg (tritoff's dependencies): "
             "pip install imageio imageio-ffmpeg, or write a .gif"
         ) from None
-    return iio
+    return imageio_ffmpeg
+
+
+# the machine's errors ffmpeg may end with, told by their message (it exits with a code of its own)
+FFMPEG_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS, errno.EACCES)
+
+
+def _encode_mp4(array: np.ndarray, tmp: str, fps: int, path: Path) -> None:
+    """Encode ``array`` (F, H, W, 3 or 4, uint8) as H.264 into ``tmp`` with imageio-ffmpeg's ffmpeg, the frames
+    streamed to its stdin. ffmpeg's exit status is checked (a full disk shows only there and on its stderr), and
+    ffmpeg has ended before this returns or raises, so nothing writes ``tmp`` once its caller removes it (an
+    interrupt kills it)."""
+    _, height, width, channels = array.shape
+    command = [
+        _mp4_writer().get_ffmpeg_exe(), "-y", "-v", "error", "-f", "rawvideo", "-vcodec", "rawvideo",
+        "-s", f"{width}x{height}", "-pix_fmt", "rgba" if channels == 4 else "rgb24", "-r", str(fps), "-i", "-",
+        "-an", "-vcodec", "libx264", "-pix_fmt", "yuv420p", tmp,
+    ]  # fmt: skip
+    # its own session: a Ctrl-C at the terminal reaches tritoff, which stops it, rather than ffmpeg finishing the file
+    process = subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        _, stderr = process.communicate(memoryview(np.ascontiguousarray(array)).cast("B"))
+    finally:
+        if process.returncode is None:  # interrupted
+            process.kill()
+            process.wait()
+    if process.returncode == 0 and os.path.getsize(tmp) > 0:
+        return
+    said = stderr.decode(errors="replace").strip().splitlines()
+    if said:  # its last line, less the "[out#0/mp4 @ 0x...] " that names the muxer
+        last = said[-1].split("] ", 1)[-1]
+    else:
+        last = "it wrote nothing" if process.returncode == 0 else f"exit status {process.returncode}"
+    code = next((c for c in FFMPEG_ERRNOS if os.strerror(c) in "\n".join(said)), None)
+    if code is not None:
+        raise OSError(code, os.strerror(code))
+    raise RuntimeError(f"ffmpeg could not write {path} ({last}): write a .gif, or check the frames' size")
 
 
 def write_video(frames, path: str | Path, fps: int = 16) -> Path:
@@ -116,10 +142,7 @@ def write_video(frames, path: str | Path, fps: int = 16) -> Path:
             if path.suffix.lower() == ".mp4":
                 # H.264 in yuv420p needs an even width and height: an odd one gets its last row or column repeated
                 pad = ((0, 0), (0, array.shape[1] % 2), (0, array.shape[2] % 2), (0, 0))
-                padded = np.pad(array, pad, mode="edge")
-                _mp4_writer().imwrite(tmp, padded, fps=fps, codec="libx264", macro_block_size=1)
-                if os.path.getsize(tmp) == 0:  # ffmpeg reports some failures only on its stderr
-                    raise RuntimeError(f"ffmpeg wrote nothing for {path}: write a .gif, or check the frames' size")
+                _encode_mp4(np.pad(array, pad, mode="edge"), tmp, fps, path)
             else:
                 from PIL import Image
 

@@ -1,11 +1,12 @@
-"""tritoff/atomic.py: a file appears complete or not at all, with the mode a plain ``open`` gives new files."""
+"""tritoff/atomic.py: a file appears complete or not at all, with the mode a plain ``open`` gives new files; whether a
+directory can hold new files is found by making one."""
 
 import os
 import stat
 
 import pytest
 
-from tritoff.atomic import atomic_path, umask
+from tritoff.atomic import atomic_path, can_create_in, umask
 
 
 @pytest.fixture
@@ -97,3 +98,13 @@ def test_a_missing_directory_fails_before_the_writer_runs(tmp_path):
         with atomic_path(tmp_path / "missing" / "out.bin"):
             ran.append(True)
     assert ran == [] and not (tmp_path / "missing").exists()
+
+
+def test_a_directory_that_can_hold_files_is_told_and_the_probe_is_gone(tmp_path):
+    assert can_create_in(tmp_path) and os.listdir(tmp_path) == []
+    assert not can_create_in(tmp_path / "missing")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="no /proc")
+def test_procfs_holds_no_new_file_whatever_its_modes_say():
+    assert not can_create_in("/proc")  # root may write by its modes; procfs refuses to create

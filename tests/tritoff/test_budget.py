@@ -29,6 +29,7 @@ def test_the_default_budget_leaves_five_percent_of_free_memory_and_at_least_512_
         ("2.7B", 2),  # whole bytes, rounded down
         ("1e9", 10**9),  # what Python prints for 1e9
         ("2.5E3 MB", 2_500_000_000),
+        (2**63 - 1, 2**63 - 1),  # the largest size taken
         ("25%", GiB),
     ],
     ids=str,
@@ -49,6 +50,10 @@ def test_sizes_in_every_spelling(value, expected):
         (float("nan"), "give a finite number"),
         ("1e999", "give a finite number"),
         ("1e308GB", "give a finite number"),
+        pytest.param(10**400, "invalid budget of 401 characters: more than 2\\*\\*63", id="10**400"),  # over a float
+        (2**63, "invalid budget 9223372036854775808: more than 2\\*\\*63 bytes"),
+        ("10000PB", "invalid budget '10000PB': give bytes"),
+        ("1e10TB", "more than 2\\*\\*63 bytes, more than any machine has"),
         ("12e", "invalid budget '12e': give bytes"),
         ("120%", "at most 100%"),
         (0.5, "less than one byte; give a unit"),

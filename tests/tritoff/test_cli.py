@@ -136,6 +136,11 @@ BAD = [
         ["run", "{pipe}", "--prompt", "x", "--host-budget", "1GB", "--spill-dir", "{tmp}/list/tritoff_store.json/x"],
         "is not a writable directory",
     ),
+    # procfs: its modes let root write, but no file can be made there
+    (
+        ["run", "{pipe}", "--prompt", "x", "--host-budget", "1GB", "--spill-dir", "/proc/spill"],
+        "--spill-dir /proc/spill: /proc is not a writable directory",
+    ),
     (["plan", "wan2.1-t2v-14b", "--host-budget", "abc"], "invalid --host-budget 'abc'"),
     (["run", "{pipe}", "--prompt", "x", "--out", "/no/such/dir/v.mp4"], "does not exist"),
     (["run", "{pipe}", "--prompt", "x", "--out", "{tmp}/v.avi"], "name the video .mp4 or .gif"),

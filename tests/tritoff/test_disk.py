@@ -366,7 +366,7 @@ def test_a_spill_dir_that_is_not_a_path_is_refused_in_one_line(value):
     assert not hasattr(pipe, "_tritoff_engine")
 
 
-@pytest.mark.parametrize("where", ["empty", "a-file", "under-a-file", "no-such-user", "dangling-link"])
+@pytest.mark.parametrize("where", ["empty", "a-file", "under-a-file", "no-such-user", "dangling-link", "procfs"])
 def test_a_spill_dir_that_cannot_hold_files_is_refused_even_when_nothing_spills_yet(tmp_path, where):
     # a host budget holding every pack spills nothing now, but enabled again in other groups (leaf <-> block) it may
     (tmp_path / "file").write_text("")
@@ -377,6 +377,7 @@ def test_a_spill_dir_that_cannot_hold_files_is_refused_even_when_nothing_spills_
         "under-a-file": str(tmp_path / "file" / "spill"),
         "no-such-user": "~no-such-user-of-tritoff/spill",
         "dangling-link": str(tmp_path / "link"),
+        "procfs": "/proc/tritoff-spill",  # its modes let root write, but no file can be made there
     }[where]
     message = {
         "empty": "spill_dir is empty",
@@ -384,6 +385,7 @@ def test_a_spill_dir_that_cannot_hold_files_is_refused_even_when_nothing_spills_
         "under-a-file": "cannot hold the packs beyond host_budget",
         "no-such-user": "spill_dir ~no-such-user-of-tritoff/spill: ",
         "dangling-link": "link is a link to .*gone, which does not exist: create that directory",
+        "procfs": r"spill_dir /proc/tritoff-spill cannot hold the packs beyond host_budget \(not writable\)",
     }[where]
     pipe = wan()
     with pytest.raises(ValueError, match=message) as info:

@@ -1,11 +1,15 @@
 """tritoff/video.py: frames converted to uint8 exactly, videos written complete or not at all, unwritable targets
 refused early in one line."""
 
+import errno
 import os
 import re
 import stat
+import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import imageio.v3 as iio
 import numpy as np
@@ -242,21 +246,70 @@ def test_a_written_video_gets_the_mode_the_umask_gives_new_files(tmp_path, suffi
     assert os.listdir(tmp_path) == [f"clip{suffix}"]
 
 
-def test_a_writer_failing_halfway_leaves_the_previous_video_untouched(tmp_path, monkeypatch):
+def _fake_ffmpeg(tmp_path, monkeypatch, script: str) -> Path:
+    """Stand in for imageio-ffmpeg's ffmpeg with a shell ``script`` (its output file is the last argument, ``$out``)."""
+    exe = tmp_path / "bin" / "ffmpeg"
+    exe.parent.mkdir()
+    exe.write_text(f"#!/bin/sh\nfor out; do :; done\n{script}\n")
+    exe.chmod(0o755)
+    monkeypatch.setattr(video, "_mp4_writer", lambda: SimpleNamespace(get_ffmpeg_exe=lambda: str(exe)))
+    return exe
+
+
+def test_a_full_disk_while_encoding_is_said_of_the_video_and_the_previous_one_stays(tmp_path, monkeypatch):
+    # what ffmpeg does when the disk fills at the end: a partial file, the reason on its stderr, an exit code of its own
+    full = """cat > /dev/null
+printf '\\000\\000\\000\\030ftypisom' > "$out"
+echo '[out#0/mp4 @ 0x55] Error writing trailer: No space left on device' >&2
+echo '[out#0/mp4 @ 0x55] Error closing file: No space left on device' >&2
+exit 228"""
+    _fake_ffmpeg(tmp_path, monkeypatch, full)
     target = tmp_path / "clip.mp4"
     target.write_bytes(b"the previous video")
+    with pytest.raises(OSError, match=rf"cannot write {re.escape(str(target))}: No space left on device$") as info:
+        write_video(torch.rand(2, 3, 16, 16), target)
+    assert info.value.errno == errno.ENOSPC
+    assert target.read_bytes() == b"the previous video"
+    assert sorted(os.listdir(tmp_path)) == ["bin", "clip.mp4"]
 
-    class DyingWriter:
-        def imwrite(self, tmp, array, **kwargs):
-            with open(tmp, "wb") as f:
-                f.write(b"\x00\x00\x00\x18ftypisom")  # the start of an mp4, then the encoder dies
-            raise RuntimeError("ffmpeg exited with code 1")
 
-    monkeypatch.setattr(video, "_mp4_writer", DyingWriter)
-    with pytest.raises(RuntimeError, match="ffmpeg exited"):
+@pytest.mark.parametrize(
+    "script, said",
+    [
+        ("cat > /dev/null; echo '[libx264 @ 0x1] width not divisible by 2' >&2; exit 1", "(width not divisible by 2)"),
+        ("cat > /dev/null; exit 0", "(it wrote nothing)"),  # an empty file and a zero exit status
+        ("exit 3", "(exit status 3)"),  # gone before reading every frame, saying nothing
+    ],
+    ids=["says-why", "writes-nothing", "says-nothing"],
+)
+def test_an_encoder_failing_is_one_line_naming_why_and_the_previous_video_stays(tmp_path, monkeypatch, script, said):
+    _fake_ffmpeg(tmp_path, monkeypatch, script)
+    target = tmp_path / "clip.mp4"
+    target.write_bytes(b"the previous video")
+    message = f"^ffmpeg could not write {re.escape(str(target))} {re.escape(said)}: write a .gif"
+    with pytest.raises(RuntimeError, match=message):
         write_video(torch.rand(2, 3, 16, 16), target)
     assert target.read_bytes() == b"the previous video"
-    assert os.listdir(tmp_path) == ["clip.mp4"]
+    assert sorted(os.listdir(tmp_path)) == ["bin", "clip.mp4"]
+
+
+def test_an_interrupt_while_encoding_stops_ffmpeg_before_its_file_is_removed(tmp_path, monkeypatch):
+    # an ffmpeg still encoding when the interrupt comes: left running, it would write its file after tritoff removed it
+    _fake_ffmpeg(tmp_path, monkeypatch, f"touch {tmp_path}/started; exec sleep 30")
+    started = []
+
+    class Interrupted(subprocess.Popen):
+        def communicate(self, *args, **kwargs):
+            started.append(self)
+            while not (tmp_path / "started").exists():
+                time.sleep(0.01)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(video.subprocess, "Popen", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_video(torch.rand(2, 3, 16, 16), tmp_path / "clip.mp4")
+    assert started[0].returncode is not None  # ended (killed) before write_video gave up
+    assert sorted(os.listdir(tmp_path)) == ["bin", "started"]
 
 
 def test_an_unwritable_target_is_refused_before_any_frame_is_converted(tmp_path):
@@ -276,21 +329,6 @@ def test_an_mp4_of_odd_size_gets_its_last_row_repeated_to_the_even_size_h264_nee
     back = iio.imread(target)
     assert back.shape == (4, 16, 18, 3)
     assert abs(int(back[:, -1].astype(int).mean()) - 128) <= 2  # the repeated edge, not black padding
-
-
-def test_an_encoder_that_writes_nothing_is_an_error_and_the_previous_video_stays(tmp_path, monkeypatch):
-    class SilentWriter:
-        @staticmethod
-        def imwrite(path, array, **kwargs):
-            open(path, "wb").close()  # what ffmpeg leaves when it fails with only a message on its stderr
-
-    target = tmp_path / "clip.mp4"
-    target.write_bytes(b"the previous video")
-    monkeypatch.setattr(video, "_mp4_writer", SilentWriter)
-    with pytest.raises(RuntimeError, match="ffmpeg wrote nothing for .*clip.mp4: write a .gif"):
-        write_video(torch.rand(2, 3, 16, 16), target)
-    assert target.read_bytes() == b"the previous video"
-    assert os.listdir(tmp_path) == ["clip.mp4"]
 
 
 def test_diffusers_np_output_a_batch_of_channels_last_arrays_is_read_as_such():
