@@ -107,7 +107,7 @@ def _encode_mp4(array: np.ndarray, tmp: str, fps: int, path: Path) -> None:
     command = [
         _mp4_writer().get_ffmpeg_exe(), "-y", "-v", "error", "-f", "rawvideo", "-vcodec", "rawvideo",
         "-s", f"{width}x{height}", "-pix_fmt", "rgba" if channels == 4 else "rgb24", "-r", str(fps), "-i", "-",
-        "-an", "-vcodec", "libx264", "-pix_fmt", "yuv420p", tmp,
+        "-an", "-vcodec", "libx264", "-pix_fmt", "yuv420p", os.path.abspath(tmp),  # never read as "proto:..."
     ]  # fmt: skip
     # its own session: a Ctrl-C at the terminal reaches tritoff, which stops it, rather than ffmpeg finishing the file
     process = subprocess.Popen(

@@ -375,3 +375,12 @@ def test_a_full_disk_is_said_of_the_video_it_stopped_and_leaves_no_file(tmp_path
     with pytest.raises(OSError, match=rf"cannot write {re.escape(str(out))}: No space left on device") as info:
         write_video(torch.rand(2, 3, 8, 8), out)
     assert info.value.errno == 28 and list(tmp_path.iterdir()) == []
+
+
+def test_an_mp4_in_a_directory_named_like_a_protocol_is_written_there(tmp_path, monkeypatch):
+    # ffmpeg reads a relative "rtmp:x/v.mp4" as a stream to open on host x, not as a file
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rtmp:x").mkdir()
+    write_video(torch.rand(2, 3, 16, 16), "rtmp:x/v.mp4")
+    assert iio.imread(tmp_path / "rtmp:x" / "v.mp4").shape == (2, 16, 16, 3)
+    assert os.listdir(tmp_path / "rtmp:x") == ["v.mp4"]
