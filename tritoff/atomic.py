@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import tempfile
+import threading
 from pathlib import Path
+
+# the longest temporary name's part taken from the target's name: with the rest, within the 255 bytes of a file name
+NAME_PART = 200
 
 
 def umask() -> int:
@@ -35,18 +40,43 @@ def can_create_in(directory: str | Path) -> bool:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | Path, suffix: str = ""):
-    """Yield a temporary path in ``path``'s directory; on success rename it to ``path``, on failure remove it. The
-    file gets the mode a plain ``open`` would give it (0666 less the umask), not the private one of ``mkstemp``."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+def interrupts_held():
+    """Hold Ctrl-C and SIGTERM while the block makes something its caller must clean up (a file, a child process)
+    but has no handle on yet: each is delivered to its own handler as the block ends, where the caller's cleanup
+    then sees what was made. Only the main thread runs signal handlers, so elsewhere nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    held = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is not None:  # None: a handler set outside Python, which cannot be put back
+            held[sig] = signal.signal(sig, lambda signum, frame: pending.append(signum))
     try:
-        os.fchmod(fd, 0o666 & ~umask())
+        yield
     finally:
-        os.close(fd)
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
+        for sig in pending:
+            signal.raise_signal(sig)  # its own handler runs now (Ctrl-C's raises KeyboardInterrupt here)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path, suffix: str = ""):
+    """Yield a temporary path in ``path``'s directory; on success rename it to ``path``, on failure or interrupt
+    remove it. The file gets the mode a plain ``open`` would give it (0666 less the umask), not the private one of
+    ``mkstemp``."""
+    path = Path(path)
+    tmp = None
     try:
+        with interrupts_held():  # an interrupt between making the file and naming it here would leave it behind
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:NAME_PART]}.", suffix=suffix)
+            try:
+                os.fchmod(fd, 0o666 & ~umask())
+            finally:
+                os.close(fd)
         yield tmp
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
+import signal
 import subprocess
 from pathlib import Path
 
 import numpy as np
 
-from tritoff.atomic import atomic_path, can_create_in
+from tritoff.atomic import atomic_path, can_create_in, interrupts_held
 
 # channel counts a frame may have: grey, RGB, RGBA
 CHANNELS = (1, 3, 4)
@@ -58,6 +60,7 @@ def to_uint8_frames(frames) -> np.ndarray:
 
 
 VIDEO_SUFFIXES = (".mp4", ".gif")
+NAME_MAX = 255  # bytes in a file name (Linux, macOS)
 
 
 def check_writable(path: str | Path) -> Path:
@@ -69,6 +72,8 @@ def check_writable(path: str | Path) -> Path:
     parent = path.parent if str(path.parent) else Path(".")
     if path.suffix.lower() not in VIDEO_SUFFIXES:
         raise ValueError(f"cannot write {path}: name the video .mp4 or .gif")
+    if len(os.fsencode(path.name)) > NAME_MAX:
+        raise ValueError(f"cannot write {path}: its name is longer than {NAME_MAX} bytes; give a shorter one")
     if parent.exists() and not parent.is_dir():
         raise NotADirectoryError(f"cannot write {path}: {parent} is a file, not a directory")
     if not parent.is_dir():
@@ -78,7 +83,7 @@ def check_writable(path: str | Path) -> Path:
     if not os.access(parent, os.W_OK) or not can_create_in(parent):
         raise PermissionError(f"cannot write {path}: directory {parent} is not writable")
     if path.suffix.lower() == ".mp4":
-        _mp4_writer()
+        _ffmpeg()
     return path
 
 
@@ -94,6 +99,21 @@ def _mp4_writer():
     return imageio_ffmpeg
 
 
+def _ffmpeg() -> str:
+    """The ffmpeg that encodes .mp4: imageio-ffmpeg's own, or the one ``IMAGEIO_FFMPEG_EXE`` names; else a one-line
+    error."""
+    try:
+        exe = _mp4_writer().get_ffmpeg_exe()
+    except RuntimeError as err:  # no ffmpeg found
+        raise ValueError(f"writing .mp4 needs ffmpeg: {err}; or write a .gif") from None
+    if shutil.which(exe) is None:
+        raise ValueError(
+            f"writing .mp4 needs ffmpeg, and {exe} (imageio-ffmpeg's, or IMAGEIO_FFMPEG_EXE's) is not an executable "
+            "file: fix that, or write a .gif"
+        )
+    return exe
+
+
 # the machine's errors ffmpeg may end with, told by their message (it exits with a code of its own)
 FFMPEG_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS, errno.EACCES)
 
@@ -104,23 +124,38 @@ def _encode_mp4(array: np.ndarray, tmp: str, fps: int, path: Path) -> None:
     ffmpeg has ended before this returns or raises, so nothing writes ``tmp`` once its caller removes it (an
     interrupt kills it)."""
     _, height, width, channels = array.shape
+    exe = _ffmpeg()
     command = [
-        _mp4_writer().get_ffmpeg_exe(), "-y", "-v", "error", "-f", "rawvideo", "-vcodec", "rawvideo",
+        exe, "-y", "-v", "error", "-f", "rawvideo", "-vcodec", "rawvideo",
         "-s", f"{width}x{height}", "-pix_fmt", "rgba" if channels == 4 else "rgb24", "-r", str(fps), "-i", "-",
         "-an", "-vcodec", "libx264", "-pix_fmt", "yuv420p", os.path.abspath(tmp),  # never read as "proto:..."
     ]  # fmt: skip
-    # its own session: a Ctrl-C at the terminal reaches tritoff, which stops it, rather than ffmpeg finishing the file
-    process = subprocess.Popen(
-        command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-    )
+    process = None
     try:
+        # held: an interrupt inside Popen, once ffmpeg runs, would leave it running with no handle to stop it. Its own
+        # session: a Ctrl-C at the terminal reaches tritoff, which stops it, rather than ffmpeg finishing the file
+        with interrupts_held():
+            process = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
         _, stderr = process.communicate(memoryview(np.ascontiguousarray(array)).cast("B"))
+    except OSError as err:
+        if process is None:  # ffmpeg did not start: not the video's fault
+            raise ValueError(f"cannot run ffmpeg {exe}: {err.strerror or err}; fix it, or write a .gif") from None
+        raise
     finally:
-        if process.returncode is None:  # interrupted
-            process.kill()
-            process.wait()
+        if process is not None and process.returncode is None:  # interrupted
+            with interrupts_held():
+                process.kill()
+                process.wait()
     if process.returncode == 0 and os.path.getsize(tmp) > 0:
         return
+    if process.returncode == -signal.SIGXFSZ:  # a file size limit (ulimit -f): ffmpeg killed for writing past it
+        raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
     said = stderr.decode(errors="replace").strip().splitlines()
     if said:  # its last line, less the "[out#0/mp4 @ 0x...] " that names the muxer
         last = said[-1].split("] ", 1)[-1]

@@ -2,11 +2,13 @@
 directory can hold new files is found by making one."""
 
 import os
+import signal
 import stat
 
 import pytest
 
-from tritoff.atomic import atomic_path, can_create_in, umask
+from tritoff import atomic
+from tritoff.atomic import atomic_path, can_create_in, interrupts_held, umask
 
 
 @pytest.fixture
@@ -108,3 +110,29 @@ def test_a_directory_that_can_hold_files_is_told_and_the_probe_is_gone(tmp_path)
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="no /proc")
 def test_procfs_holds_no_new_file_whatever_its_modes_say():
     assert not can_create_in("/proc")  # root may write by its modes; procfs refuses to create
+
+
+def test_an_interrupt_while_the_temporary_file_is_made_still_removes_it(tmp_path, monkeypatch):
+    def interrupted():  # Ctrl-C between making the file and handing out its name
+        signal.raise_signal(signal.SIGINT)
+        return 0o022
+
+    monkeypatch.setattr(atomic, "umask", interrupted)
+    with pytest.raises(KeyboardInterrupt), atomic_path(tmp_path / "out.bin"):
+        raise AssertionError("the block ran: the interrupt was not delivered where the file was made")
+    assert os.listdir(tmp_path) == []
+
+
+def test_held_interrupts_reach_their_own_handlers_once_the_block_ends_and_the_handlers_are_back():
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with interrupts_held():
+            signal.raise_signal(signal.SIGTERM)
+            assert seen == []  # held
+        assert seen == [signal.SIGTERM]
+        with pytest.raises(KeyboardInterrupt), interrupts_held():
+            signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -4,6 +4,7 @@ refused early in one line."""
 import errno
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -384,3 +385,58 @@ def test_an_mp4_in_a_directory_named_like_a_protocol_is_written_there(tmp_path, 
     write_video(torch.rand(2, 3, 16, 16), "rtmp:x/v.mp4")
     assert iio.imread(tmp_path / "rtmp:x" / "v.mp4").shape == (2, 16, 16, 3)
     assert os.listdir(tmp_path / "rtmp:x") == ["v.mp4"]
+
+
+def test_a_file_size_limit_is_said_as_the_file_being_too_large(tmp_path, monkeypatch):
+    _fake_ffmpeg(tmp_path, monkeypatch, 'printf x > "$out"; kill -XFSZ $$')  # what writing past `ulimit -f` does
+    target = tmp_path / "clip.mp4"
+    with pytest.raises(OSError, match=rf"cannot write {re.escape(str(target))}: File too large$") as info:
+        write_video(torch.rand(2, 3, 16, 16), target)
+    assert info.value.errno == errno.EFBIG and sorted(os.listdir(tmp_path)) == ["bin"]
+
+
+def test_an_interrupt_while_ffmpeg_starts_still_stops_it_and_removes_its_file(tmp_path, monkeypatch):
+    # Ctrl-C landing inside Popen, once ffmpeg runs but before its handle is returned, is held until the handle is kept
+    _fake_ffmpeg(tmp_path, monkeypatch, "exec sleep 30")
+    started = []
+
+    class InterruptedWhileStarting(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(video.subprocess, "Popen", InterruptedWhileStarting)
+    with pytest.raises(KeyboardInterrupt):
+        write_video(torch.rand(2, 3, 16, 16), tmp_path / "clip.mp4")
+    assert started[0].returncode is not None  # stopped, not left running
+    assert sorted(os.listdir(tmp_path)) == ["bin"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+
+
+@pytest.mark.parametrize("exe", ["/no/such/ffmpeg", "{tmp}/not-executable"])
+def test_an_ffmpeg_that_is_not_there_is_refused_before_the_run(tmp_path, monkeypatch, exe):
+    (tmp_path / "not-executable").write_text("")
+    exe = exe.format(tmp=tmp_path)
+    monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", exe)
+    said = f"{exe} (imageio-ffmpeg's, or IMAGEIO_FFMPEG_EXE's) is not an executable file: fix that, or write a .gif"
+    with pytest.raises(ValueError, match=f"^writing .mp4 needs ffmpeg, and {re.escape(said)}$"):
+        check_writable(tmp_path / "clip.mp4")
+
+
+def test_an_ffmpeg_that_cannot_run_is_said_of_ffmpeg_not_of_the_video(tmp_path, monkeypatch):
+    exe = tmp_path / "ffmpeg"
+    exe.write_bytes(b"\x7fELF not really")  # executable by its mode, not by its contents
+    exe.chmod(0o755)
+    monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", str(exe))
+    with pytest.raises(ValueError, match=rf"^cannot run ffmpeg {re.escape(str(exe))}: Exec format error; fix it"):
+        write_video(torch.rand(2, 3, 16, 16), tmp_path / "clip.mp4")
+    assert os.listdir(tmp_path) == ["ffmpeg"]
+
+
+def test_a_name_too_long_for_the_file_system_is_refused_before_the_run_and_a_long_one_is_written(tmp_path):
+    with pytest.raises(ValueError, match="its name is longer than 255 bytes; give a shorter one"):
+        check_writable(tmp_path / ("é" * 126 + ".gif"))  # 256 bytes in UTF-8
+    target = tmp_path / ("v" * 251 + ".gif")  # 255 bytes: its temporary name is made shorter
+    write_video(torch.rand(2, 3, 8, 8), target)
+    assert os.listdir(tmp_path) == [target.name]
