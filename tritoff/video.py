@@ -1,4 +1,4 @@
-"""Writing generated frames as mp4 (imageio-ffmpeg, a dependency) or an animated GIF; never half-written."""
+"""Writing generated frames as mp4 (the ffmpeg imageio-ffmpeg carries) or an animated GIF; never half-written."""
 
 from __future__ import annotations
 
@@ -93,8 +93,7 @@ def _mp4_writer():
         import imageio_ffmpeg
     except ImportError:
         raise ValueError(
-            "writing .mp4 needs imageio and imageio-ffmpeg (tritoff's dependencies): "
-            "pip install imageio imageio-ffmpeg, or write a .gif"
+            "writing .mp4 needs imageio-ffmpeg (a dependency of tritoff): pip install imageio-ffmpeg, or write a .gif"
         ) from None
     return imageio_ffmpeg
 

@@ -206,7 +206,7 @@ def test_mp4_without_its_writer_is_an_error_not_a_gif(work, tmp_path):
         text=True,
         env=_env(),
     )
-    assert_one_line_error(done.returncode, done.stdout, done.stderr, "writing .mp4 needs imageio and imageio-ffmpeg")
+    assert_one_line_error(done.returncode, done.stdout, done.stderr, "writing .mp4 needs imageio-ffmpeg (a dependency")
     assert list(tmp_path.iterdir()) == []
 
 
