@@ -1,6 +1,7 @@
 """Test setup: Triton's interpreter on CPU-only machines, GPU marker, NaN-poisoned outputs, tiny local models."""
 
 import os
+import signal
 
 import torch
 
@@ -87,3 +88,12 @@ def poisoned(nbytes: int, device) -> torch.Tensor:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def ctrl_c_raises():
+    """Ctrl-C raising KeyboardInterrupt for one test, as in an interactive Python: a shell without job control starts
+    its background commands with SIGINT ignored, and a Python started so keeps ignoring it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

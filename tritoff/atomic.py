@@ -50,7 +50,8 @@ def interrupts_held():
     pending = []
     held = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
-        if signal.getsignal(sig) is not None:  # None: a handler set outside Python, which cannot be put back
+        # None: a handler set outside Python, which cannot be put back; SIG_IGN: nothing to hold
+        if signal.getsignal(sig) not in (None, signal.SIG_IGN):
             held[sig] = signal.signal(sig, lambda signum, frame: pending.append(signum))
     try:
         yield

@@ -112,7 +112,7 @@ def test_procfs_holds_no_new_file_whatever_its_modes_say():
     assert not can_create_in("/proc")  # root may write by its modes; procfs refuses to create
 
 
-def test_an_interrupt_while_the_temporary_file_is_made_still_removes_it(tmp_path, monkeypatch):
+def test_an_interrupt_while_the_temporary_file_is_made_still_removes_it(tmp_path, monkeypatch, ctrl_c_raises):
     def interrupted():  # Ctrl-C between making the file and handing out its name
         signal.raise_signal(signal.SIGINT)
         return 0o022
@@ -123,7 +123,7 @@ def test_an_interrupt_while_the_temporary_file_is_made_still_removes_it(tmp_path
     assert os.listdir(tmp_path) == []
 
 
-def test_held_interrupts_reach_their_own_handlers_once_the_block_ends_and_the_handlers_are_back():
+def test_held_interrupts_reach_their_own_handlers_once_the_block_ends_and_the_handlers_are_back(ctrl_c_raises):
     seen = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
     try:

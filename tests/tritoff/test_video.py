@@ -397,7 +397,7 @@ def test_a_file_size_limit_is_said_as_the_file_being_too_large(tmp_path, monkeyp
     assert info.value.errno == errno.EFBIG and sorted(os.listdir(tmp_path)) == ["bin"]
 
 
-def test_an_interrupt_while_ffmpeg_starts_still_stops_it_and_removes_its_file(tmp_path, monkeypatch):
+def test_an_interrupt_while_ffmpeg_starts_still_stops_it_and_removes_its_file(tmp_path, monkeypatch, ctrl_c_raises):
     # Ctrl-C landing inside Popen, once ffmpeg runs but before its handle is returned, is held until the handle is kept
     _fake_ffmpeg(tmp_path, monkeypatch, "exec sleep 30")
     started = []
