@@ -156,7 +156,7 @@ def _check_spill_dir(args) -> None:
     if path.exists() and not path.is_dir():
         raise CliError(f"--spill-dir {args.spill_dir} is not a directory")
     existing = next(p for p in (path, *path.absolute().parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK) or not can_create_in(existing):
+    if not can_create_in(existing):  # (not a directory, or read-only for this process or for everyone)
         raise CliError(f"--spill-dir {args.spill_dir}: {existing} is not a writable directory")
 
 

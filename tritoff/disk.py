@@ -215,7 +215,7 @@ def spill_directory(directory, create: bool = True) -> Path:
         existing = next(p for p in (directory, *directory.absolute().parents) if p.exists())
         if not existing.is_dir():
             raise NotADirectoryError(f"{existing} is not a directory")
-        if not os.access(existing, os.W_OK | os.X_OK) or not can_create_in(existing):
+        if not can_create_in(existing):  # (a mode check would pass root where no file can be made)
             raise PermissionError("not writable")
     except OSError as err:
         raise ValueError(

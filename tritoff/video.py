@@ -80,29 +80,24 @@ def check_writable(path: str | Path) -> Path:
         raise FileNotFoundError(f"cannot write {path}: directory {parent} does not exist")
     if path.is_dir():
         raise IsADirectoryError(f"cannot write {path}: it is a directory; give a file name ending in .mp4 or .gif")
-    if not os.access(parent, os.W_OK) or not can_create_in(parent):
+    if not can_create_in(parent):  # (a mode check would pass root where no file can be made)
         raise PermissionError(f"cannot write {path}: directory {parent} is not writable")
     if path.suffix.lower() == ".mp4":
         _ffmpeg()
     return path
 
 
-def _mp4_writer():
-    """imageio-ffmpeg, which carries an ffmpeg; else a one-line error saying what to install."""
+def _ffmpeg() -> str:
+    """The ffmpeg that encodes .mp4: imageio-ffmpeg's own, or the one ``IMAGEIO_FFMPEG_EXE`` names; else a one-line
+    error saying what to install or fix."""
     try:
         import imageio_ffmpeg
     except ImportError:
         raise ValueError(
             "writing .mp4 needs imageio-ffmpeg (a dependency of tritoff): pip install imageio-ffmpeg, or write a .gif"
         ) from None
-    return imageio_ffmpeg
-
-
-def _ffmpeg() -> str:
-    """The ffmpeg that encodes .mp4: imageio-ffmpeg's own, or the one ``IMAGEIO_FFMPEG_EXE`` names; else a one-line
-    error."""
     try:
-        exe = _mp4_writer().get_ffmpeg_exe()
+        exe = imageio_ffmpeg.get_ffmpeg_exe()
     except RuntimeError as err:  # no ffmpeg found
         raise ValueError(f"writing .mp4 needs ffmpeg: {err}; or write a .gif") from None
     if shutil.which(exe) is None:

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import imageio.v3 as iio
 import numpy as np
@@ -255,7 +254,7 @@ def _fake_ffmpeg(tmp_path, monkeypatch, script: str) -> Path:
     exe.parent.mkdir()
     exe.write_text(f"#!/bin/sh\nfor out; do :; done\n{script}\n")
     exe.chmod(0o755)
-    monkeypatch.setattr(video, "_mp4_writer", lambda: SimpleNamespace(get_ffmpeg_exe=lambda: str(exe)))
+    monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", str(exe))
     return exe
 
 
