@@ -9,7 +9,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-# the longest temporary name's part taken from the target's name: with the rest, within the 255 bytes of a file name
+# the most bytes of the target's name a temporary name takes: with the rest, within the 255 bytes of a file name
 NAME_PART = 200
 
 
@@ -71,7 +71,8 @@ def atomic_path(path: str | Path, suffix: str = ""):
     tmp = None
     try:
         with interrupts_held():  # an interrupt between making the file and naming it here would leave it behind
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:NAME_PART]}.", suffix=suffix)
+            part = os.fsencode(path.name)[:NAME_PART].decode(errors="ignore")  # a character cut in two is dropped
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{part}.", suffix=suffix)
             try:
                 os.fchmod(fd, 0o666 & ~umask())
             finally:
