@@ -56,6 +56,7 @@ from tritoff.planner import (
 )
 from tritoff.report import Report
 from tritoff.skip import SkipRules, skip_patterns
+from tritoff.snr import LOST_DB
 from tritoff.storage import describe_storage, resolve_storage
 from tritoff.warn import warn
 
@@ -1067,6 +1068,8 @@ def enable(
             if quantize_on.type == "cuda":
                 with torch.cuda.device(quantize_on):  # empty_cache acts on the current device
                     torch.cuda.empty_cache()  # quantizing's scratch: give it back before the budget's buffers are made
+        if carried is None:  # a re-pack's figures are against weights quantized once, warned of then
+            _warn_lost_weights(snr)
     if carried is not None:  # measured now against weights already quantized once: every layer would read inf dB
         snr = {**snr, **{k: v for k, v in carried[0].items() if k in snr}}
         requantized = carried[1]
@@ -1182,6 +1185,21 @@ def _check_finite(module: nn.Module, quantized: set[str], component: str) -> Non
     for name, param in named_parameters(module):
         if name in quantized and not torch.isfinite(param.detach()).all():
             raise ValueError(f"{component}.{name} contains NaN or Inf: fix or skip this weight before tritoff.enable")
+
+
+def _warn_lost_weights(snr: dict[str, float]) -> None:
+    """Warn of quantized weights whose SNR says fp8 lost them (magnitudes past the scales' range; NaN and Inf are
+    refused before packing): enable goes on, as the user may not need those layers, but never silently."""
+    lost = sorted((v, k) for k, v in snr.items() if v < LOST_DB)
+    if not lost:
+        return
+    named = ", ".join(f"{name} {db:.1f} dB" for db, name in lost[:3])
+    named += f" and {len(lost) - 3} more" if lost[3:] else ""
+    warn(
+        f"fp8 lost {len(lost)} weight{'s' if len(lost) > 1 else ''} ({named}; scaled fp8 keeps 25 dB or more): their "
+        f"magnitudes lie beyond what fp8 with power-of-two scales holds (about 1e-31 to 1e33); keep those modules "
+        "unquantized (skip=[...]) or store the component in bf16 (storage=...)"
+    )
 
 
 def _restore(engine: Engine, device: torch.device) -> None:

@@ -15,6 +15,8 @@ methods; :func:`remove` gives the originals back):
 - ``fuse_qkv_projections``, and an attention module's own ``fuse_projections``: refused, since they would
   concatenate placeholders; fusing before ``enable`` works;
 - ``save_pretrained``: refused, since it would write placeholders as weights; ``Engine.save`` writes the packs;
+- ``to_empty(...)`` on a component or any of its submodules: refused, since it would leave the buffers uninitialized
+  (it keeps dtype and device, so the ``_apply`` check above would let it through);
 - copying and pickling (``copy.deepcopy``, ``pickle``, ``torch.save`` of a module, all through ``__reduce_ex__``):
   refused, since the copy would hold placeholders and share the original's hooks;
 - ``load_state_dict(...)`` of a component or any of its submodules naming a managed weight: refused, since it would
@@ -64,6 +66,9 @@ SUBMODULE_REFUSED = {
     "__reduce_ex__": REFUSED["__reduce_ex__"],
     "fuse_projections": "fusing an attention's projections after tritoff.enable would concatenate weights that live "
     "in tritoff's packs: fuse them before tritoff.enable (the fused projections are then packed)",
+    # it keeps device and dtype, so the _apply check lets it through, and would fill buffers with uninitialized memory
+    "to_empty": "it would give the module's tensors uninitialized memory while its weights live in tritoff's packs; "
+    f"{DISABLE_FIRST}",
 }
 # how a refusal names what was called
 CALLED = {"__reduce_ex__": "copying or pickling (copy.deepcopy, pickle, torch.save of a module)"}

@@ -7,6 +7,9 @@ from collections.abc import Iterable
 
 import torch
 
+# below this a quantized weight is lost rather than rounded: the error's amplitude is a third of the weight's or more
+# (scaled fp8 keeps 25 dB or more: docs/quantization.md)
+LOST_DB = 10.0
 # elements per step: float64 copies of a whole weight (Wan-14B's largest has 70.8M elements) would take gigabytes of
 # the GPU that enable quantizes on, outside any budget
 CHUNK = 1 << 22

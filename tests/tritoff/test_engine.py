@@ -195,6 +195,29 @@ def test_enable_twice_replans(wan_reference):
         _enable(pipe, storage="fp8_e5m2", mode="group", budget="9MB")
 
 
+@pytest.mark.parametrize("exponent", [-130, 116])
+def test_weights_fp8_loses_are_named_in_a_warning_and_enable_goes_on(exponent):
+    # magnitudes past what fp8 with scales of 2^-100..2^100 holds: every value rounds to zero, or saturates
+    def model():
+        torch.manual_seed(0)
+        layers = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(4)])
+        with torch.no_grad():
+            layers[2].weight.mul_(2.0**exponent)
+        return layers
+
+    with pytest.warns(tritoff.TritoffWarning, match=r"^fp8 lost 1 weight \(model\.2\.weight \d+\.\d dB; ") as seen:
+        engine = _enable(plain := model(), budget="1GB")
+    assert len([w for w in seen if "fp8 lost" in str(w.message)]) == 1
+    assert engine.snr["model.2.weight"] < 10 <= min(v for k, v in engine.snr.items() if k != "model.2.weight")
+    with warnings.catch_warnings():  # enable again with other groups: re-packed, not warned twice
+        warnings.filterwarnings("error", message="fp8 lost")
+        _enable(plain, mode="leaf", budget="1GB")
+    with warnings.catch_warnings():  # ordinary magnitudes: no warning
+        warnings.filterwarnings("error", message="fp8 lost")
+        layers = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(4)])
+        _enable(layers, budget="1GB")
+
+
 def test_enable_again_keeps_the_storage_and_skip_it_was_packed_with_unless_told_otherwise():
     pipe = wan()
     first = _enable(pipe, storage="fp8_e5m2", skip=["attn1"], mode="group", budget="4MB")

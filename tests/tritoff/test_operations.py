@@ -80,6 +80,9 @@ def test_a_move_that_changes_nothing_keeps_the_managed_parameters_when_torch_wou
         (lambda p: p.remove_all_hooks(), r"remove_all_hooks\(\): the hooks on this pipeline are tritoff's"),
         (lambda p: p.transformer.fuse_qkv_projections(), r"call it before tritoff.enable"),
         (lambda p: p.transformer.blocks[0].attn1.fuse_projections(), r"fuse them before tritoff.enable"),
+        # keeps dtype and device, and would leave the buffers (and the rope's tables) uninitialized
+        (lambda p: p.transformer.to_empty(device="cpu"), r"^to_empty\(\): it would give the module's tensors"),
+        (lambda p: p.transformer.rope.to_empty(device="cpu"), r"^to_empty\(\)"),
     ],
 )
 def test_operations_that_would_break_the_engine_are_refused_in_one_line(enabled, operation, message):
@@ -130,7 +133,7 @@ def test_disable_gives_the_operations_back():
     tritoff.enable(pipe, mode="group", budget="4MB", progress=False, kernels="reference")
     tritoff.disable(pipe)
     shadowed = ("to", "_apply", "enable_model_cpu_offload", "remove_all_hooks", "fuse_qkv_projections", "compile")
-    shadowed += ("__reduce_ex__", "load_state_dict", "fuse_projections")
+    shadowed += ("__reduce_ex__", "load_state_dict", "fuse_projections", "to_empty")
     modules = [m for c in pipe.components.values() if isinstance(c, torch.nn.Module) for m in c.modules()]
     for obj in (pipe, *modules):
         assert not any(name in vars(obj) for name in shadowed), obj
