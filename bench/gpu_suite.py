@@ -496,10 +496,11 @@ def summary_lines(record: dict, out: Path, suffix: str) -> list[str]:
             lines.append(f"upcast beside compute failed: {beside['error']}")
     for path in _fresh(out, "hooks-*", suffix, since):
         hooks = json.loads(path.read_text())
-        issue = hooks.get("issue_us_per_group")
+        issue, added = hooks.get("issue_us_per_group"), hooks.get("added_us_per_group")
         lines.append(
             f"\nhost time in block hooks ({hooks['config']['device']}): {hooks['hook_us_per_group']:.1f} us per group, "
-            f"param swaps alone {hooks['swap_us_per_group']:.1f} us"
+            + ("" if added is None else f"{added:.1f} us added to a forward per group (wrappers included), ")
+            + f"param swaps alone {hooks['swap_us_per_group']:.1f} us"
             + ("" if issue is None else f", issuing one transfer alone {issue:.1f} us")
             + f"; <= 20 us: {_verdict(hooks['met'])}"
         )

@@ -1,15 +1,18 @@
 """Host time in tritoff's block hooks, with each block's own compute kept small.
 
 Builds a Wan-shaped transformer (``tritoff.tiny``, ``--layers`` blocks of 27 tensors) and enables tritoff at the
-smallest budget that works, so every block streams through the slot ring. Runs ``--forwards`` forwards on a tiny
-input and reports the engine's own counter: host time in tritoff's hooks per group (each block's pre and post, and
-its share of the component's entry and exit, where the weights' checks run once per call), after the first forward,
-synchronous fills (the CPU's transfer) excluded; then, over a few more forwards, the same time split by hook method
-(``breakdown_us_per_group``). For scale, it also times the parameter swaps alone: binding
-a block's tensors to slot views and back to placeholders, in a tight loop; and, on CUDA, the host time to issue one
-block's transfer (copy, upcast launch, events), which the hooks do for the blocks ahead, and each of those calls
-alone; and the hooks' bookkeeping alone: their methods in a tight loop with the transfers stubbed out. Target: ≤ 20 µs
-per group.
+smallest budget that works, so every block streams through the slot ring. Runs ``--forwards`` forwards on a tiny input
+and reports the engine's own counter: host time in tritoff's hooks per group (each block's pre and post, and its share
+of the component's entry and exit, where the weights' checks run once per call), after the first forward, synchronous
+fills (the CPU's transfer) excluded; then, over a few more forwards, the same time split by hook method
+(``breakdown_us_per_group``). The counter sees only the hooks' own methods; timed from outside, whole forwards with
+tritoff against the same model resident without it give what the hooks add per group with everything around them
+(accelerate's hook dispatch, the lock, the ``torch.compiler.disable`` wrappers): ``added_us_per_group``, on CUDA only
+(the host's time; a CPU's bf16 compute takes milliseconds per block, which bury it). For scale, it also times the
+parameter swaps alone: binding a block's tensors to slot views and back to placeholders, in a tight loop; and, on CUDA,
+the host time to issue one block's transfer (copy, upcast launch, events), which the hooks do for the blocks ahead, and
+each of those calls alone; and the hooks' bookkeeping alone: their methods in a tight loop with the transfers stubbed
+out. Target: ≤ 20 µs per group.
 
 Usage:
   python bench/hooks.py [--device cpu|cuda] [--layers 8] [--forwards 30] [--repeats 3] [--out DIR]
@@ -19,6 +22,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -62,6 +66,13 @@ def main() -> None:
         if runs and args.deadline is not None and time.time() > args.deadline - 30:
             break
         model = tiny_wan_transformer(seed=repeat, **config)
+        inputs = _inputs(model, device)
+        plain_us = None
+        if device.type == "cuda":  # a CPU computes the blocks in milliseconds (bf16), which bury the hooks' µs
+            # the same model without tritoff, resident on the device: what a forward costs with no hooks at all
+            plain = copy.deepcopy(model).to(device)
+            plain_us = _host_us_per_forward(plain, inputs, args.forwards, device)
+            del plain
         common = dict(mode="group", reserve="100KB", device=device, kernels=kernels, progress=False)
         try:
             tritoff.enable(model, budget=1, **common)
@@ -69,14 +80,6 @@ def main() -> None:
             minimum = err.minimum
         engine = tritoff.enable(model, budget=minimum, **common)
         tiers = engine.plan.tier_counts("model")
-        gen = torch.Generator().manual_seed(0)
-        dims = model.config
-        inputs = dict(
-            hidden_states=torch.randn(1, dims.in_channels, 1, 16, 16, generator=gen).to(device, torch.bfloat16),
-            timestep=torch.tensor([500], device=device),
-            encoder_hidden_states=torch.randn(1, 16, dims.text_dim, generator=gen).to(device, torch.bfloat16),
-            return_dict=False,
-        )
         with torch.no_grad():
             for _ in range(args.forwards):
                 model(**inputs)
@@ -84,9 +87,18 @@ def main() -> None:
             torch.cuda.synchronize(device)
         group = next(g for comp in engine.manager.components.values() for g in comp.blocks if g.tier == "stream")
         hook_us = engine.stats["components"]["model"]["hook_us_per_group"]
+        # the whole forward again, timed from outside: what the hooks add, wrappers included (accelerate's dispatch,
+        # the lock, torch.compiler.disable), less the synchronous fills (the CPU's transfer)
+        added_us = forward_us = None
+        if plain_us is not None:
+            tritoff_us = _host_us_per_forward(model, inputs, args.forwards, device)
+            added_us = (tritoff_us - plain_us) / args.layers
+            forward_us = {"without tritoff": plain_us, "with tritoff": tritoff_us}
         runs.append(
             {
                 "hook_us_per_group": hook_us,
+                "added_us_per_group": added_us,
+                "forward_us": forward_us,
                 # after the measurement: the wrappers add their own time, which the counter above never sees
                 "breakdown_us_per_group": _diagnostic(_breakdown, engine, model, inputs, min(args.forwards, 10)),
                 "swap_us_per_group": _swap_us(group, device),
@@ -100,6 +112,8 @@ def main() -> None:
         )
         tritoff.disable(model, device="cpu")
     hook = statistics.median(r["hook_us_per_group"] for r in runs)
+    addeds = [r["added_us_per_group"] for r in runs if r["added_us_per_group"] is not None]
+    added = statistics.median(addeds) if addeds else None
     swap = statistics.median(r["swap_us_per_group"] for r in runs)
     issues = [r["issue_us_per_group"] for r in runs if isinstance(r["issue_us_per_group"], float)]
     issue = statistics.median(issues) if issues else None
@@ -108,6 +122,7 @@ def main() -> None:
         "tensors_per_group": runs[0]["tensors_per_group"],
         "runs": runs,
         "hook_us_per_group": hook,
+        "added_us_per_group": added,
         "swap_us_per_group": swap,
         "issue_us_per_group": issue,
         "issue_steps_us": runs[-1]["issue_steps_us"],
@@ -123,6 +138,7 @@ def main() -> None:
                 "device",
                 "blocks",
                 "host µs per group in hooks",
+                "added to a forward, per group",
                 "of which param swaps (tight loop)",
                 "issuing one transfer (tight loop)",
                 "target ≤ 20 µs",
@@ -132,6 +148,7 @@ def main() -> None:
                     str(device),
                     args.layers,
                     f"{hook:.1f}",
+                    "-" if added is None else f"{added:.1f}",
                     f"{swap:.1f}",
                     "-" if issue is None else f"{issue:.1f}",
                     "met" if hook <= 20 else "not met",
@@ -149,6 +166,41 @@ def main() -> None:
     if result["issue_steps_us"]:
         print("issuing one chunk, step by step (µs):", result["issue_steps_us"])
     print(f"wrote {path}")
+
+
+def _inputs(model, device) -> dict:
+    """A tiny input for ``model`` (one 16x16 frame, 16 text tokens): the blocks' own compute stays small."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    dims = model.config
+    return dict(
+        hidden_states=torch.randn(1, dims.in_channels, 1, 16, 16, generator=gen).to(device, torch.bfloat16),
+        timestep=torch.tensor([500], device=device),
+        encoder_hidden_states=torch.randn(1, 16, dims.text_dim, generator=gen).to(device, torch.bfloat16),
+        return_dict=False,
+    )
+
+
+def _host_us_per_forward(model, inputs, forwards: int, device) -> float:
+    """Host µs per forward of ``model`` over ``forwards`` calls after a few to warm up, the GPU waited for before and
+    after but not between them: on CUDA the host's time, which the GPU's work on tiny blocks keeps up with."""
+    import torch
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    with torch.no_grad():
+        for _ in range(3):
+            model(**inputs)
+        sync()
+        start = time.perf_counter_ns()
+        for _ in range(forwards):
+            model(**inputs)
+        elapsed = time.perf_counter_ns() - start
+        sync()
+    return elapsed / forwards / 1e3
 
 
 def _diagnostic(measure, *args):
