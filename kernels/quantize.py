@@ -7,15 +7,16 @@ fp32 -> fp8 cast (round to nearest even, saturating at +-max), and dequantizatio
 
 from __future__ import annotations
 
+import math
 import struct
 
 import torch
 import triton
 import triton.language as tl
 
-from tritoff.formats import StorageFormat
+from tritoff.formats import StorageFormat, check_granularity, get_format
 
-from .backend import eager, launch, launch_device, native_fp8, register_op
+from .backend import eager, interpreting, launch, launch_device, native_fp8, register_op
 from .fp8_bits import encode_fp8_bits
 
 # Scale exponents are clamped so fp8 * 2^k never leaves bf16's normal range (smallest e5m2 subnormal 2^-16 * 2^-100).
@@ -52,19 +53,50 @@ def _scale_from_exponent(k: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(k, dtype=torch.float32), k.to(torch.float32))
 
 
+class NonFiniteError(ValueError):
+    """A weight given to a quantizer holds NaN or Inf, which no fp8 code and power-of-two scale represent."""
+
+
+def _checked(w: torch.Tensor, fmt: StorageFormat | str, granularity: str) -> StorageFormat:
+    """The format ``fmt`` names, once ``w``, it and ``granularity`` are ones both quantizers take (one-line errors
+    otherwise: without them the kernel and the reference would part ways on NaN, and a misspelled granularity would
+    fall through to the plain cast)."""
+    fmt = get_format(fmt)
+    if not fmt.is_fp8:
+        raise ValueError(f"quantize needs an fp8 format, got {fmt.name}")
+    check_granularity(granularity)
+    if not torch.isfinite(w).all():
+        raise NonFiniteError("the weight contains NaN or Inf, which fp8 with scales cannot hold: fix or skip it")
+    return fmt
+
+
+def _as_rows(w: torch.Tensor) -> torch.Tensor:
+    """``w`` viewed as rows along dim 0 (a scalar is one row of one; an empty tensor keeps its row count)."""
+    if w.dim() == 0:
+        return w.reshape(1, 1)
+    return w.reshape(w.shape[0], math.prod(w.shape[1:]))
+
+
+def _absmax(rows: torch.Tensor, per_row: bool) -> torch.Tensor:
+    """Each row's largest magnitude (``per_row``) or the whole tensor's, in one element; 0 where there is nothing."""
+    if rows.numel() == 0:
+        return torch.zeros(rows.shape[0] if per_row else 1, dtype=rows.dtype, device=rows.device)
+    return rows.abs().amax(dim=1) if per_row else rows.abs().amax().reshape(1)
+
+
 def quantize_reference(
-    w: torch.Tensor, fmt: StorageFormat, granularity: str = "row"
+    w: torch.Tensor, fmt: StorageFormat | str, granularity: str = "row"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch reference: ``w`` viewed as rows (dim 0) -> (uint8 codes shaped like ``w``, fp32 scales).
 
     ``granularity``: ``"row"`` gives one scale per row, ``"tensor"`` one for the whole tensor, ``"none"`` the plain
-    saturating cast with scale 1.
+    saturating cast with scale 1. ``fmt``: an fp8 format or its name. A weight holding NaN or Inf raises
+    :class:`NonFiniteError`; an unknown granularity or a 16-bit format, a one-line ValueError.
     """
-    rows = w.reshape(w.shape[0] if w.dim() else 1, -1).to(torch.float32)
-    if granularity == "row":
-        k = pow2_exponents(rows.abs().amax(dim=1), fmt)
-    elif granularity == "tensor":
-        k = pow2_exponents(rows.abs().amax().reshape(1), fmt)
+    fmt = _checked(w, fmt, granularity)
+    rows = _as_rows(w).to(torch.float32)
+    if granularity in ("row", "tensor"):
+        k = pow2_exponents(_absmax(rows, granularity == "row"), fmt)
     else:
         k = torch.zeros(1, dtype=torch.int32, device=w.device)
     inv = _scale_from_exponent(-k)
@@ -158,20 +190,24 @@ _quantize_rows_op = register_op("quantize_rows", mutates_args=("q", "scales"))(_
 
 
 def quantize(
-    w: torch.Tensor, fmt: StorageFormat, granularity: str = "row", *, native: bool | None = None
+    w: torch.Tensor, fmt: StorageFormat | str, granularity: str = "row", *, native: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton quantization, bit-identical to :func:`quantize_reference` (same arguments, same results).
 
-    ``native`` forces the hardware fp8 cast on or off (default: on where the device converts fp8 natively).
+    ``native`` forces the hardware fp8 cast on or off (default: on where the device converts fp8 natively; Triton's
+    interpreter rounds its own cast differently, so it is refused there).
     """
-    if not fmt.is_fp8:
-        raise ValueError(f"quantize needs an fp8 format, got {fmt.name}")
-    rows = w.reshape(w.shape[0] if w.dim() else 1, -1).contiguous()
+    fmt = _checked(w, fmt, granularity)
+    if native and interpreting():
+        raise ValueError("native=True needs a GPU's fp8 conversion: Triton's interpreter rounds its own differently")
+    rows = _as_rows(w).contiguous()
     q = torch.empty(rows.shape, dtype=torch.uint8, device=w.device)
     if granularity == "row":
-        scales = torch.empty(rows.shape[0], dtype=torch.float32, device=w.device)
+        # rows of no elements are never written by the kernel: scale 1, as for a row of zeros
+        fill = torch.ones if not rows.shape[1] else torch.empty
+        scales = fill(rows.shape[0], dtype=torch.float32, device=w.device)
     elif granularity == "tensor":
-        scales = _scale_from_exponent(pow2_exponents(rows.abs().amax().reshape(1), fmt))
+        scales = _scale_from_exponent(pow2_exponents(_absmax(rows, False), fmt))
     else:
         scales = torch.ones(1, dtype=torch.float32, device=w.device)
     if rows.numel():

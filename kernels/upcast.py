@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from tritoff.formats import StorageFormat
+from tritoff.formats import StorageFormat, get_format
 
 from .backend import eager, launch, launch_device, native_fp8, register_op
 from .fp8_bits import decode_fp8_bits
@@ -255,6 +255,53 @@ def check_programs(programs, what: str = "programs") -> int:
     return programs
 
 
+# each table's rows on the CPU (read back once from a GPU, which costs a sync) and the extents found from them per
+# output size, kept on the table object itself until the table is written (GroupRuntime gives its tables' rows, which
+# it builds on the CPU)
+_REACH = "_tritoff_reach"
+_OUT_SIZES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
+
+
+def table_extent(table: torch.Tensor, out_dtype: torch.dtype, cpu_rows: torch.Tensor | None = None) -> tuple[int, int]:
+    """``(source bytes, destination bytes)`` that launches of ``table`` reach: each tensor's region up to its padded
+    length, where its masked accesses end, and its scales. ``cpu_rows``: the table's rows on the CPU, when the caller
+    has them (a table on a GPU is otherwise read back, once)."""
+    seen = getattr(table, _REACH, None)
+    if seen is None or seen[0] != table._version:
+        seen = (table._version, (table if cpu_rows is None else cpu_rows).cpu().tolist(), {})
+        setattr(table, _REACH, seen)
+    out_size = _OUT_SIZES[out_dtype]
+    if out_size not in seen[2]:
+        seen[2][out_size] = _extent(seen[1], out_size)
+    return seen[2][out_size]
+
+
+def _extent(rows: list, out_size: int) -> tuple[int, int]:
+    src_end = dst_end = 0
+    for _, kind, src, dst, numel, row_len, scale, padded in rows:
+        if numel <= 0:
+            continue  # no program reads or writes it
+        if min(src, dst, scale, padded, row_len) < 0:
+            raise ValueError(
+                f"table rows hold offsets and lengths >= 0, got {[src, dst, numel, row_len, scale, padded]}"
+            )
+        if kind == KIND_FP8:  # one byte per code, fp32 scales up to the last row's
+            src_end = max(src_end, src + padded, scale + 4 * ((numel - 1) // max(row_len, 1) + 1))
+            dst_end = max(dst_end, dst + padded * out_size)
+        else:  # 4-byte words
+            src_end = max(src_end, src + 4 * padded)
+            dst_end = max(dst_end, dst + 4 * padded)
+    return src_end, dst_end
+
+
+def _check_reach(src: torch.Tensor, dst: torch.Tensor, reach: tuple[int, int]) -> None:
+    if src.numel() < reach[0] or dst.numel() < reach[1]:
+        raise ValueError(
+            f"the table reaches {reach[0]} bytes of the pack and {reach[1]} of the destination, but they hold "
+            f"{src.numel()} and {dst.numel()}: give buffers at least that large (the layout's nbytes and out_nbytes)"
+        )
+
+
 def _check(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, out_dtype: torch.dtype) -> None:
     if src.dtype != torch.uint8 or dst.dtype != torch.uint8:
         raise TypeError(f"pack and destination must be uint8 byte buffers, got {src.dtype} and {dst.dtype}")
@@ -263,6 +310,13 @@ def _check(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, out_dtype:
     _check_table(table, out_dtype)
     if table.device != dst.device:
         raise ValueError(f"table is on {table.device} but the destination is on {dst.device}")
+    # the kernel reads scales and words 4 bytes at a time, and vectors of 16, at the table's 256-byte aligned offsets
+    if src.data_ptr() % 16 or dst.data_ptr() % 16:
+        raise ValueError(
+            f"pack and destination must start at 16-byte aligned addresses, got {src.data_ptr() % 16} and "
+            f"{dst.data_ptr() % 16} bytes past one: slice them at multiples of 256, as packs are laid out"
+        )
+    _check_reach(src, dst, table_extent(table, out_dtype))
 
 
 def _check_table(table: torch.Tensor, out_dtype: torch.dtype) -> None:
@@ -273,6 +327,7 @@ def _check_table(table: torch.Tensor, out_dtype: torch.dtype) -> None:
 
 
 def _run(src, dst, table, n_programs, out_dtype, fmt, native, block, grid=0, warps=WARPS):
+    fmt = get_format(fmt)  # a name works as well as the format
     _check(src, dst, table, out_dtype)
     check_programs(grid)
     if n_programs == 0:
@@ -291,7 +346,7 @@ def upcast_pack(
     table: torch.Tensor,
     n_programs: int,
     out_dtype: torch.dtype,
-    fmt: StorageFormat,
+    fmt: StorageFormat | str,
     *,
     native: bool | None = None,
     block: int = BLOCK,
@@ -314,7 +369,7 @@ def upcast_pack_zero_copy(
     table: torch.Tensor,
     n_programs: int,
     out_dtype: torch.dtype,
-    fmt: StorageFormat,
+    fmt: StorageFormat | str,
     *,
     native: bool | None = None,
     programs: int = ZERO_COPY_PROGRAMS,
@@ -349,7 +404,7 @@ class PreparedUpcast:
         table: torch.Tensor,
         n_programs: int,
         out_dtype: torch.dtype,
-        fmt: StorageFormat,
+        fmt: StorageFormat | str,
         *,
         native: bool,
         block: int = BLOCK,
@@ -360,9 +415,10 @@ class PreparedUpcast:
             raise ValueError("a prepared upcast launches a compiled kernel, which Triton's interpreter has none of")
         _check_table(table, out_dtype)
         check_programs(programs)
+        self._reach = table_extent(table, out_dtype)
         self.table = table
         self.n_programs = n_programs
-        e5m2 = fmt.dtype == torch.float8_e5m2
+        e5m2 = get_format(fmt).dtype == torch.float8_e5m2
         self.grid, _, constants, self._options = _kernel_arguments(
             None, None, table, n_programs, _OUT_CODES[out_dtype], e5m2, native, block, programs, warps
         )
@@ -379,6 +435,7 @@ class PreparedUpcast:
             raise TypeError(f"pack and destination must be uint8 byte buffers, got {src.dtype} and {dst.dtype}")
         if self.n_programs == 0:
             return
+        _check_reach(src, dst, self._reach)
         args = (src, dst, self.table, self.table.shape[0], self.n_programs)
         key = (dst.device.index, src.data_ptr() % 16 == 0, dst.data_ptr() % 16 == 0)
         runner = self._runners.get(key)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tritoff.formats import StorageFormat
+from tritoff.kernels.quantize import NonFiniteError
 from tritoff.kernels.upcast import (
     BLOCK,
     KIND_COPY,
@@ -182,9 +183,10 @@ def write_entry(
         raise ValueError(f"{e.name}: shape {tuple(t.shape)} does not match the pack's {e.shape}")
     payload = data[e.offset : e.offset + e.nbytes]
     if e.kind == KIND_FP8:
-        if not torch.isfinite(t).all():
-            raise ValueError(f"{e.name} contains NaN or Inf: fix or skip this weight before quantizing it")
-        codes, scales = quantizer(t, layout.storage, layout.granularity)
+        try:
+            codes, scales = quantizer(t, layout.storage, layout.granularity)
+        except NonFiniteError:
+            raise ValueError(f"{e.name} contains NaN or Inf: fix or skip this weight before quantizing it") from None
         codes = within_range(codes, scales, layout.storage, e.dtype)
         if snr is not None:
             from tritoff.snr import CHUNK, snr_db_of_chunks

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tritoff.formats import get_format
-from tritoff.kernels.quantize import pow2_exponents, quantize, quantize_reference
+from tritoff.kernels.quantize import NonFiniteError, pow2_exponents, quantize, quantize_reference
 
 FORMATS = [pytest.param(get_format("fp8_e4m3"), id="e4m3"), pytest.param(get_format("fp8_e5m2"), id="e5m2")]
 SHAPES = [
@@ -121,3 +121,43 @@ def test_row_scales_beat_unscaled_on_small_weights():
     # scaled e4m3 sits near 31.5 dB; at sigma=0.002 the plain cast falls into subnormals (about 11 dB)
     assert 30.5 < results["row"] < 32.5
     assert results["none"] < 15
+
+
+@pytest.mark.parametrize("quantizer", [quantize, quantize_reference], ids=["kernel", "reference"])
+def test_what_neither_quantizer_can_take_is_refused_in_one_line(quantizer, device):
+    w = torch.randn(4, 32, device=device)
+    fmt = get_format("fp8_e4m3")
+    for granularity in ("Row", "rows", "per_row", None):  # fell through to the plain cast, scale 1, with no error
+        with pytest.raises(ValueError, match=r"^unknown scale granularity .*: use one of row, tensor, none$"):
+            quantizer(w, fmt, granularity)
+    with pytest.raises(ValueError, match=r"^quantize needs an fp8 format, got bf16$"):
+        quantizer(w, get_format("bf16"))
+    for bad in (float("nan"), float("inf")):  # the kernel and the reference gave different codes for a NaN
+        broken = w.clone()
+        broken[1, 3] = bad
+        with pytest.raises(NonFiniteError, match=r"^the weight contains NaN or Inf, .*: fix or skip it$"):
+            quantizer(broken, fmt)
+    codes, scales = quantizer(w, "fp8_e4m3")  # a format given by name
+    ref_codes, ref_scales = quantize_reference(w.cpu(), fmt)
+    assert torch.equal(codes.cpu(), ref_codes) and torch.equal(scales.cpu(), ref_scales)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (0,), (), (3, 0, 2)])
+@pytest.mark.parametrize("granularity", ["row", "tensor", "none"])
+def test_empty_and_scalar_weights_match_the_reference(shape, granularity, device):
+    w = torch.full(shape, 3.0)
+    codes, scales = quantize(w.to(device), get_format("fp8_e4m3"), granularity)
+    ref_codes, ref_scales = quantize_reference(w, get_format("fp8_e4m3"), granularity)
+    assert codes.shape == ref_codes.shape == w.shape
+    assert torch.equal(codes.cpu(), ref_codes) and torch.equal(scales.cpu(), ref_scales)
+    if granularity == "row" and shape and shape[0]:  # rows of nothing: scale 1, as rows of zeros
+        assert torch.equal(ref_scales, torch.ones(shape[0]))
+
+
+def test_forcing_the_native_cast_in_the_interpreter_is_refused():
+    from tritoff.kernels import interpreting
+
+    if not interpreting():
+        pytest.skip("compiled kernels: the native cast is the hardware's")
+    with pytest.raises(ValueError, match=r"^native=True needs a GPU's fp8 conversion"):
+        quantize(torch.randn(4, 32), get_format("fp8_e4m3"), native=True)

@@ -12,6 +12,7 @@ from tritoff.kernels.upcast import (
     BLOCK,
     BLOCK_ZERO_COPY,
     row_pieces,
+    table_extent,
     upcast_pack,
     upcast_pack_reference,
     upcast_pack_zero_copy,
@@ -262,10 +263,40 @@ def test_the_interpreter_refuses_out_of_bounds_accesses():
 
     if not interpreting():
         pytest.skip("the bounds check wraps Triton's interpreter")
+    from tritoff.kernels.upcast import BLOCK, WARPS, _upcast_pack_eager
+
     layout, data, _ = _build(MIXED, E4M3)
     short = torch.empty(layout.entries[-1].out_offset, dtype=torch.uint8)
+    # the launcher itself, past upcast_pack's own bounds check (test_buffers_too_short_are_refused_in_one_line)
     with pytest.raises(Exception, match="outside its arguments"):
-        upcast_pack(data, short, layout.table(), layout.n_programs(), layout.out_dtype, E4M3)
+        _upcast_pack_eager(data, short, layout.table(), layout.n_programs(), 0, False, False, BLOCK, 0, WARPS)
+
+
+@pytest.mark.parametrize("zero_copy", [False, True], ids=["staged", "zero-copy"])
+def test_buffers_too_short_or_misaligned_are_refused_in_one_line(zero_copy, device):
+    # an 8 KiB pack upcast into 16 bytes wrote the 8 KiB past them, silently
+    layout, data, _ = _build(MIXED, E4M3)
+    block = BLOCK_ZERO_COPY if zero_copy else BLOCK
+    table, n = layout.table(block).to(device), layout.n_programs(block)
+    upcast = upcast_pack_zero_copy if zero_copy else upcast_pack
+    data, dst = data.to(device), torch.zeros(layout.out_nbytes, dtype=torch.uint8, device=device)
+    need_src, need_dst = table_extent(table, layout.out_dtype)
+    assert need_src <= layout.nbytes and need_dst <= layout.out_nbytes  # the layout's own sizes are enough
+    # buffers of exactly the extent are enough: on the CPU, conftest's interpreter checks every address the kernel
+    # reaches against its arguments' storages, here no larger than the extent
+    exact = torch.zeros(need_dst, dtype=torch.uint8, device=device)
+    upcast(data[:need_src].clone(), exact, table, n, layout.out_dtype, E4M3)
+    reach = r"^the table reaches \d+ bytes of the pack and \d+ of the destination, but they hold \d+ and \d+: give"
+    for src, out in ((data, dst[:16]), (data, dst[: need_dst - 1]), (data[:100], dst), (data[: need_src - 1], dst)):
+        dst.fill_(7)
+        with pytest.raises(ValueError, match=reach):
+            upcast(src, out, table, n, layout.out_dtype, E4M3)
+        assert (dst == 7).all()  # nothing written
+    upcast(data, dst.zero_(), table, n, layout.out_dtype, E4M3)
+    assert torch.equal(dst[:need_dst], exact) and not dst[need_dst:].any()
+    odd = torch.zeros(layout.out_nbytes + 16, dtype=torch.uint8, device=device)[1:]
+    with pytest.raises(ValueError, match=r"^pack and destination must start at 16-byte aligned addresses, got 0 and 1"):
+        upcast(data, odd, table, n, layout.out_dtype, E4M3)
 
 
 @pytest.mark.parametrize("rows,row_len,piece", [(7, 5, 12), (3, 10, 4), (4, 6, 6), (2, 0, 4), (0, 5, 4)])
@@ -362,6 +393,10 @@ def test_a_prepared_launch_passes_every_parameter_in_order_and_compiles_once(fmt
         assert kernel.launches == [((layout.n_programs(), 1, 1), 1234)] * 2
     with pytest.raises(TypeError, match="uint8"):
         prepared(data.view(torch.int8), out, stream)
+    launched = len(kernel.launches) + kernel.jit_launches
+    with pytest.raises(ValueError, match=r"^the table reaches \d+ bytes of the pack and \d+ of the destination"):
+        prepared(data, out[:16], stream)  # too short: refused before anything is launched
+    assert len(kernel.launches) + kernel.jit_launches == launched
 
 
 def test_a_prepared_launch_needs_compiled_triton():
