@@ -1,12 +1,15 @@
-"""Shared by the benchmark scripts: the environment record and writing results as JSON."""
+"""Shared by the benchmark scripts: the environment record, writing results as JSON, and their arguments' types
+(each bad value one line, exit 2, before anything is measured)."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import functools
 import json
 import os
 import platform
+import re
 from pathlib import Path
 
 import torch
@@ -66,14 +69,67 @@ def _host_memory() -> int | None:
 
 def write_result(name: str, data: dict, smoke: bool = False, out: str | Path | None = None) -> Path:
     """Write ``data`` with the environment to ``<out>/<name>[-smoke].json`` (``out`` defaults to bench/results);
-    returns the path. Written to a temporary file and renamed, so a run killed mid-write leaves the previous file."""
+    returns the path. Written to a temporary file and renamed, so a run killed mid-write leaves the previous file, and
+    a write that fails leaves no temporary file."""
     out = Path(out) if out is not None else RESULTS
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}{'-smoke' if smoke else ''}.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"environment": environment(), **data}, indent=2) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps({"environment": environment(), **data}, indent=2) + "\n")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
+
+
+def out_directory(value: str) -> str:
+    """An argument type: a directory for results, made now if missing, where a file can be written (checked before
+    the first measurement, which on a GPU may take minutes)."""
+    from tritoff.atomic import can_create_in
+
+    path = Path(value).expanduser()
+    if not value.strip():
+        raise argparse.ArgumentTypeError("expected a directory, got an empty string")
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value} is a file: give a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot make {value}: {err.strerror or err}") from None
+    if not can_create_in(path):
+        raise argparse.ArgumentTypeError(f"cannot write in {value}: give a directory you can write to")
+    return str(path)
+
+
+def size(value: str) -> str:
+    """An argument type: a size tritoff takes (``12GB``, ``5MB``, bytes), kept as given."""
+    from tritoff.budget import parse_size
+
+    try:
+        parse_size(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return value
+
+
+def share_or_size(value: str) -> str:
+    """An argument type: a percentage of the budget (``25%``) or a size, kept as given."""
+    from tritoff.budget import parse_size
+
+    try:
+        parse_size(value, what="reserve", total=1 << 40)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return value
+
+
+def tag(value: str) -> str:
+    """An argument type: a word appended to result file names (letters, digits, ``.``, ``_``, ``-``)."""
+    if value and not re.fullmatch(r"[A-Za-z0-9._-]+", value):
+        raise argparse.ArgumentTypeError(f"expected letters, digits, '.', '_' or '-' for a file name, got {value!r}")
+    return value
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:

@@ -13,7 +13,6 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -27,14 +26,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def main() -> None:
     """Measure one conversion and write ``convert-cpu.json``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=1024, help="transformer width (heads of 128)")
-    parser.add_argument("--ffn", type=int, default=4096)
-    parser.add_argument("--dir", default=None, help="where the pipeline and the store go (default: a temporary dir)")
-    parser.add_argument("--out", default=None, help="directory for the JSON (default: bench/results)")
+    from common import out_directory
+
+    from tritoff.arguments import OneLineParser, at_least
+
+    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=at_least(1), default=8)
+    parser.add_argument("--dim", type=at_least(128), default=1024, help="transformer width (heads of 128)")
+    parser.add_argument("--ffn", type=at_least(1), default=4096)
+    parser.add_argument(
+        "--dir", type=out_directory, default=None, help="where the pipeline and the store go (default: a temporary dir)"
+    )
+    parser.add_argument(
+        "--out", type=out_directory, default=None, help="directory for the JSON (default: bench/results)"
+    )
     parser.add_argument("--smoke", action="store_true", help="2 blocks of width 256")
     args = parser.parse_args()
+    if args.dim % 128:
+        parser.error(f"argument --dim: must be a multiple of 128 (heads of 128), got {args.dim}")
     if args.smoke:
         args.layers, args.dim, args.ffn = 2, 256, 512
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -56,10 +56,11 @@ if SMOKE and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import psutil  # noqa: E402
-from common import markdown_table, write_result  # noqa: E402
+from common import markdown_table, out_directory, share_or_size, size, tag, write_result  # noqa: E402
 from models import COGVIDEOX_5B, COGVIDEOX_SMOKE, UMT5_XXL, WAN_14B, WAN_SMOKE, build  # noqa: E402
 
 import tritoff  # noqa: E402
+from tritoff.arguments import OneLineParser, at_least  # noqa: E402
 from tritoff.budget import parse_size  # noqa: E402
 from tritoff.kernels import upcast as upcast_kernels  # noqa: E402
 
@@ -1024,28 +1025,38 @@ def parse_configs(args) -> list[tuple[str, str]]:
         if shape not in ("video", "image"):
             raise SystemExit(f"--configs: unknown shape {shape!r} in {item!r} (video or image)")
         budget = budget or (SMOKE_BUDGET if args.smoke else DEFAULT_BUDGET)
-        parse_size(budget)
+        try:
+            parse_size(budget)
+        except ValueError as err:
+            raise SystemExit(f"--configs: {err}") from None
         configs.append((shape, budget))
     return configs
 
 
 def main() -> None:
     """Parse arguments, run, print tables, write bench/results/e2e-*.json (or under --out)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=("wan", "cogvideox"), default="wan")
     parser.add_argument("--shape", choices=("video", "image"), default="video")
-    parser.add_argument("--budget", default=None, help="GPU memory cap (default 12GB; --smoke: 5MB)")
+    parser.add_argument("--budget", type=size, default=None, help="GPU memory cap (default 12GB; --smoke: 5MB)")
     parser.add_argument("--configs", default=None, help="several tables: SHAPE@BUDGET,... e.g. video@12GB,image@12GB")
     parser.add_argument(
-        "--reserve", default="25%", help="activation reserve given to tritoff (default 25%% of the budget)"
+        "--reserve",
+        type=share_or_size,
+        default="25%",
+        help="activation reserve given to tritoff (default 25%% of the budget)",
     )
     parser.add_argument("--rows", default=None, help="comma-separated row kinds (default: all)")
-    parser.add_argument("--reps", type=int, default=3, help="timed forwards after the warm-up (image: at least 5)")
-    parser.add_argument("--steps", type=int, default=2, help="--pipeline: denoising steps")
+    parser.add_argument(
+        "--reps", type=at_least(1), default=3, help="timed forwards after the warm-up (image: at least 5)"
+    )
+    parser.add_argument("--steps", type=at_least(1), default=2, help="--pipeline: denoising steps")
     parser.add_argument("--pipeline", action="store_true", help="whole pipeline instead of transformer forwards")
     parser.add_argument("--compile", action="store_true", help="add the regional-compile rows")
-    parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results)")
-    parser.add_argument("--tag", default="", help="appended to the JSON names (e2e-wan-video-TAG.json)")
+    parser.add_argument(
+        "--out", type=out_directory, default=None, help="directory for the JSON (default bench/results)"
+    )
+    parser.add_argument("--tag", type=tag, default="", help="appended to the JSON names (e2e-wan-video-TAG.json)")
     parser.add_argument("--deadline", type=float, default=None, help="epoch seconds: start nothing that ends after")
     parser.add_argument("--smoke", action="store_true", help="small models on the CPU (CI)")
     parser.add_argument("--spill-dir", default=None, help="tritoff-disk row: where packs beyond the host budget go")

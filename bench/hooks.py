@@ -21,7 +21,6 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import statistics
@@ -34,12 +33,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def main() -> None:
     """Measure and write ``hooks-<device>.json``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--forwards", type=int, default=30)
-    parser.add_argument("--repeats", type=int, default=3, help="engines built and measured; the median is reported")
-    parser.add_argument("--out", default=None, help="directory for the JSON (default: bench/results)")
+    from common import out_directory
+
+    from tritoff.arguments import OneLineParser, at_least
+
+    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda when available")
+    parser.add_argument("--layers", type=at_least(1), default=8)
+    parser.add_argument("--forwards", type=at_least(1), default=30)
+    parser.add_argument("--repeats", type=at_least(1), default=3, help="engines measured; the median is reported")
+    parser.add_argument(
+        "--out", type=out_directory, default=None, help="directory for the JSON (default: bench/results)"
+    )
     parser.add_argument("--smoke", action="store_true", help="2 blocks, 4 forwards, 1 repeat")
     parser.add_argument("--deadline", type=float, default=None, help="epoch seconds: start no repeat after it")
     args = parser.parse_args()

@@ -109,21 +109,31 @@ print(json.dumps({
 
 def main() -> None:
     """Measure and write the JSON."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sys.path.insert(0, str(ROOT / "bench"))
+    from common import out_directory, size
+
+    from tritoff.arguments import OneLineParser, at_least
+
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--dim", type=int, default=1024, help="heads x 128")
-    parser.add_argument("--ffn", type=int, default=4096)
-    parser.add_argument("--frames", type=int, default=4, help="latent frames (the tokens are frames x h/2 x w/2)")
-    parser.add_argument("--size", type=int, default=32, help="latent height and width")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--budget", default=None, help="device budget in bytes (default: 1.1x the smallest)")
-    parser.add_argument("--out", default=None, help="directory for the JSON (default bench/results)")
+    parser.add_argument("--layers", type=at_least(1), default=12)
+    parser.add_argument("--dim", type=at_least(128), default=1024, help="heads x 128")
+    parser.add_argument("--ffn", type=at_least(1), default=4096)
+    parser.add_argument("--frames", type=at_least(1), default=4, help="latent frames (tokens: frames x h/2 x w/2)")
+    parser.add_argument("--size", type=at_least(2), default=32, help="latent height and width")
+    parser.add_argument("--reps", type=at_least(1), default=3)
+    parser.add_argument("--budget", type=size, default=None, help="device budget (default: 1.1x the smallest)")
+    parser.add_argument(
+        "--out", type=out_directory, default=None, help="directory for the JSON (default bench/results)"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny, CI")
     args = parser.parse_args()
+    if args.dim % 128:
+        parser.error(f"argument --dim: must be a multiple of 128 (heads x 128), got {args.dim}")
+    if args.size % 2:
+        parser.error(f"argument --size: must be even (patches of 2), got {args.size}")
     if args.smoke:
         args.layers, args.dim, args.ffn, args.frames, args.size, args.reps = 4, 256, 512, 1, 8, 1
-    sys.path.insert(0, str(ROOT / "bench"))
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import warnings
@@ -132,6 +142,7 @@ def main() -> None:
     from common import markdown_table, write_result
 
     import tritoff
+    from tritoff.budget import parse_size
     from tritoff.tiny import WAN_TINY, tiny_wan_transformer
 
     heads = args.dim // 128 if args.dim >= 128 else 2
@@ -157,7 +168,7 @@ def main() -> None:
         engine.save(store)
         del engine
         print(f"store of {packed / 2**20:.1f} MiB written in {time.perf_counter() - start:.1f} s", flush=True)
-        budget = int(args.budget) if args.budget else int(smallest * 1.1)
+        budget = parse_size(args.budget) if args.budget else int(smallest * 1.1)
         for fraction, cache, reader in row_kinds(args.device, args.smoke):
             host_budget = None if fraction is None else int(fraction * packed)
             child = dict(

@@ -33,9 +33,10 @@ SMOKE = "--smoke" in sys.argv
 if SMOKE and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from common import markdown_table, plot_lines, write_result  # noqa: E402
+from common import markdown_table, out_directory, plot_lines, write_result  # noqa: E402
 
 from tritoff.arena import HostArena  # noqa: E402
+from tritoff.arguments import OneLineParser, at_least  # noqa: E402
 from tritoff.chunks import halving_chunk, split_pack, stage_chunk  # noqa: E402
 from tritoff.formats import get_format  # noqa: E402
 from tritoff.kernels.quantize import quantize, quantize_reference  # noqa: E402
@@ -405,10 +406,12 @@ def upcast_beside_compute(device: torch.device, target_bytes: int, width: int, r
 
 def main() -> None:
     """Run, print tables, write kernels.json (after every pack size, so a stopped run keeps what it measured)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny packs on the CPU (CI)")
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--out", default=None, help="where kernels.json and .png go (default bench/results)")
+    parser.add_argument("--reps", type=at_least(1), default=20)
+    parser.add_argument(
+        "--out", type=out_directory, default=None, help="where kernels.json and .png go (default bench/results)"
+    )
     parser.add_argument("--deadline", type=float, default=None, help="epoch seconds: start no pack size after this")
     args = parser.parse_args()
     if not args.smoke and not torch.cuda.is_available():

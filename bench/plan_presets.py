@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import warnings
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import out_directory
+
 import tritoff
+from tritoff.arguments import OneLineParser
 from tritoff.budget import format_bytes
 
 SHAPES = {
@@ -28,10 +33,14 @@ HOST_BUDGETS = {"16GB": "8GB", "32GB": "20GB"}
 
 def main() -> None:
     """Plan every preset and write the JSON."""
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = OneLineParser(description=__doc__)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "plan_presets.json"))
     parser.add_argument("--smoke", action="store_true", help="one preset, one shape")
     args = parser.parse_args()
+    try:  # its directory, checked before planning rather than when writing
+        out_directory(str(Path(args.out).parent))
+    except argparse.ArgumentTypeError as err:
+        parser.error(f"argument --out: {err}")
     warnings.filterwarnings("ignore")
     rows = []
     presets = list(SHAPES.items())[:1] if args.smoke else SHAPES.items()

@@ -24,10 +24,10 @@ import warnings
 from pathlib import Path
 
 from tritoff.allocator import prefer_expandable_segments
+from tritoff.arguments import EXIT_USAGE, OneLineParser, at_least
 from tritoff.atomic import can_create_in
 from tritoff.planner import MODES
 
-EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 _MODEL_IS_A_FILE = "is a file: give the diffusers pipeline directory that holds model_index.json"
 # tritoff.engine.TRANSPORTS and tritoff.formats.FORMATS, known without importing torch, so that a typo is answered at
@@ -45,13 +45,6 @@ class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line usage errors (its default prints the whole usage block first)."""
-
-    def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
-
-
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default, except where there is none to show (the help says what happens then)."""
 
@@ -61,22 +54,8 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _at_least(minimum: int):
-    def parse(value: str) -> int:
-        try:
-            number = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value!r}") from None
-        if number < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value!r}")
-        return number
-
-    parse.__name__ = f"integer >= {minimum}"
-    return parse
-
-
 def _seed(value: str) -> int:
-    number = _at_least(0)(value)
+    number = at_least(0)(value)
     if number >= 2**64:
         raise argparse.ArgumentTypeError(f"must be below 2**64, got {value!r}")
     return number
@@ -625,14 +604,14 @@ def _cmd_info(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``tritoff`` command."""
     kw = dict(formatter_class=_Formatter)
-    parser = _Parser(prog="tritoff", description="Run large diffusion video models on small GPUs.", **kw)
+    parser = OneLineParser(prog="tritoff", description="Run large diffusion video models on small GPUs.", **kw)
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a small locally built Wan pipeline through tritoff; write the video", **kw)
     demo.add_argument("--storage", default="fp8_e4m3", help=STORAGE_HELP)
     demo.add_argument("--budget", default=None, help="GPU memory budget (default: 1.2x the smallest that works)")
-    demo.add_argument("--steps", type=_at_least(1), default=4, help="denoising steps")
-    demo.add_argument("--frames", type=_at_least(1), default=9, help="frames to generate")
+    demo.add_argument("--steps", type=at_least(1), default=4, help="denoising steps")
+    demo.add_argument("--frames", type=at_least(1), default=9, help="frames to generate")
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     demo.add_argument("--out", type=_path, default="tritoff-demo.mp4", help="video path, .mp4 or .gif")
     demo.set_defaults(func=_cmd_demo)
@@ -648,20 +627,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--storage", default=None, help=f"{STORAGE_HELP} (default: fp8_e4m3, or the store's)")
     run.add_argument("--mode", default="auto", choices=MODES, help="how components are split (see docs/usage.md)")
-    run.add_argument("--prefetch", type=_at_least(1), default=2, help="blocks in flight ahead of the running one")
+    run.add_argument("--prefetch", type=at_least(1), default=2, help="blocks in flight ahead of the running one")
     run.add_argument(
         "--reserve",
         default=None,
         help="GPU memory kept for activations, e.g. 2GB or 25%% of the budget (default: traced per phase)",
     )
     run.add_argument("--transport", default="auto", choices=TRANSPORTS, help="how streamed packs reach the GPU")
-    run.add_argument("--steps", type=_at_least(1), default=30, help="denoising steps")
-    run.add_argument("--frames", type=_at_least(1), default=None, help="frames to generate (default: the pipeline's)")
-    run.add_argument("--height", type=_at_least(1), default=None, help="(default: the pipeline's)")
-    run.add_argument("--width", type=_at_least(1), default=None, help="(default: the pipeline's)")
+    run.add_argument("--steps", type=at_least(1), default=30, help="denoising steps")
+    run.add_argument("--frames", type=at_least(1), default=None, help="frames to generate (default: the pipeline's)")
+    run.add_argument("--height", type=at_least(1), default=None, help="(default: the pipeline's)")
+    run.add_argument("--width", type=at_least(1), default=None, help="(default: the pipeline's)")
     run.add_argument("--seed", type=_seed, default=0, help="random seed of the initial noise")
     run.add_argument("--guidance", type=_finite, default=5.0, help="classifier-free guidance scale")
-    run.add_argument("--fps", type=_at_least(1), default=16, help="frames per second of the video")
+    run.add_argument("--fps", type=at_least(1), default=16, help="frames per second of the video")
     run.add_argument("--dtype", choices=tuple(DTYPE_NAMES), default="bf16", help="the pipeline's compute dtype")
     run.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     run.add_argument("--out", type=_path, default="video.mp4", help="video path, .mp4 or .gif")
@@ -717,13 +696,13 @@ def build_parser() -> argparse.ArgumentParser:
     preview.add_argument(
         "--host-budget", default=None, help="host memory the packs may hold; the rest is read from disk (default: all)"
     )
-    preview.add_argument("--frames", type=_at_least(1), default=81, help="frames to generate")
-    preview.add_argument("--height", type=_at_least(1), default=480, help="video height")
-    preview.add_argument("--width", type=_at_least(1), default=832, help="video width")
-    preview.add_argument("--steps", type=_at_least(1), default=50, help="denoising steps")
+    preview.add_argument("--frames", type=at_least(1), default=81, help="frames to generate")
+    preview.add_argument("--height", type=at_least(1), default=480, help="video height")
+    preview.add_argument("--width", type=at_least(1), default=832, help="video width")
+    preview.add_argument("--steps", type=at_least(1), default=50, help="denoising steps")
     preview.add_argument("--storage", default="fp8_e4m3", help=STORAGE_HELP)
     preview.add_argument("--mode", default="auto", choices=MODES, help="how components are split")
-    preview.add_argument("--prefetch", type=_at_least(1), default=2, help="blocks in flight ahead of the running one")
+    preview.add_argument("--prefetch", type=at_least(1), default=2, help="blocks in flight ahead of the running one")
     preview.add_argument("--link", default="25GB", help="host-to-GPU bytes per second, for transfer times")
     preview.add_argument("--disk", default="2GB", help="disk read bytes per second, for --host-budget's read times")
     preview.add_argument("--vae-tiling", action="store_true", help="decode in tiles (pipe.vae.enable_tiling())")

@@ -669,6 +669,28 @@ def test_a_gpu_benchmark_without_a_gpu_says_so_in_one_line():
     ]
 
 
+def test_bad_benchmark_input_is_one_line_before_anything_is_measured(tmp_path):
+    # each was a traceback (--out to a file: after the first measurement), or ran the models, then failed
+    (tmp_path / "file").write_text("")
+    cases = [
+        (["e2e", "--smoke", "--budget", "abc"], "e2e.py: error: argument --budget: invalid budget 'abc': give bytes"),
+        (["e2e", "--smoke", "--tag", "a/b"], "e2e.py: error: argument --tag: expected letters, digits"),
+        (["e2e", "--smoke", "--pipeline", "--steps", "0"], "e2e.py: error: argument --steps: must be an integer >= 1"),
+        (["kernels", "--smoke", "--out", str(tmp_path / "file")], f"argument --out: {tmp_path / 'file'} is a file"),
+    ]
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tritoff", "bench", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for argv, _ in cases
+    ]
+    for child, (argv, message) in zip(started, cases, strict=True):
+        out, err = child.communicate(timeout=300)
+        assert child.returncode == 2 and len(err.strip().splitlines()) == 1 and message in err, (argv, err)
+        assert not out.strip()  # nothing ran
+    assert not list(tmp_path.glob("*.json*"))
+
+
 def test_an_interrupt_landing_in_a_finalizer_stops_the_command(monkeypatch, capsys, tmp_path):
     """A KeyboardInterrupt that the signal handler raises inside a ``__del__`` is dropped there by Python: it is raised
     again in the code that runs next, so the command stops before publishing anything, with no traceback."""
