@@ -104,6 +104,20 @@ def eager(*tensors: torch.Tensor) -> bool:
     )
 
 
+def holds_values(*tensors: torch.Tensor) -> bool:
+    """Whether ``tensors`` hold values this call may read (the kernels' checks of sizes, addresses and NaN): not under
+    torch.compile, and none fake, meta, or wrapped by functorch or functionalization. Otherwise the call is being
+    traced, and the checks are left to where it runs on real tensors."""
+    if torch.compiler.is_compiling():
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not any(
+        t.is_meta or is_fake(t) or torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._is_functional_tensor(t)
+        for t in tensors
+    )
+
+
 def launch_device(tensor: torch.Tensor):
     """A context making ``tensor``'s GPU the current device for a launch run now, when it is not already: Triton
     launches on the current device (its context, its current stream) whatever device the tensors are on, so a kernel on

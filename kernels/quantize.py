@@ -16,7 +16,7 @@ import triton.language as tl
 
 from tritoff.formats import StorageFormat, check_granularity, get_format
 
-from .backend import eager, interpreting, launch, launch_device, native_fp8, register_op
+from .backend import eager, holds_values, interpreting, launch, launch_device, native_fp8, register_op
 from .fp8_bits import encode_fp8_bits
 
 # Scale exponents are clamped so fp8 * 2^k never leaves bf16's normal range (smallest e5m2 subnormal 2^-16 * 2^-100).
@@ -65,7 +65,7 @@ def _checked(w: torch.Tensor, fmt: StorageFormat | str, granularity: str) -> Sto
     if not fmt.is_fp8:
         raise ValueError(f"quantize needs an fp8 format, got {fmt.name}")
     check_granularity(granularity)
-    if not torch.isfinite(w).all():
+    if holds_values(w) and not torch.isfinite(w).all():  # traced (torch.compile, fake tensors): no values to read
         raise NonFiniteError("the weight contains NaN or Inf, which fp8 with scales cannot hold: fix or skip it")
     return fmt
 

@@ -29,7 +29,7 @@ from triton.runtime.jit import JITFunction
 
 from tritoff.formats import StorageFormat, get_format
 
-from .backend import eager, launch, launch_device, native_fp8, register_op
+from .backend import eager, holds_values, launch, launch_device, native_fp8, register_op
 from .fp8_bits import decode_fp8_bits
 
 KIND_COPY, KIND_FP8 = 0, 1
@@ -310,6 +310,8 @@ def _check(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, out_dtype:
     _check_table(table, out_dtype)
     if table.device != dst.device:
         raise ValueError(f"table is on {table.device} but the destination is on {dst.device}")
+    if not holds_values(src, dst, table):  # traced (torch.compile, fake tensors): nothing to read yet
+        return
     # the kernel reads scales and words 4 bytes at a time, and vectors of 16, at the table's 256-byte aligned offsets
     if src.data_ptr() % 16 or dst.data_ptr() % 16:
         raise ValueError(

@@ -97,3 +97,27 @@ def test_interpreted_launches_from_several_threads_take_turns(monkeypatch):
 
     assert not in_threads(work, 4) and len(results) == 4 and most[0] == 1
     assert all(torch.equal(out, results[0]) for out in results)
+
+
+def test_the_kernels_checks_leave_fake_tensors_to_be_traced():
+    # the size, address and NaN checks read values: under fake tensors (torch.compile, torch.export) they wait for
+    # real ones, and the calls trace as before
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tritoff.formats import get_format
+    from tritoff.kernels import quantize, upcast_pack
+    from tritoff.kernels.backend import holds_values
+    from tritoff.pack import PackLayout, TensorSpec
+
+    layout = PackLayout.plan([TensorSpec("w", (32, 64), torch.bfloat16, True)], get_format("fp8_e4m3"))
+    table = layout.table()
+    assert holds_values(torch.zeros(1), table) and not holds_values(torch.zeros(1, device="meta"))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = mode.from_tensor
+        codes, scales = quantize(fake(torch.randn(32, 64, dtype=torch.bfloat16)), get_format("fp8_e4m3"))
+        assert codes.shape == (32, 64) and scales.shape == (32,)
+        src = fake(torch.zeros(layout.nbytes, dtype=torch.uint8))
+        dst = fake(torch.zeros(layout.out_nbytes, dtype=torch.uint8))
+        assert not holds_values(src)
+        out = upcast_pack(src, dst, fake(table), layout.n_programs(), layout.out_dtype, get_format("fp8_e4m3"))
+        assert out is dst
