@@ -85,21 +85,23 @@ def write_result(name: str, data: dict, smoke: bool = False, out: str | Path | N
 
 
 def out_directory(value: str) -> str:
-    """An argument type: a directory for results, made now if missing, where a file can be written (checked before
-    the first measurement, which on a GPU may take minutes)."""
+    """An argument type: a directory for results, where a file can be written now or, when it does not exist yet, in
+    the nearest directory above it, which it is made in at the first write (checked before the first measurement,
+    which on a GPU may take minutes; nothing is made while the arguments are read)."""
     from tritoff.atomic import can_create_in
 
-    path = Path(value).expanduser()
     if not value.strip():
         raise argparse.ArgumentTypeError("expected a directory, got an empty string")
+    path = Path(value).expanduser()
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{value} is a file: give a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise argparse.ArgumentTypeError(f"cannot make {value}: {err.strerror or err}") from None
-    if not can_create_in(path):
-        raise argparse.ArgumentTypeError(f"cannot write in {value}: give a directory you can write to")
+    existing = path.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{existing} is a file, so {value} cannot be made: give a directory")
+    if not can_create_in(existing):
+        raise argparse.ArgumentTypeError(f"cannot write in {existing}: give a directory you can write to")
     return str(path)
 
 

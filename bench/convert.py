@@ -56,6 +56,8 @@ def main() -> None:
     from tritoff.store import verify_store
     from tritoff.tiny import tiny_wan_pipeline
 
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="tritoff-convert-", dir=args.dir))
     try:
         config = dict(num_layers=args.layers, num_attention_heads=args.dim // 128, attention_head_dim=128)

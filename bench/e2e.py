@@ -1023,12 +1023,12 @@ def parse_configs(args) -> list[tuple[str, str]]:
     for item in args.configs.split(","):
         shape, _, budget = item.strip().partition("@")
         if shape not in ("video", "image"):
-            raise SystemExit(f"--configs: unknown shape {shape!r} in {item!r} (video or image)")
+            raise ValueError(f"--configs: unknown shape {shape!r} in {item!r} (video or image)")
         budget = budget or (SMOKE_BUDGET if args.smoke else DEFAULT_BUDGET)
         try:
             parse_size(budget)
         except ValueError as err:
-            raise SystemExit(f"--configs: {err}") from None
+            raise ValueError(f"--configs: {err}") from None
         configs.append((shape, budget))
     return configs
 
@@ -1071,17 +1071,20 @@ def main() -> None:
     except ValueError:
         shares = []
     if not shares or not all(0 < share < 64 for share in shares):  # also refuses nan and inf
-        raise SystemExit(f"--upcast-grid: expected shares of the SMs above 0, such as 0.5,1, got {args.upcast_grid!r}")
+        parser.error(f"--upcast-grid: expected shares of the SMs above 0, such as 0.5,1, got {args.upcast_grid!r}")
     args.upcast_grid = shares
-    args.configs = parse_configs(args)
+    try:
+        args.configs = parse_configs(args)
+    except ValueError as err:
+        parser.error(str(err))
     known = PIPELINE_ROWS if args.pipeline else TRANSFORMER_ROWS + COMPILE_ROWS
     args.rows = [r.strip() for r in args.rows.split(",")] if args.rows else None
     for r in args.rows or ():
         if r not in known:
-            raise SystemExit(f"--rows: unknown row kind {r!r}; known: {', '.join(known)}")
+            parser.error(f"--rows: unknown row kind {r!r}; known: {', '.join(known)}")
     compiles = args.compile or any(r.endswith("-compile") for r in args.rows or ())
     if compiles and not args.pipeline and not getattr(transformer_class(args.model), "_repeated_blocks", None):
-        raise SystemExit(f"--compile: the {args.model} transformer names no repeated blocks to compile regionally")
+        parser.error(f"--compile: the {args.model} transformer names no repeated blocks to compile regionally")
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit(
             "bench/e2e.py measures full-size models on a GPU, and no CUDA device is here: run it on a GPU, or with "

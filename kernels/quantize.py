@@ -65,6 +65,8 @@ def _checked(w: torch.Tensor, fmt: StorageFormat | str, granularity: str) -> Sto
     if not fmt.is_fp8:
         raise ValueError(f"quantize needs an fp8 format, got {fmt.name}")
     check_granularity(granularity)
+    if w.is_complex():
+        raise ValueError(f"quantize takes real weights, got {w.dtype}")
     if holds_values(w) and not torch.isfinite(w).all():  # traced (torch.compile, fake tensors): no values to read
         raise NonFiniteError("the weight contains NaN or Inf, which fp8 with scales cannot hold: fix or skip it")
     return fmt

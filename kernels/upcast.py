@@ -255,22 +255,26 @@ def check_programs(programs, what: str = "programs") -> int:
     return programs
 
 
-# each table's rows on the CPU (read back once from a GPU, which costs a sync) and the extents found from them per
-# output size, kept on the table object itself until the table is written (GroupRuntime gives its tables' rows, which
-# it builds on the CPU)
+# a table on a GPU: its rows, read back once (a sync) or given by GroupRuntime, which builds them on the CPU, and the
+# extents found from them per output size, kept on the table object until an in-place write bumps its version
 _REACH = "_tritoff_reach"
 _OUT_SIZES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
 
 
 def table_extent(table: torch.Tensor, out_dtype: torch.dtype, cpu_rows: torch.Tensor | None = None) -> tuple[int, int]:
     """``(source bytes, destination bytes)`` that launches of ``table`` reach: each tensor's region up to its padded
-    length, where its masked accesses end, and its scales. ``cpu_rows``: the table's rows on the CPU, when the caller
-    has them (a table on a GPU is otherwise read back, once)."""
-    seen = getattr(table, _REACH, None)
-    if seen is None or seen[0] != table._version:
-        seen = (table._version, (table if cpu_rows is None else cpu_rows).cpu().tolist(), {})
-        setattr(table, _REACH, seen)
+    length, where its masked accesses end, and its scales. A table on the CPU is read at every call; one on a GPU once
+    (or from ``cpu_rows``, its rows on the CPU), then again after an in-place write: a write through ``.data`` or
+    numpy, which torch does not count, is not seen there."""
+    _check_table(table, out_dtype)
     out_size = _OUT_SIZES[out_dtype]
+    if table.device.type == "cpu":
+        return _extent(table.tolist(), out_size)
+    version = None if table.is_inference() else table._version  # inference tensors count no writes
+    seen = getattr(table, _REACH, None)
+    if seen is None or seen[0] != version:
+        seen = (version, (table if cpu_rows is None else cpu_rows).cpu().tolist(), {})
+        setattr(table, _REACH, seen)
     if out_size not in seen[2]:
         seen[2][out_size] = _extent(seen[1], out_size)
     return seen[2][out_size]
@@ -279,14 +283,13 @@ def table_extent(table: torch.Tensor, out_dtype: torch.dtype, cpu_rows: torch.Te
 def _extent(rows: list, out_size: int) -> tuple[int, int]:
     src_end = dst_end = 0
     for _, kind, src, dst, numel, row_len, scale, padded in rows:
-        if numel <= 0:
-            continue  # no program reads or writes it
-        if min(src, dst, scale, padded, row_len) < 0:
-            raise ValueError(
-                f"table rows hold offsets and lengths >= 0, got {[src, dst, numel, row_len, scale, padded]}"
-            )
+        fields = [src, dst, numel, row_len, scale, padded]
+        if min(fields) < 0 or (padded > 0 and (numel <= 0 or row_len <= 0)):
+            raise ValueError(f"table rows hold offsets >= 0 and, where padded > 0, numel and row_len > 0; got {fields}")
+        if padded == 0:
+            continue  # its programs' accesses are all masked off
         if kind == KIND_FP8:  # one byte per code, fp32 scales up to the last row's
-            src_end = max(src_end, src + padded, scale + 4 * ((numel - 1) // max(row_len, 1) + 1))
+            src_end = max(src_end, src + padded, scale + 4 * ((numel - 1) // row_len + 1))
             dst_end = max(dst_end, dst + padded * out_size)
         else:  # 4-byte words
             src_end = max(src_end, src + 4 * padded)
@@ -302,7 +305,8 @@ def _check_reach(src: torch.Tensor, dst: torch.Tensor, reach: tuple[int, int]) -
         )
 
 
-def _check(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, out_dtype: torch.dtype) -> None:
+def _check(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, out_dtype: torch.dtype, reach: bool) -> None:
+    """Refuse, in one line, what the kernel cannot take; ``reach``: also buffers shorter than the table reaches."""
     if src.dtype != torch.uint8 or dst.dtype != torch.uint8:
         raise TypeError(f"pack and destination must be uint8 byte buffers, got {src.dtype} and {dst.dtype}")
     if not (src.is_contiguous() and dst.is_contiguous()):
@@ -310,7 +314,7 @@ def _check(src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, out_dtype:
     _check_table(table, out_dtype)
     if table.device != dst.device:
         raise ValueError(f"table is on {table.device} but the destination is on {dst.device}")
-    if not holds_values(src, dst, table):  # traced (torch.compile, fake tensors): nothing to read yet
+    if not reach or not holds_values(src, dst, table):  # traced (torch.compile, fake tensors): nothing to read yet
         return
     # the kernel reads scales and words 4 bytes at a time, and vectors of 16, at the table's 256-byte aligned offsets
     if src.data_ptr() % 16 or dst.data_ptr() % 16:
@@ -330,7 +334,7 @@ def _check_table(table: torch.Tensor, out_dtype: torch.dtype) -> None:
 
 def _run(src, dst, table, n_programs, out_dtype, fmt, native, block, grid=0, warps=WARPS):
     fmt = get_format(fmt)  # a name works as well as the format
-    _check(src, dst, table, out_dtype)
+    _check(src, dst, table, out_dtype, reach=n_programs > 0)
     check_programs(grid)
     if n_programs == 0:
         return dst

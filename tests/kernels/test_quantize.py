@@ -132,6 +132,8 @@ def test_what_neither_quantizer_can_take_is_refused_in_one_line(quantizer, devic
             quantizer(w, fmt, granularity)
     with pytest.raises(ValueError, match=r"^quantize needs an fp8 format, got bf16$"):
         quantizer(w, get_format("bf16"))
+    with pytest.raises(ValueError, match=r"^quantize takes real weights, got torch.complex64$"):
+        quantizer(torch.randn(4, 32, dtype=torch.complex64, device=device), fmt)
     for bad in (float("nan"), float("inf")):  # the kernel and the reference gave different codes for a NaN
         broken = w.clone()
         broken[1, 3] = bad

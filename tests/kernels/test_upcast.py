@@ -299,6 +299,27 @@ def test_buffers_too_short_or_misaligned_are_refused_in_one_line(zero_copy, devi
         upcast(data, odd, table, n, layout.out_dtype, E4M3)
 
 
+def test_what_a_table_reaches_is_read_from_its_rows(device):
+    layout, data, _ = _build(MIXED, E4M3)
+    table = layout.table()
+    with torch.inference_mode():  # an inference tensor counts no versions: enable runs under inference_mode too
+        frozen = table.clone()
+    assert table_extent(frozen.to(device), torch.bfloat16) == table_extent(table.to(device), torch.bfloat16)
+    dst = torch.zeros(layout.out_nbytes, dtype=torch.uint8)
+    upcast_pack(data, dst[:16], table, 0, layout.out_dtype, E4M3)  # no programs: nothing reached, nothing written
+    assert not dst.any()
+    on_device = table.to(device)
+    before = table_extent(on_device, torch.bfloat16)
+    on_device[-1, 7] += 4096  # an in-place write: seen (one through .data or numpy is not, on a GPU)
+    assert table_extent(on_device, torch.bfloat16)[1] == before[1] + 4096 * 2
+    broken = table.clone()
+    broken[0, 4] = 0  # no elements, yet a padded length the kernel would write
+    with pytest.raises(ValueError, match=r"^table rows hold offsets >= 0 and, where padded > 0, numel and row_len > 0"):
+        table_extent(broken, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^out dtype must be bf16, fp16 or fp32, got torch.float64$"):
+        table_extent(table, torch.float64)
+
+
 @pytest.mark.parametrize("rows,row_len,piece", [(7, 5, 12), (3, 10, 4), (4, 6, 6), (2, 0, 4), (0, 5, 4)])
 def test_row_pieces_cover_the_matrix_once_in_order(rows, row_len, piece):
     seen = []

@@ -677,6 +677,9 @@ def test_bad_benchmark_input_is_one_line_before_anything_is_measured(tmp_path):
         (["e2e", "--smoke", "--tag", "a/b"], "e2e.py: error: argument --tag: expected letters, digits"),
         (["e2e", "--smoke", "--pipeline", "--steps", "0"], "e2e.py: error: argument --steps: must be an integer >= 1"),
         (["kernels", "--smoke", "--out", str(tmp_path / "file")], f"argument --out: {tmp_path / 'file'} is a file"),
+        (["e2e", "--smoke", "--configs", "video@1e400"], "e2e.py: error: --configs: invalid budget '1e400'"),
+        # an --out to be made is made at the first write, so a refused run leaves none
+        (["e2e", "--smoke", "--out", str(tmp_path / "new"), "--rows", "none"], "e2e.py: error: --rows: unknown row"),
     ]
     started = [
         subprocess.Popen(
@@ -688,7 +691,7 @@ def test_bad_benchmark_input_is_one_line_before_anything_is_measured(tmp_path):
         out, err = child.communicate(timeout=300)
         assert child.returncode == 2 and len(err.strip().splitlines()) == 1 and message in err, (argv, err)
         assert not out.strip()  # nothing ran
-    assert not list(tmp_path.glob("*.json*"))
+    assert not list(tmp_path.glob("*.json*")) and not (tmp_path / "new").exists()
 
 
 def test_an_interrupt_landing_in_a_finalizer_stops_the_command(monkeypatch, capsys, tmp_path):

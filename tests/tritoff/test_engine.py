@@ -1,5 +1,6 @@
 """tritoff/engine.py + manager: outputs equal the dequantized pipeline bit for bit in every mode and budget."""
 
+import copy
 import io
 import warnings
 
@@ -216,6 +217,17 @@ def test_weights_fp8_loses_are_named_in_a_warning_and_enable_goes_on(exponent):
         warnings.filterwarnings("error", message="fp8 lost")
         layers = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(4)])
         _enable(layers, budget="1GB")
+
+
+def test_enable_under_inference_mode():
+    # its kernel tables are then inference tensors, which count no versions: reading one failed the enable
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(4)]).to(torch.bfloat16)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    expected = dequantize_in_place(copy.deepcopy(layers))(x)
+    with torch.inference_mode():
+        _enable(layers, mode="group", budget="1GB", kernels="triton")
+        assert torch.equal(layers(x), expected)
 
 
 def test_enable_again_keeps_the_storage_and_skip_it_was_packed_with_unless_told_otherwise():
