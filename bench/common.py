@@ -88,16 +88,14 @@ def out_directory(value: str) -> str:
     """An argument type: a directory for results, where a file can be written now or, when it does not exist yet, in
     the nearest directory above it, which it is made in at the first write (checked before the first measurement,
     which on a GPU may take minutes; nothing is made while the arguments are read)."""
-    from tritoff.atomic import can_create_in
+    from tritoff.atomic import can_create_in, nearest_existing
 
     if not value.strip():
         raise argparse.ArgumentTypeError("expected a directory, got an empty string")
     path = Path(value).expanduser()
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{value} is a file: give a directory")
-    existing = path.absolute()
-    while not existing.exists():
-        existing = existing.parent
+    existing = nearest_existing(path)
     if not existing.is_dir():
         raise argparse.ArgumentTypeError(f"{existing} is a file, so {value} cannot be made: give a directory")
     if not can_create_in(existing):
@@ -107,21 +105,19 @@ def out_directory(value: str) -> str:
 
 def size(value: str) -> str:
     """An argument type: a size tritoff takes (``12GB``, ``5MB``, bytes), kept as given."""
-    from tritoff.budget import parse_size
-
-    try:
-        parse_size(value)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    return value
+    return _checked_size(value, "budget", None)
 
 
 def share_or_size(value: str) -> str:
     """An argument type: a percentage of the budget (``25%``) or a size, kept as given."""
+    return _checked_size(value, "reserve", 1 << 40)  # any total: only the spelling is checked here
+
+
+def _checked_size(value: str, what: str, total: int | None) -> str:
     from tritoff.budget import parse_size
 
     try:
-        parse_size(value, what="reserve", total=1 << 40)
+        parse_size(value, what=what, total=total)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     return value

@@ -419,9 +419,8 @@ class PreparedUpcast:
     ):
         if _INTERPRETED:
             raise ValueError("a prepared upcast launches a compiled kernel, which Triton's interpreter has none of")
-        _check_table(table, out_dtype)
         check_programs(programs)
-        self._reach = table_extent(table, out_dtype)
+        self._reach = table_extent(table, out_dtype)  # checks the table first
         self.table = table
         self.n_programs = n_programs
         e5m2 = get_format(fmt).dtype == torch.float8_e5m2

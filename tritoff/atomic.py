@@ -39,6 +39,12 @@ def can_create_in(directory: str | Path) -> bool:
     return True
 
 
+def nearest_existing(path: str | Path) -> Path:
+    """``path`` itself if it exists, else the nearest directory above it that does: where making it would start."""
+    path = Path(path)
+    return next(p for p in (path, *path.absolute().parents) if p.exists())
+
+
 @contextlib.contextmanager
 def interrupts_held():
     """Hold Ctrl-C and SIGTERM while the block makes something its caller must clean up (a file, a child process)

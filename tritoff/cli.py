@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tritoff.allocator import prefer_expandable_segments
 from tritoff.arguments import EXIT_USAGE, OneLineParser, at_least
-from tritoff.atomic import can_create_in
+from tritoff.atomic import can_create_in, nearest_existing
 from tritoff.planner import MODES
 
 EXIT_INTERRUPTED = 130
@@ -134,7 +134,7 @@ def _check_spill_dir(args) -> None:
     path = Path(args.spill_dir).expanduser()
     if path.exists() and not path.is_dir():
         raise CliError(f"--spill-dir {args.spill_dir} is not a directory")
-    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    existing = nearest_existing(path)
     if not can_create_in(existing):  # (not a directory, or read-only for this process or for everyone)
         raise CliError(f"--spill-dir {args.spill_dir}: {existing} is not a writable directory")
 

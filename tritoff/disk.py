@@ -27,7 +27,7 @@ import torch
 import xxhash
 
 from tritoff.arena import PAGE, HostArena
-from tritoff.atomic import can_create_in
+from tritoff.atomic import can_create_in, nearest_existing
 from tritoff.pack import align
 from tritoff.warn import warn
 
@@ -212,7 +212,7 @@ def spill_directory(directory, create: bool = True) -> Path:
     try:
         if create:
             directory.mkdir(parents=True, exist_ok=True)
-        existing = next(p for p in (directory, *directory.absolute().parents) if p.exists())
+        existing = nearest_existing(directory)
         if not existing.is_dir():
             raise NotADirectoryError(f"{existing} is not a directory")
         if not can_create_in(existing):  # (a mode check would pass root where no file can be made)

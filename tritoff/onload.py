@@ -207,8 +207,9 @@ class GroupRuntime:
             (cpu[starts[id(t)] : starts[id(t)] + t.shape[0]], device[starts[id(t)] : starts[id(t)] + t.shape[0]], n)
             for t, n in launches
         ]
-        for table_cpu, table, _ in self._launches:  # the launches' bounds checks read the rows here, not from the GPU
-            upcast_kernels.table_extent(table, self.layout.out_dtype, cpu_rows=table_cpu)
+        if self.device.type == "cuda":  # the launches' bounds checks read a GPU table's rows here, not from the GPU
+            for table_cpu, table, _ in self._launches:
+                upcast_kernels.table_extent(table, self.layout.out_dtype, cpu_rows=table_cpu)
         self._prepared: dict[int, PreparedUpcast] = {}  # launch -> its prepared launch (CUDA hooks, made on use)
 
     @property

@@ -136,3 +136,13 @@ def test_held_interrupts_reach_their_own_handlers_once_the_block_ends_and_the_ha
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_nearest_existing_is_where_making_a_path_would_start(tmp_path, monkeypatch):
+    from tritoff.atomic import nearest_existing
+
+    (tmp_path / "a").mkdir()
+    assert nearest_existing(tmp_path / "a") == tmp_path / "a"
+    assert nearest_existing(tmp_path / "a" / "b" / "c") == tmp_path / "a"
+    monkeypatch.chdir(tmp_path)
+    assert nearest_existing("a/b").resolve() == tmp_path / "a"  # relative: from the working directory
