@@ -1,9 +1,10 @@
 """Which weights are quantized and which stay in the model's own dtype.
 
-Only the ``weight`` of ``nn.Linear`` and ``nn.Conv*`` layers is quantized. Everything else keeps its dtype: biases,
-embeddings, bare ``nn.Parameter``s (Wan's ``scale_shift_table``), buffers, and every layer whose name matches a skip
-pattern: diffusers' layerwise-casting defaults, the timestep/conditioning path (fp8 there ruins images), the model's own
-``_skip_layerwise_casting_patterns`` and ``_keep_in_fp32_modules``, and the user's patterns.
+Only the floating-point ``weight`` (of two bytes or more per element) of ``nn.Linear`` and ``nn.Conv*`` layers is
+quantized. Everything else keeps its dtype: integer, bool and already-fp8 weights (fp8 would change their values or
+gain nothing), biases, embeddings, bare ``nn.Parameter``s (Wan's ``scale_shift_table``), buffers, and every layer whose
+name matches a skip pattern: diffusers' layerwise-casting defaults, the timestep/conditioning path (fp8 there ruins
+images), the model's own ``_skip_layerwise_casting_patterns`` and ``_keep_in_fp32_modules``, and the user's patterns.
 """
 
 from __future__ import annotations
@@ -72,9 +73,14 @@ class SkipRules:
 
         for module_name, module in named_modules(model):  # names before adapters were injected
             if isinstance(module, QUANTIZABLE_LAYERS) and not self.skips_module(module_name):
-                if getattr(module, "weight", None) is not None:
+                if _quantizable(getattr(module, "weight", None)):
                     names.add(f"{module_name}.weight" if module_name else "weight")
         return names
+
+
+def _quantizable(weight) -> bool:
+    # integer and bool weights would come back as other values, fp8 ones would gain nothing
+    return weight is not None and weight.is_floating_point() and weight.element_size() > 1
 
 
 def skip_patterns(skip: str | Iterable[str] | None) -> tuple[str, ...]:

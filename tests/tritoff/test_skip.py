@@ -91,3 +91,16 @@ def test_one_string_is_one_pattern_and_non_strings_are_refused():
     for empty in ("", [" "]):  # an empty regex matches every module name: the whole model would stay unquantized
         with pytest.raises(ValueError, match="empty pattern, which matches every module"):
             SkipRules.for_model(model, extra=empty)
+
+
+def test_integer_bool_and_fp8_weights_keep_their_dtype():
+    model = tiny_wan_transformer()
+    weights = {
+        "blocks.0.attn1.to_q": torch.ones(model.blocks[0].attn1.to_q.weight.shape, dtype=torch.int8),
+        "blocks.0.attn1.to_k": torch.ones(model.blocks[0].attn1.to_k.weight.shape, dtype=torch.bool),
+        "blocks.0.attn1.to_v": torch.ones(model.blocks[0].attn1.to_v.weight.shape, dtype=torch.float8_e4m3fn),
+    }
+    for name, weight in weights.items():
+        model.get_submodule(name).weight = torch.nn.Parameter(weight, requires_grad=False)
+    quantized = SkipRules.for_model(model).quantized_names(model)
+    assert quantized == _expected("blocks", 2, "ffn") - {f"{name}.weight" for name in weights}
