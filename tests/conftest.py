@@ -11,6 +11,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# in one of several pytest workers (README's test command: two), one intra-op thread each: the workers are the
+# parallelism, and more threads than cores spin
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 def _check_interpreter_bounds() -> None:
     """Make Triton's interpreter refuse any load or store outside the tensors passed to the kernel.
