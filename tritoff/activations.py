@@ -7,7 +7,7 @@ the storage dies sees the peak the GPU would see. Attention is counted as the fu
 memory-efficient SDPA: the output, no score matrix); the math fallback would materialize a heads x tokens x tokens
 matrix no GPU run allocates. A repeated op is answered from a memo of its outputs' sizes instead of its meta kernel,
 so a Wan-14B forward at 480x832x81 traces in 0.3-0.4 s on a 2-core VM (1.2 s running every meta kernel), and
-``tritoff plan`` of Wan 2.1 at 720p with the VAE traced in tiles takes 35 s there instead of 105 s.
+``tritoff plan`` of Wan 2.1 at 720p with the VAE traced in tiles takes 35 s there instead of 105 s (docs/design.md).
 
 On CUDA the engine also measures each component's first forward, and re-plans when the estimate was short.
 """
@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 # the allocator's rounding and kernels' temporaries come on top of the tensors the trace sees, and on a GPU the
 # cuBLAS and attention workspaces (tens of MB)
@@ -60,6 +60,7 @@ class _PeakBytes(TorchDispatchMode):
         self.peak = 0
         self.memo: dict | None = {} if memo else None  # (op, inputs' metadata) -> outputs' metadata
         self.hits = 0  # ops answered from the memo
+        self._sweep_at = 64  # live storages counted (dead ones included) that trigger a look for dead ones
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
@@ -69,13 +70,11 @@ class _PeakBytes(TorchDispatchMode):
         # storages that existed before the trace (parameters, inputs): a view of one (a weight's transpose, a
         # reshaped input) allocates nothing, but one grown in place (resize_, an out= argument) allocates the growth
         before = {}
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and (key := _storage(t)) not in self.live:
+        for t in _tensors(args, kwargs):
+            if (key := _storage(t)) not in self.live:
                 before[key] = t.untyped_storage().nbytes()
         out = self._run(func, args, kwargs or {})
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
+        for t in _tensors(out):
             key = _storage(t)
             if key in before:
                 grown = max(t.untyped_storage().nbytes() - before[key], 0)
@@ -96,7 +95,7 @@ class _PeakBytes(TorchDispatchMode):
             return func(*args, **kwargs)
         if shapes is None:
             out = func(*args, **kwargs)
-            inputs = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            inputs = {_storage(t) for t in _tensors(args, kwargs)}
             self.memo[key] = _outputs(out, inputs)
             return out
         if shapes is _NOT_REMEMBERED:
@@ -107,11 +106,16 @@ class _PeakBytes(TorchDispatchMode):
         return made[0] if kind is torch.Tensor else kind(made)
 
     def _add(self, nbytes: int) -> None:
-        for key in [key for key in self.live if torch.UntypedStorage._expired(key)]:
-            self.now -= self.live.pop(key)
-            torch.UntypedStorage._free_weak_ref(key)
         self.now += nbytes
-        self.peak = max(self.peak, self.now)
+        # the dead storages are looked for only when the peak could rise (``now`` counts them until then, so it is
+        # never below the bytes alive: at or under the peak, so are they), or when enough may have died since the
+        # last look: one pass over the live storages per allocation was most of a long trace's time
+        if self.now > self.peak or len(self.live) >= self._sweep_at:
+            for key in [key for key in self.live if torch.UntypedStorage._expired(key)]:
+                self.now -= self.live.pop(key)
+                torch.UntypedStorage._free_weak_ref(key)
+            self._sweep_at = max(64, 2 * len(self.live))
+            self.peak = max(self.peak, self.now)
 
     def _track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -132,6 +136,27 @@ _NOT_REMEMBERED = object()  # an op whose outputs are not all new meta tensors: 
 
 
 _PURE: dict = {}  # aten overload -> whether it is pure, read from its schema once
+
+
+def _tensors(value, kwargs=None) -> list[torch.Tensor]:
+    """The tensors in an op's arguments (``value`` and ``kwargs``) or outputs: aten ops take and return tensors,
+    scalars, and lists, tuples and dicts of them (``torch.utils._pytree.tree_leaves`` walks the same, several times
+    slower)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return []
+    found = []
+    for item in value:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, (list, tuple, dict)):
+            found.extend(_tensors(item))
+    if kwargs:
+        found.extend(_tensors(kwargs))
+    return found
 
 
 def _pure(func) -> bool:

@@ -87,6 +87,21 @@ def test_tensors_that_die_are_subtracted_from_the_running_count():
     assert peak_bytes(Chain(), (torch.randn(16, 16),)) == 2 * 16 * 16 * FP32
 
 
+def test_deaths_among_many_live_storages_are_counted_where_the_peak_could_rise():
+    # dead storages are looked for only when the running count passes the peak, or when many may have died since
+    class ManyAlive(nn.Module):
+        def forward(self, x):
+            kept = [x + i for i in range(100)]  # 100 storages of 16 bytes alive to the end
+            for n in (1, 2, 16, 8, 4, 2, 1, 3):
+                scratch = x.new_empty(n * 1024)  # n * 4096 bytes; the previous one is dead by now
+                del scratch
+            many = [x * i for i in range(200)]  # 200 more storages that die at once
+            del many
+            return kept, x.new_empty(16000)  # 64000 bytes beside the 1600 kept: under the peak, unless the dead count
+
+    assert peak_bytes(ManyAlive(), (torch.randn(4),)) == 100 * 16 + 16 * 4096
+
+
 def test_a_storage_counts_until_the_last_tensor_on_it_dies():
     class Matmul(nn.Module):
         def forward(self, x, w):
