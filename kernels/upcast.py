@@ -258,7 +258,6 @@ def check_programs(programs, what: str = "programs") -> int:
 # a table on a GPU: its rows, read back once (a sync) or given by GroupRuntime, which builds them on the CPU, and the
 # extents found from them per output size, kept on the table object until an in-place write bumps its version
 _REACH = "_tritoff_reach"
-_OUT_SIZES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
 
 
 def table_extent(table: torch.Tensor, out_dtype: torch.dtype, cpu_rows: torch.Tensor | None = None) -> tuple[int, int]:
@@ -267,7 +266,7 @@ def table_extent(table: torch.Tensor, out_dtype: torch.dtype, cpu_rows: torch.Te
     (or from ``cpu_rows``, its rows on the CPU), then again after an in-place write: a write through ``.data`` or
     numpy, which torch does not count, is not seen there."""
     _check_table(table, out_dtype)
-    out_size = _OUT_SIZES[out_dtype]
+    out_size = out_dtype.itemsize
     if table.device.type == "cpu":
         return _extent(table.tolist(), out_size)
     version = None if table.is_inference() else table._version  # inference tensors count no writes

@@ -70,7 +70,7 @@ class _PeakBytes(TorchDispatchMode):
         # storages that existed before the trace (parameters, inputs): a view of one (a weight's transpose, a
         # reshaped input) allocates nothing, but one grown in place (resize_, an out= argument) allocates the growth
         before = {}
-        for t in _tensors(args, kwargs):
+        for t in _tensors((args, kwargs)):
             if (key := _storage(t)) not in self.live:
                 before[key] = t.untyped_storage().nbytes()
         out = self._run(func, args, kwargs or {})
@@ -95,7 +95,7 @@ class _PeakBytes(TorchDispatchMode):
             return func(*args, **kwargs)
         if shapes is None:
             out = func(*args, **kwargs)
-            inputs = {_storage(t) for t in _tensors(args, kwargs)}
+            inputs = {_storage(t) for t in _tensors((args, kwargs))}
             self.memo[key] = _outputs(out, inputs)
             return out
         if shapes is _NOT_REMEMBERED:
@@ -107,9 +107,9 @@ class _PeakBytes(TorchDispatchMode):
 
     def _add(self, nbytes: int) -> None:
         self.now += nbytes
-        # the dead storages are looked for only when the peak could rise (``now`` counts them until then, so it is
-        # never below the bytes alive: at or under the peak, so are they), or when enough may have died since the
-        # last look: one pass over the live storages per allocation was most of a long trace's time
+        # look for dead storages only where the peak could rise: ``now`` counts them until then, so it is never below
+        # the bytes alive, and at or under the peak so are they. (Also once the storages held have doubled, so dead
+        # ones do not pile up.) A pass at every allocation was most of a long trace's time
         if self.now > self.peak or len(self.live) >= self._sweep_at:
             for key in [key for key in self.live if torch.UntypedStorage._expired(key)]:
                 self.now -= self.live.pop(key)
@@ -138,10 +138,9 @@ _NOT_REMEMBERED = object()  # an op whose outputs are not all new meta tensors: 
 _PURE: dict = {}  # aten overload -> whether it is pure, read from its schema once
 
 
-def _tensors(value, kwargs=None) -> list[torch.Tensor]:
-    """The tensors in an op's arguments (``value`` and ``kwargs``) or outputs: aten ops take and return tensors,
-    scalars, and lists, tuples and dicts of them (``torch.utils._pytree.tree_leaves`` walks the same, several times
-    slower)."""
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or outputs: aten ops take and return tensors, scalars, and lists, tuples and
+    dicts of them (``torch.utils._pytree.tree_leaves`` walks the same, several times slower)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, dict):
@@ -154,8 +153,6 @@ def _tensors(value, kwargs=None) -> list[torch.Tensor]:
             found.append(item)
         elif isinstance(item, (list, tuple, dict)):
             found.extend(_tensors(item))
-    if kwargs:
-        found.extend(_tensors(kwargs))
     return found
 
 
