@@ -23,9 +23,10 @@ deadline inside it and is told so (--deadline): the benchmarks start no measurem
 rewrite their JSON after every measurement. A step still running at its deadline (plus a short grace) is stopped
 (SIGTERM, then SIGKILL), keeping what it wrote.
 
-Usage: bench/gpu_suite.sh PART [--smoke] [--out DIR] [--wheels DIR] [--budget SECONDS]
-  --smoke: tiny shapes on the CPU (Triton's interpreter): the rehearsal. --out: default $OUT when set, else
-  out/gpu-suite. --wheels: default .whl when it exists.
+Usage: bench/gpu_suite.sh PART [--smoke] [--collect-only] [--out DIR] [--wheels DIR] [--budget SECONDS]
+  --smoke: tiny shapes on the CPU (Triton's interpreter): the rehearsal. --collect-only: part 1's test steps collect
+  their tests and run none (CI, whose test command runs them in the same environment). --out: default $OUT when set,
+  else out/gpu-suite. --wheels: default .whl when it exists.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -72,10 +74,13 @@ ESTIMATES = {
 
 
 def parse_args(argv=None):
-    """The command line: the part, ``--smoke``, ``--out``, ``--wheels`` and ``--budget``."""
+    """The command line: the part, ``--smoke``, ``--collect-only``, ``--out``, ``--wheels`` and ``--budget``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=sorted(ESTIMATES))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: rehearse the part")
+    parser.add_argument(
+        "--collect-only", action="store_true", help="part 1's test steps collect their tests and run none (CI)"
+    )
     parser.add_argument("--out", default=None, help="output directory (default $OUT, else out/gpu-suite)")
     parser.add_argument("--wheels", default=None, help="wheel directory (default .whl when it exists)")
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for the whole part (default 480)")
@@ -92,8 +97,6 @@ class Suite:
         default_out = os.environ.get("OUT") or str(REPO / "out" / "gpu-suite")
         self.out = Path(args.out or default_out).resolve()
         self.out.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"tritoff-suite-{os.getpid()}"
-        self.tmp.mkdir(parents=True, exist_ok=True)
         suffix = "-smoke" if args.smoke else ""
         self.name = f"suite-part{args.part}{suffix}"
         self.log = open(self.out / f"{self.name}.log", "w")  # closed in finish()
@@ -186,9 +189,11 @@ class Suite:
     def imports_this_checkout(self) -> bool:
         """Whether the steps' Python imports tritoff and tritoff.kernels from this checkout."""
         probe = "import json, tritoff, tritoff.kernels; print(json.dumps([tritoff.__file__, tritoff.kernels.__file__]))"
-        out = subprocess.run(
-            [sys.executable, "-c", probe], env=self.env, capture_output=True, text=True, cwd=self.tmp
-        ).stdout.splitlines()
+        # run away from the checkout: there, the working directory's tritoff/ would be imported whatever the install
+        with tempfile.TemporaryDirectory(prefix="tritoff-suite-") as away:
+            out = subprocess.run(
+                [sys.executable, "-c", probe], env=self.env, capture_output=True, text=True, cwd=away
+            ).stdout.splitlines()
         try:  # the last line: a sitecustomize may print before it
             where = json.loads(out[-1]) if out else []
         except json.JSONDecodeError:
@@ -258,8 +263,14 @@ class Suite:
 
     def pytest(self, name: str, args: list[str], until: float, quiet: bool = False) -> None:
         """Run pytest with ``args`` as step ``name``, its junit XML summarised into the record."""
+        cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
+        if self.args.collect_only:  # a file per line; pytest exits 5 where the selection is empty
+            entry = self.step(f"pytest {name}", [*cmd, "-qq", "--collect-only", *args], until)
+            done = "collected, none run (--collect-only)" if entry["rc"] == 0 else "not collected (see the log)"
+            self.record.setdefault("tests", {})[name] = {"note": entry.get("note") or done}
+            return
         xml = self.out / f"tests-{name}{self.suffix}.xml"
-        cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", f"--junitxml={xml}", *args]
+        cmd += ["-v", "-rfE", f"--junitxml={xml}", *args]
         entry = self.step(f"pytest {name}", cmd, until, quiet)
         self.record.setdefault("tests", {})[name] = _junit(xml) if xml.exists() else {"note": entry.get("note")}
 
@@ -274,15 +285,15 @@ class Suite:
         so a short ``--budget`` (a 15-minute session's first call) still runs the tests and the hooks."""
         timeout = ["--timeout=300"] if _has("pytest_timeout") else []
         # the tests leave the hooks their time: the two figures a short part must not lose
-        self.pytest("gpu", ["-m", "gpu", "-v", *timeout, "tests"], min(time.time() + 150, self.deadline - HOOKS_S))
+        self.pytest("gpu", ["-m", "gpu", *timeout, "tests"], min(time.time() + 150, self.deadline - HOOKS_S))
         smoke = ["--smoke"] if self.smoke else []
         self.python("hooks", "hooks.py", [*smoke, "--out", str(self.out)], time.time() + HOOKS_S)
         self.python("kernels", "kernels.py", [*smoke, "--out", str(self.out)], time.time() + 200)
-        self.pytest("opcheck", ["-v", *timeout, "tests/kernels/test_custom_ops.py"], time.time() + 90)
+        self.pytest("opcheck", [*timeout, "tests/kernels/test_custom_ops.py"], time.time() + 90)
         # the other tests that run on the GPU when there is one (the kernels against their references); the rest
         # compare with references computed on the CPU, which CUDA's matmuls do not reproduce bit for bit
         per_test = ["--timeout=120"] if timeout else []
-        rest = ["-m", "on_device and not gpu", "--ignore", "tests/kernels/test_custom_ops.py", "-v", *per_test, "tests"]
+        rest = ["-m", "on_device and not gpu", "--ignore", "tests/kernels/test_custom_ops.py", *per_test, "tests"]
         self.pytest("rest", rest, self.deadline - 10, quiet=True)
 
     def part2(self) -> None:
@@ -440,7 +451,7 @@ def summary_lines(record: dict, out: Path, suffix: str) -> list[str]:
             )
             lines += [f"  FAILED {f}" for f in t["failed"]]
         else:
-            lines.append(f"\ntests {name}: no report ({t.get('note') or 'stopped'})")
+            lines.append(f"\ntests {name}: {t.get('note') or 'no report (stopped)'}")
     since = record.get("_start", 0)  # the output directory may hold an earlier part's files
     kernels = _load(out, "kernels", suffix, since)
     if kernels:

@@ -254,9 +254,11 @@ def measure_size(target_bytes: int, device: torch.device, width: int, reps: int)
         results["hbm_d2d"] = {"seconds": seconds, "GBps_read_plus_write": 2 * out_bytes / seconds / 1e9}
     # (f) at every swept size of program; the kernels' own (BLOCK, WARPS) is timed once, as the (f) figure
     seconds_by_config = {}
+    # Triton's interpreter (the smoke run) runs a program's warps as one: on the CPU they would time the same launch
+    warps_swept = UPCAST_WARPS if device.type == "cuda" else (WARPS,)
     for block in UPCAST_BLOCKS:
         block_table, block_programs = layout.table(block, device), layout.n_programs(block)
-        for warps in UPCAST_WARPS:
+        for warps in warps_swept:
 
             def upcast(block=block, warps=warps, block_table=block_table, block_programs=block_programs):
                 upcast_pack(staged, out, block_table, block_programs, layout.out_dtype, fmt, block=block, warps=warps)
@@ -328,7 +330,7 @@ def upcast_beside_compute(device: torch.device, target_bytes: int, width: int, r
     its pack's upcast from HBM, which ran on a side stream beside the previous block's matmuls (tritoff's fp8-resident
     tier), for every grid of :data:`UPCAST_GRID_SHARES` x :data:`UPCAST_GRID_SHAPES`: seconds per block against the
     matmuls alone, and each grid's upcast alone (GB/s read + written). On the CPU (the smoke run) the same steps run
-    one after the other, and every grid is one program per chunk (the interpreter's way)."""
+    one after the other, for the grid shapes alone: the interpreter runs one program per chunk whatever the bound."""
     cuda = device.type == "cuda"
     layout, arena, fmt = build_pack(target_bytes, width, register=cuda)
     staged = arena.buffer.to(device, copy=True)
@@ -353,7 +355,7 @@ def upcast_beside_compute(device: torch.device, target_bytes: int, width: int, r
 
     alone = timed(lambda: [block_compute() for _ in range(blocks)], device, reps) / blocks
     results = {"sms": sms, "tokens": tokens, "compute_alone_s_per_block": alone, "grids": {}}
-    for share in UPCAST_GRID_SHARES:
+    for share in UPCAST_GRID_SHARES if cuda else (0,):  # the interpreter runs one program per chunk whatever the bound
         programs = round(share * sms)
         for block, warps in UPCAST_GRID_SHAPES:
             table, n_programs = layout.table(block, device), layout.n_programs(block)
@@ -462,7 +464,7 @@ def main() -> None:
     ]
     print(f"device: {device}; wire GB/s (fp8 bytes per second; % of (a)); (f) counts read + write bytes")
     print(markdown_table(header, table))
-    configs = [f"{b}x{w}" for b in UPCAST_BLOCKS for w in UPCAST_WARPS]
+    configs = list(rows[0]["f_hbm_upcast_GBps_by_config"]) if rows else []
     sweep = [
         [f"{r['pack_bytes'] / 2**20:.1f}"] + [f"{r['f_hbm_upcast_GBps_by_config'][c]:.0f}" for c in configs]
         for r in rows

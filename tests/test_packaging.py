@@ -1,5 +1,6 @@
 """Regular and editable installs in a clean venv both provide tritoff.kernels, and no top-level kernels."""
 
+import json
 import subprocess
 import sys
 import venv
@@ -186,3 +187,23 @@ def test_a_short_part_1_runs_the_gpu_tests_then_the_hooks_and_only_then_the_rest
     assert until["hooks"] - (1000 + 30 + 130) >= takes["hooks"]  # which it finished in
     assert until["kernels"] == suite.deadline  # cut at the budget, keeping what it measured
     assert until["pytest opcheck"] is None and until["pytest rest"] is None  # no time left: named as not run
+
+
+def test_collect_only_runs_no_test_and_fails_a_step_whose_selection_is_empty(tmp_path):
+    # CI's part-1 rehearsal: its test steps collect what the test command already ran, and still fail on a selection
+    # that a change of markers or paths left empty
+    gpu_suite = _gpu_suite()
+    suite = gpu_suite.Suite(gpu_suite.parse_args(["1", "--smoke", "--collect-only", "--out", str(tmp_path)]))
+    tests = tmp_path / "test_two.py"
+    tests.write_text("def test_one():\n    assert False\n\n\ndef test_two():\n    assert False\n")
+    suite.pytest("two", [str(tests)], suite.deadline)
+    suite.pytest("none", ["-m", "gpu", str(tests)], suite.deadline)
+    assert suite.finish() == 1
+    record = json.loads((tmp_path / "suite-part1-smoke.json").read_text())
+    assert [s["rc"] for s in record["steps"]] == [0, 5]
+    assert record["tests"] == {
+        "two": {"note": "collected, none run (--collect-only)"},
+        "none": {"note": "not collected (see the log)"},
+    }
+    assert not list(tmp_path.glob("tests-*.xml"))  # no junit report: no test ran (both would fail)
+    assert "test_two.py: 2" in (tmp_path / "suite-part1-smoke.log").read_text()  # the per-file counts
