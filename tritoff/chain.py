@@ -16,6 +16,23 @@ from collections.abc import Callable
 import torch.nn as nn
 from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 
+# the modules whose hook tritoff itself is taking off: its hooks refuse to be detached by anyone else
+_REMOVING: set[int] = set()
+
+
+def removing(module: nn.Module) -> bool:
+    """Whether tritoff itself is taking the hook off ``module`` (its hooks' ``detach_hook`` asks)."""
+    return id(module) in _REMOVING
+
+
+def _remove(module: nn.Module) -> None:
+    """accelerate's ``remove_hook_from_module``, as tritoff's own removal."""
+    _REMOVING.add(id(module))
+    try:
+        remove_hook_from_module(module)
+    finally:
+        _REMOVING.discard(id(module))
+
 
 def _registry_refs(module: nn.Module) -> list:
     """The references diffusers' hook registry on ``module`` keeps of each hook's forwards, innermost first."""
@@ -52,7 +69,7 @@ def hook_innermost(module: nn.Module, hook: ModelHook, wrap: Callable[[nn.Module
         installed = module.forward
         setattr(holder, attribute, installed)
     except BaseException:
-        remove_hook_from_module(module)
+        _remove(module)
         raise
     finally:
         module.forward = outer
@@ -66,16 +83,16 @@ def unhook(module: nn.Module, installed: Callable | None) -> bool:
     below = module.__dict__.get("_old_forward")
     current = module.__dict__.get("forward")
     if below is None or installed is None or current is installed:
-        remove_hook_from_module(module)
+        _remove(module)
         return True
     for ref in _registry_refs(module):
         for attribute in ("original_forward", "forward"):
             if getattr(ref, attribute) is installed:
-                remove_hook_from_module(module)
+                _remove(module)
                 setattr(ref, attribute, below)
                 module.forward = current
                 return True
-    remove_hook_from_module(module)
+    _remove(module)
     return False
 
 

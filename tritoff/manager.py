@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils.checkpoint
 from accelerate.hooks import ModelHook
 from accelerate.utils import send_to_device
 from torch.autograd.graph import saved_tensors_hooks
@@ -41,6 +42,10 @@ from tritoff.residency import Residency
 from tritoff.slots import SlotRing, StallClock
 from tritoff.transfer import Transfer
 from tritoff.warn import warn
+
+# what torch.utils.checkpoint raises inside a recomputed forward to end it once the tensors the backward needs exist
+# again (its default "early stop"): control flow, not a failure
+_STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
 
 # a component's methods other than forward that diffusers calls through apply_forward_hook (the hook without inputs)
 PLANNED_METHODS = ("encode", "decode")
@@ -413,6 +418,10 @@ class HookManager:
             try:
                 return fn(*args, **kwargs)
             except BaseException as err:
+                resident = group is not None and group.tier in ("bf16", "pool")
+                if isinstance(err, _STOP_RECOMPUTATION) and resident and comp is None:
+                    # a checkpointed block's recompute, ended early: its weights stay bound (the backward reads them)
+                    raise
                 refused = isinstance(err, RefusedUnchanged) and err.unchanged
                 if isinstance(err, RefusedUnchanged):
                     # only the call whose hook refused changed nothing; a capture is refused wherever it runs (there,
@@ -763,17 +772,30 @@ class _TritoffHook(ModelHook):
 
     no_grad = False
 
-    def __init__(self, manager: HookManager):
+    def __init__(self, manager: HookManager, where: str):
         super().__init__()
         self.manager = manager
         self.execution_device = manager.device
+        self.where = where
+
+    def detach_hook(self, module):
+        """Refuse accelerate's removal of this hook by anyone but tritoff (``remove_hook_from_module``, or the
+        ``remove_all_hooks`` that diffusers' offloading starts with, called on another pipeline built from the same
+        components): the module would compute with the placeholders tritoff leaves between forwards."""
+        if not chain.removing(module):
+            raise RuntimeError(
+                f"the hook on {self.where} is tritoff's, which holds the module's weights: call tritoff.disable on the "
+                "pipeline or module tritoff.enable was given first (a pipeline built from the same components shares "
+                "its hooks)"
+            )
+        return module
 
 
 class ComponentHook(_TritoffHook):
     """On a component's root module: pool unit, prefetch start, inputs moved to the GPU."""
 
     def __init__(self, manager: HookManager, component: ComponentRuntime):
-        super().__init__(manager)
+        super().__init__(manager, component.name)
         self.component = component
 
     @torch.compiler.disable
@@ -795,7 +817,7 @@ class GroupHook(_TritoffHook):
     """On a streamed or fp8-resident block."""
 
     def __init__(self, manager: HookManager, group: GroupRuntime):
-        super().__init__(manager)
+        super().__init__(manager, f"{group.component}.{group.name}")
         self.group = group
 
     @torch.compiler.disable

@@ -41,7 +41,10 @@ def placeholder(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     key = (dtype, device)
     if key not in _SCALARS:
         fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
-        _SCALARS[key] = torch.full((), fill, dtype=dtype, device=device)
+        # shared by every later engine: never an inference tensor (made under inference mode), which
+        # reset_placeholders could not write outside it
+        with torch.inference_mode(False):
+            _SCALARS[key] = torch.full((), fill, dtype=dtype, device=device)
     return _SCALARS[key].expand(tuple(shape))
 
 
@@ -344,7 +347,12 @@ class GroupRuntime:
         if self._bound is not None:
             self.unbind_slot()
         self._note_replaced_data()
-        for param, empty in zip(self.params, self.placeholders, strict=True):
+        for i, (param, empty) in enumerate(zip(self.params, self.placeholders, strict=True)):
+            if param.data_ptr() != empty.data_ptr():
+                # a backward still to run may have saved this weight (a resident phase evicted between a forward and
+                # its backward): counted as a write, autograd then refuses it rather than read the placeholder's NaN
+                torch.autograd.graph.increment_version(param)
+                self.versions[i] += 1
             param.data = empty
         self._pointers = [empty.data_ptr() for empty in self.placeholders]
 

@@ -142,3 +142,28 @@ def _block_inputs(transformer):
     tokens = torch.randn(1, 4, dims, dtype=torch.bfloat16)
     rotary = (torch.ones(1, 4, 1, transformer.config.attention_head_dim),) * 2
     return tokens, tokens, torch.randn(1, 6, dims, dtype=torch.bfloat16), rotary
+
+
+def test_only_tritoff_takes_its_hooks_off_so_a_pipeline_sharing_the_components_cannot(expected):
+    # WanPipeline(**pipe.components) shares the enabled pipeline's modules, not its refusals: its remove_all_hooks(),
+    # and the offloading that starts with it, would leave both pipelines computing with placeholders
+    from accelerate.hooks import remove_hook_from_module
+    from diffusers import WanPipeline
+
+    pipe = wan()
+    _enable(pipe)
+    other = WanPipeline(**pipe.components)
+    calls = [
+        (other.remove_all_hooks, r"the hook on \w+ is tritoff's"),
+        (lambda: other.enable_model_cpu_offload(device="cpu"), r"the hook on \w+ is tritoff's"),
+        (lambda: other.enable_sequential_cpu_offload(device="cpu"), r"the hook on \w+ is tritoff's"),
+        (lambda: remove_hook_from_module(pipe.transformer.blocks[1]), r"the hook on transformer\.blocks\.1 is"),
+    ]
+    for call, message in calls:
+        with pytest.raises(RuntimeError, match=message) as info:
+            call()
+        assert "\n" not in str(info.value) and "tritoff.disable" in str(info.value)
+    assert torch.equal(run(other, CALL), expected["plain"])  # bf16 packs: the plain pipeline's latents
+    tritoff.disable(pipe)
+    assert not any(hasattr(m, "_hf_hook") for m in pipe.transformer.modules())
+    other.remove_all_hooks()  # tritoff's hooks gone: nothing of its refuses

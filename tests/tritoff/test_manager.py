@@ -1,10 +1,12 @@
 """tritoff/manager.py: prefetch order, conditional groups, fp8-casting text encoders, ring slot reuse."""
 
+import copy
 import time
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 import tritoff
 from tritoff.onload import is_placeholder
@@ -863,6 +865,50 @@ def test_a_call_under_inference_mode_leaves_the_engine_usable_in_normal_mode(str
         model(inputs[0]).float().sum().backward()
         reference(inputs[1]).float().sum().backward()
         assert torch.equal(inputs[0].grad, inputs[1].grad)
+
+
+class _Checkpointed(Stack):
+    """A Stack whose blocks are recomputed in the backward (torch.utils.checkpoint, as diffusers' gradient
+    checkpointing calls it)."""
+
+    def forward(self, x):
+        x = self.proj_in(x)
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+def test_checkpointed_blocks_recompute_with_their_resident_weights():
+    # checkpoint ends a recompute early by raising inside it: not a failure that evicts the phase the backward reads
+    torch.manual_seed(0)
+    model = realistic_init(_Checkpointed()).to(torch.bfloat16)
+    reference = dequantize_in_place(copy.deepcopy(model))
+    engine = _enable(model, 10**8)
+    assert engine.plan.tier_counts("model")["bf16"] == 5
+    inputs = [torch.randn(4, 16, dtype=torch.bfloat16).requires_grad_() for _ in range(2)]
+    inputs[1].data.copy_(inputs[0].data)
+    for _ in range(2):
+        model(inputs[0]).float().square().mean().backward()
+        reference(inputs[1]).float().square().mean().backward()
+        assert torch.isfinite(inputs[0].grad).all() and torch.equal(inputs[0].grad, inputs[1].grad)
+    assert engine.stats["components"]["model"]["evictions"] == 0
+
+
+def test_a_phase_evicted_between_a_forward_and_its_backward_is_refused_not_read_as_nan():
+    # another component's call may evict this one before the backward: autograd saved weights that now point at NaN
+    # placeholders, so their release counts as a write, which the backward refuses
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    reference = dequantize_in_place(_stack())
+    model = _stack()
+    engine = _enable(model, 10**8)
+    inputs = [x.clone().requires_grad_() for _ in range(2)]
+    loss = model(inputs[0]).float().sum()
+    engine.manager.leave(engine.manager.components["model"])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    model(inputs[0]).float().sum().backward()  # loaded again: the weights' own writes are not the user's
+    reference(inputs[1]).float().sum().backward()
+    assert torch.equal(inputs[0].grad, inputs[1].grad)
 
 
 @pytest.mark.parametrize("name", ["head.weight", "blocks.2.0.weight"], ids=["unit", "streamed-block"])

@@ -44,3 +44,16 @@ def test_an_upcast_grid_bound_that_is_not_a_count_is_refused_at_enable(monkeypat
         tritoff.enable(model, mode="group", budget="1GB", progress=False)
     assert not hasattr(model, "_tritoff_engine")
     assert all(p is before[n][0] and torch.equal(p, before[n][1]) for n, p in model.named_parameters())
+
+
+def test_placeholders_first_made_under_inference_mode_can_be_reset_outside_it(monkeypatch):
+    # the scalars behind every placeholder outlive the engine that made them: an inference tensor among them would make
+    # every later reset (each disable runs one) fail outside inference mode
+    monkeypatch.setattr(onload, "_SCALARS", {})
+    with torch.inference_mode():
+        empty = onload.placeholder((3, 4), torch.bfloat16, torch.device("cpu"))
+    assert not empty.is_inference()
+    with torch.no_grad():
+        empty.fill_(1.0)  # a write that lands on the shared scalar
+    onload.reset_placeholders()
+    assert onload.is_placeholder(empty) and torch.isnan(empty).all()
