@@ -351,8 +351,11 @@ class GroupRuntime:
             if param.data_ptr() != empty.data_ptr():
                 # a backward still to run may have saved this weight (a resident phase evicted between a forward and
                 # its backward): counted as a write, autograd then refuses it rather than read the placeholder's NaN
+                # (data made under inference mode counts none, and autograd cannot have saved it)
+                before = param._version
                 torch.autograd.graph.increment_version(param)
-                self.versions[i] += 1
+                if before == self.versions[i]:  # else a write of the caller's is still to refuse
+                    self.versions[i] = param._version
             param.data = empty
         self._pointers = [empty.data_ptr() for empty in self.placeholders]
 
