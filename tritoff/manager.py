@@ -418,9 +418,9 @@ class HookManager:
             try:
                 return fn(*args, **kwargs)
             except BaseException as err:
-                resident = group is not None and group.tier in ("bf16", "pool")
-                if isinstance(err, _STOP_RECOMPUTATION) and resident and comp is None:
-                    # a checkpointed block's recompute, ended early: its weights stay bound (the backward reads them)
+                if _recompute_ended(err, comp, group):  # its weights stay bound: the backward reads them
+                    if running:
+                        comp.active = active  # its exit hook did not run
                     raise
                 refused = isinstance(err, RefusedUnchanged) and err.unchanged
                 if isinstance(err, RefusedUnchanged):
@@ -699,6 +699,16 @@ class HookManager:
         self.disk.want(wanted)
 
 
+def _recompute_ended(err: BaseException, comp: ComponentRuntime | None, group: GroupRuntime | None) -> bool:
+    """Whether ``err`` is torch.utils.checkpoint ending the recompute of a checkpointed block or component early, where
+    every weight it computes with stays bound while its phase does (resident tiers): control flow the backward goes on
+    from, not a failure to recover from (recovering evicts every phase, and the backward would read placeholders)."""
+    if not isinstance(err, _STOP_RECOMPUTATION):
+        return False
+    groups = [group] if group is not None else comp.groups if comp is not None else []
+    return bool(groups) and all(g.tier in ("bf16", "pool") for g in groups)
+
+
 def _check_frozen(group: GroupRuntime) -> None:
     """Refuse a managed weight that requires grad (set after enable): its values are overwritten on every load."""
     for param, entry in zip(group.params, group.layout.entries, strict=True):
@@ -784,9 +794,9 @@ class _TritoffHook(ModelHook):
         components): the module would compute with the placeholders tritoff leaves between forwards."""
         if not chain.removing(module):
             raise RuntimeError(
-                f"the hook on {self.where} is tritoff's, which holds the module's weights: call tritoff.disable on the "
-                "pipeline or module tritoff.enable was given first (a pipeline built from the same components shares "
-                "its hooks)"
+                f"the hook on {self.where} is tritoff's, which holds the module's weights, and accelerate would take "
+                "it off (remove_hook_from_module, a pipeline's remove_all_hooks or offloading, add_hook_to_module "
+                "with append=True): call tritoff.disable on the pipeline or module tritoff.enable was given first"
             )
         return module
 

@@ -147,7 +147,7 @@ def _block_inputs(transformer):
 def test_only_tritoff_takes_its_hooks_off_so_a_pipeline_sharing_the_components_cannot(expected):
     # WanPipeline(**pipe.components) shares the enabled pipeline's modules, not its refusals: its remove_all_hooks(),
     # and the offloading that starts with it, would leave both pipelines computing with placeholders
-    from accelerate.hooks import remove_hook_from_module
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
     from diffusers import WanPipeline
 
     pipe = wan()
@@ -158,6 +158,7 @@ def test_only_tritoff_takes_its_hooks_off_so_a_pipeline_sharing_the_components_c
         (lambda: other.enable_model_cpu_offload(device="cpu"), r"the hook on \w+ is tritoff's"),
         (lambda: other.enable_sequential_cpu_offload(device="cpu"), r"the hook on \w+ is tritoff's"),
         (lambda: remove_hook_from_module(pipe.transformer.blocks[1]), r"the hook on transformer\.blocks\.1 is"),
+        (lambda: add_hook_to_module(pipe.transformer.blocks[1], ModelHook(), append=True), "with append=True"),
     ]
     for call, message in calls:
         with pytest.raises(RuntimeError, match=message) as info:

@@ -878,20 +878,29 @@ class _Checkpointed(Stack):
         return self.head(x)
 
 
-def test_checkpointed_blocks_recompute_with_their_resident_weights():
-    # checkpoint ends a recompute early by raising inside it: not a failure that evicts the phase the backward reads
+@pytest.mark.parametrize("checkpointed", ["blocks", "component"])
+def test_checkpointed_calls_recompute_with_their_resident_weights(checkpointed):
+    # checkpoint ends a recompute early by raising inside it (in a block, then through the component's forward when
+    # the whole component is checkpointed): not a failure that evicts the phase the backward reads
     torch.manual_seed(0)
-    model = realistic_init(_Checkpointed()).to(torch.bfloat16)
+    model = realistic_init(_Checkpointed() if checkpointed == "blocks" else Stack()).to(torch.bfloat16)
     reference = dequantize_in_place(copy.deepcopy(model))
     engine = _enable(model, 10**8)
     assert engine.plan.tier_counts("model")["bf16"] == 5
+
+    def loss(module, x):
+        if checkpointed == "component":
+            return torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False).float().square().mean()
+        return module(x).float().square().mean()
+
     inputs = [torch.randn(4, 16, dtype=torch.bfloat16).requires_grad_() for _ in range(2)]
     inputs[1].data.copy_(inputs[0].data)
     for _ in range(2):
-        model(inputs[0]).float().square().mean().backward()
-        reference(inputs[1]).float().square().mean().backward()
+        loss(model, inputs[0]).backward()
+        loss(reference, inputs[1]).backward()
         assert torch.isfinite(inputs[0].grad).all() and torch.equal(inputs[0].grad, inputs[1].grad)
     assert engine.stats["components"]["model"]["evictions"] == 0
+    assert engine.manager.components["model"].active == 0
 
 
 def test_a_phase_evicted_between_a_forward_and_its_backward_is_refused_not_read_as_nan():
