@@ -536,6 +536,8 @@ class Engine:
     def _hook(self, module: nn.Module, hook) -> None:
         self._hooked.append(module)  # first: a teardown after an interruption in the middle unhooks it too
         self._installed[id(module)] = chain.hook_innermost(module, hook, lambda m: guard_forward(m, self.manager))
+        if isinstance(hook, GroupHook):
+            hook.group.hooked = (module, hook)
         operations.compile_inside_hooks(module)  # compiled before enable: its compiled call would hold the hooks
 
     def move_hook(self, src: nn.Module, dst: nn.Module) -> None:

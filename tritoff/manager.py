@@ -313,6 +313,9 @@ class HookManager:
         if torch.is_grad_enabled():
             for g in comp.unit:
                 _check_frozen(g)
+        for g in comp.blocks:
+            if g.hooked is not None and g.hooked[0].__dict__.get("_hf_hook") is not g.hooked[1]:
+                raise _hook_replaced(g)
         for g in comp.groups:
             g.check_before_forward()
         for table in comp.host:
@@ -728,6 +731,16 @@ def _forward_bypassed(comp: ComponentRuntime) -> RuntimeError:
         f"{comp.name}.forward was replaced after tritoff.enable by a function that does not call the forward tritoff "
         "hooked, so its weights were not loaded (NaN); call tritoff.disable(pipe), replace it, then tritoff.enable "
         "again (or make it call the forward it replaced)"
+    )
+
+
+def _hook_replaced(group: GroupRuntime) -> RuntimeError:
+    """A block's accelerate hook replaced after enable (``add_hook_to_module`` without ``append``, which takes no hook
+    off): the block would run without tritoff's, on placeholders."""
+    return RuntimeError(
+        f"the hook on {group.component}.{group.name} is no longer tritoff's (accelerate's add_hook_to_module replaced "
+        "it after tritoff.enable), so the block would compute with placeholders (NaN); call tritoff.disable on the "
+        "pipeline or module tritoff.enable was given (it puts the block's own forward back)"
     )
 
 

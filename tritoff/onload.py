@@ -195,6 +195,7 @@ class GroupRuntime:
         self.ready: torch.cuda.Event | None = None
         self._views: dict[int, list[torch.Tensor]] = {}
         self.hook_counted = False  # its pre hook counted toward the hooks' time in this call: so does its post
+        self.hooked: tuple | None = None  # (module, hook): where the engine put its block hook, checked every call
 
     def _build_tables(self) -> None:
         # every table of the group in one device allocation, sliced per launch (each would cost 512 bytes alone)

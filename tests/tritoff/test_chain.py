@@ -168,3 +168,19 @@ def test_only_tritoff_takes_its_hooks_off_so_a_pipeline_sharing_the_components_c
     tritoff.disable(pipe)
     assert not any(hasattr(m, "_hf_hook") for m in pipe.transformer.modules())
     other.remove_all_hooks()  # tritoff's hooks gone: nothing of its refuses
+
+
+def test_a_block_hook_replaced_by_accelerate_is_refused_at_the_next_call_not_run_on_placeholders(expected):
+    # add_hook_to_module without append puts its hook in place of tritoff's, taking nothing off: tritoff's hook then
+    # never runs, and the block would compute with placeholders
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    pipe = wan()
+    _enable(pipe)
+    add_hook_to_module(pipe.transformer.blocks[1], ModelHook())
+    with pytest.raises(RuntimeError, match=r"the hook on transformer\.blocks\.1 is no longer tritoff's") as info:
+        run(pipe, CALL)
+    assert "\n" not in str(info.value)
+    with pytest.warns(TritoffWarning):  # the forward tritoff hooked is put back
+        tritoff.disable(pipe)
+    assert torch.equal(run(pipe, CALL), expected["plain"])
