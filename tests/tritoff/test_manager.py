@@ -893,8 +893,8 @@ def test_checkpointed_calls_recompute_with_their_resident_weights(checkpointed):
             return torch.utils.checkpoint.checkpoint(module, x, use_reentrant=False).float().square().mean()
         return module(x).float().square().mean()
 
-    inputs = [torch.randn(4, 16, dtype=torch.bfloat16).requires_grad_() for _ in range(2)]
-    inputs[1].data.copy_(inputs[0].data)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    inputs = [x.clone().requires_grad_() for _ in range(2)]
     for _ in range(2):
         loss(model, inputs[0]).backward()
         loss(reference, inputs[1]).backward()
