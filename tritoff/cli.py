@@ -30,7 +30,7 @@ from tritoff.planner import MODES
 
 EXIT_INTERRUPTED = 130
 _MODEL_IS_A_FILE = "is a file: give the diffusers pipeline directory that holds model_index.json"
-# tritoff.engine.TRANSPORTS and tritoff.formats.FORMATS, known without importing torch, so that a typo is answered at
+# tritoff.options.TRANSPORTS and tritoff.formats.FORMATS, known without importing torch, so that a typo is answered at
 # once (a test keeps them equal)
 TRANSPORTS = ("auto", "staged", "zero_copy")
 STORAGES = ("fp8_e4m3", "fp8_e5m2", "bf16", "fp16")

@@ -168,7 +168,8 @@ def convert_pipeline(
     ``storage`` is what :func:`tritoff.enable` takes (a format for all but the VAEs, or ``{component: format}``).
     ``out_dir`` must be new or empty (or a store, replaced with ``overwrite``) and outside the model directory; this is
     checked before anything is read."""
-    from tritoff.engine import _components, _groups_for
+    from tritoff.preflight import components_of
+    from tritoff.sizing import groups_for
 
     directory = Path(model)
     check_target(out_dir, overwrite, model=directory)
@@ -192,7 +193,7 @@ def convert_pipeline(
         loaded = from_pretrained(model, dtype, **dict.fromkeys(readers))
     except (ImportError, AttributeError, TypeError) as err:  # the input's fault (OSError and ValueError say so)
         raise ValueError(cannot_load(model, err)) from err
-    for name, module in _components(loaded).items():
+    for name, module in components_of(loaded).items():
         components.setdefault(name, module)
     components = {n: components[n] for n in sorted(components)}
     storages = resolve_storage(storage, components)
@@ -202,7 +203,7 @@ def convert_pipeline(
     fingerprints = {n: fingerprint(m) for n, m in components.items()}
     plans = {}
     for name, module in components.items():
-        groups = _groups_for(module, grouping if grouping == "leaf" else "group")
+        groups = groups_for(module, grouping if grouping == "leaf" else "group")
         quantized = SkipRules.for_model(module, skip).quantized_names(module)
         plans[name] = groups, plan_layouts(groups, quantized, get_format(storages[name]), granularity)
     # each pack goes to disk as soon as it is made, so host memory holds one group whatever the model's size: into

@@ -1,25 +1,27 @@
-"""``tritoff.enable(pipe, ...)`` and ``tritoff.disable(pipe)``: the product users touch."""
+"""``tritoff.enable(pipe, ...)`` and ``tritoff.disable(pipe)``: the product users touch.
+
+``enable`` checks its options (``tritoff/options.py``) and its target (``tritoff/preflight.py``), packs the weights
+(``tritoff/packer.py``), plans each phase within the budget (``tritoff/sizing.py``, ``tritoff/planner.py``) and builds
+the :class:`Engine`: the group runtimes, the hook manager and the hooks. Everything that can fail is checked before a
+parameter changes; a failure after that gives the modules their weights back."""
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
 
-from tritoff import chain, disk, operations, torn_down
-from tritoff.adapters import adapter_bytes, merged_adapters, move_adapters, named_parameters, outer_modules
-from tritoff.advice import advise
+from tritoff import chain, disk, operations, preflight, torn_down
+from tritoff.adapters import merged_adapters, move_adapters, named_parameters, outer_modules
 from tritoff.allocator import warn_if_fragmenting
 from tritoff.arena import HostArena
-from tritoff.budget import default_budget, device_memory, format_bytes, parse_host_budget, parse_size, percentage
-from tritoff.chunks import halving_chunk, smallest_chunk
+from tritoff.budget import format_bytes
 from tritoff.disk import DiskRing, spill_files
-from tritoff.formats import check_granularity, get_format
-from tritoff.groups import REST, Group, block_groups, is_block, is_host, leaf_groups
+from tritoff.formats import get_format
+from tritoff.groups import Group, is_block, is_host
 from tritoff.host_lookup import HostLookupHook, HostTable, host_views
 from tritoff.host_plan import hold_plan
 from tritoff.manager import (
@@ -31,7 +33,9 @@ from tritoff.manager import (
     guard_forward,
     planned_method,
 )
-from tritoff.onload import GroupRuntime, parameter_homes, placeholder, reset_placeholders, table_bytes
+from tritoff.onload import GroupRuntime, parameter_homes, placeholder, reset_placeholders
+from tritoff.options import Options, check_device, same_skip
+from tritoff.options import resolve as resolve_options
 from tritoff.packer import (
     PackedModel,
     hold_packs,
@@ -39,349 +43,20 @@ from tritoff.packer import (
     pack_offsets,
     plan_layouts,
     quantize_device,
-    relayout,
     restore_params,
 )
 from tritoff.packer import dequantized as _dequantized  # a module name of its own: tests watch what disable reads
-from tritoff.planner import (
-    MODES,
-    BudgetError,
-    ComponentSize,
-    GroupSize,
-    PhasedPlan,
-    Plan,
-    chunk_capacity,
-    plan,
-    plan_phases,
-)
+from tritoff.planner import ComponentSize, PhasedPlan, Plan, plan
+from tritoff.preflight import ENGINE_ATTR, ENGINES
 from tritoff.report import Report
+from tritoff.sizing import check_callable, groups_for, hooked_modules, looped, plan_for, sizes_of
 from tritoff.skip import SkipRules, skip_patterns
 from tritoff.snr import LOST_DB
 from tritoff.storage import describe_storage, resolve_storage
 from tritoff.warn import warn
 
-ENGINE_ATTR = "_tritoff_engine"
-# diffusers' registry hooks that move or cast weights: group offloading and layerwise casting
-WEIGHT_HOOKS = {
-    "group_offloading",
-    "layer_execution_tracker",
-    "lazy_prefetch_group_offloading",
-    "layerwise_casting",
-    "peft_autocast_disable",
-}
-# every engine made by enable; those still their target's engine own their components' parameters
-_ENGINES: weakref.WeakSet = weakref.WeakSet()
-TRANSPORTS = ("auto", "staged", "zero_copy")
-KERNELS = ("auto", "triton", "reference")
-# a component with a stack of at least this many blocks is split into groups (transformers, big text encoders)
-MIN_BLOCKS = 2
 # buffers of the disk ring: one is read while the other is copied to the GPU
 RING_BUFFERS = 2
-
-
-@dataclass(frozen=True)
-class Options:
-    """Validated options of :func:`enable`."""
-
-    storage: dict[str, str]  # component -> storage format name
-    granularity: str
-    skip: tuple[str, ...]
-    mode: str
-    budget: int
-    reserve: int
-    device: torch.device
-    prefetch: int
-    transport: str
-    kernels: str
-    reserve_fraction: float | None = None  # the reserve is this fraction of the budget (the default, or "20%")
-    host_budget: int | None = None  # host bytes the packs may hold (None: all of them)
-
-    @property
-    def staged(self) -> bool:
-        """Whether packs reach the device through staging (the copy engine, then the upcast): all but zero-copy."""
-        return self.transport != "zero_copy"
-
-    @property
-    def reads_host_directly(self) -> bool:
-        """Whether kernels read the packs zero-copy from page-locked host memory (which must then be locked)."""
-        return self.transport == "zero_copy" and self.device.type == "cuda"
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    """The module a ``torch.compile`` wrapper compiles (tritoff manages, and hooks, the module itself)."""
-    return module._orig_mod if type(module).__name__ == "OptimizedModule" else module
-
-
-def _wrapped_components(target, caller: str = "enable") -> dict[str, nn.Module]:
-    """The model components of ``target`` as it holds them (a ``torch.compile`` wrapper as such)."""
-    if isinstance(target, nn.Module):
-        return {"model": target}
-    components = getattr(target, "components", None)
-    if not isinstance(components, dict):
-        raise TypeError(f"tritoff.{caller} needs a diffusers pipeline or an nn.Module, got {type(target).__name__}")
-    modules = {name: m for name, m in components.items() if isinstance(m, nn.Module)}
-    if not modules:
-        raise ValueError("this pipeline has no model components to manage")
-    return modules
-
-
-def _components(target, caller: str = "enable") -> dict[str, nn.Module]:
-    return {name: _unwrap(m) for name, m in _wrapped_components(target, caller).items()}
-
-
-def _check_no_foreign_hooks(components: dict[str, nn.Module]) -> None:
-    for name, component in components.items():
-        if getattr(component, "hf_device_map", None):
-            raise ValueError(
-                f"{name} was loaded with a device_map; load it without device_map (tritoff places weights itself)"
-            )
-        for module_name, module in component.named_modules():
-            where = f"{name}.{module_name}" if module_name else name
-            hook = getattr(module, "_hf_hook", None)
-            if hook is not None and not isinstance(hook, (ComponentHook, GroupHook, torn_down.TornDown)):
-                raise ValueError(
-                    f"{where} carries accelerate hooks (enable_model_cpu_offload, enable_sequential_cpu_offload or "
-                    "cpu_offload); call pipe.remove_all_hooks() first"
-                )
-            # diffusers' caches and layer skip compose with tritoff (chain.py); its offloading and casting move or
-            # cast the weights tritoff holds
-            moving = [n for n in getattr(getattr(module, "_diffusers_hook", None), "hooks", ()) if n in WEIGHT_HOOKS]
-            if moving:
-                raise ValueError(
-                    f"{where} carries diffusers hooks ({', '.join(moving)}); undo enable_group_offload / "
-                    "enable_layerwise_casting (e.g. reload the model) before tritoff.enable"
-                )
-
-
-def _check_components(components: dict[str, nn.Module], previous) -> None:
-    """Refuse, before anything changes, components replaced since the previous enable (its packs hold the old weights)
-    and parameters shared between components (each component is packed and placed on its own)."""
-    if previous is not None:
-        before = previous.components
-        changed = [n for n in {**before, **components} if before.get(n) is not components.get(n)]
-        if changed:
-            raise ValueError(
-                f"{', '.join(changed)} changed since tritoff.enable (replaced, added or removed) while tritoff holds "
-                "the weights it had; call tritoff.disable(pipe) before changing components, then tritoff.enable again"
-            )
-    where: dict[int, tuple[str, str]] = {}
-    for name, component in components.items():
-        for pname, param in named_parameters(component):
-            first = where.setdefault(id(param), (name, pname))
-            if first[0] != name:
-                raise ValueError(
-                    f"{'.'.join(first)} and {name}.{pname} are one parameter shared by two components, which tritoff "
-                    "packs and places each on its own: give each component its own copy, or enable tritoff on one"
-                )
-
-
-def _managed_elsewhere(target) -> str | None:
-    """``target`` (a module not hooked itself: a layer of a block, a component's ``proj_out``, an activation) named
-    as the engine holding it names it, or None when no engine (enabled, or torn down) holds it."""
-    if not isinstance(target, nn.Module):
-        return None
-    for engine in list(_ENGINES):
-        if not engine._released and getattr(engine.target, ENGINE_ATTR, None) is engine:
-            name = _name_in(engine, target)
-            if name is not None:
-                return name
-    return None
-
-
-def _name_in(engine: Engine, module: nn.Module) -> str | None:
-    """``module`` named as ``engine`` names it (``transformer.blocks.0``), or None when its components hold none."""
-    for name, component in engine.components.items():
-        for module_name, candidate in component.named_modules():
-            if candidate is module:
-                return f"{name}.{module_name}" if module_name else name
-    return None
-
-
-def _hooked_elsewhere(components: dict[str, nn.Module], own) -> str | None:
-    """The first module of ``components`` that an engine other than the one of manager ``own`` hooked, named by
-    whichever of the two was given a pipeline (``transformer.blocks.0``, not ``model.blocks.0``: ``model`` is what a
-    module enabled on its own is called), else by its class."""
-    for name, component in components.items():
-        for module_name, module in component.named_modules():
-            hook = getattr(module, "_hf_hook", None)
-            if isinstance(hook, (ComponentHook, GroupHook)) and hook.manager is not own:
-                owner = next((e for e in list(_ENGINES) if e.manager is hook.manager), None)
-                theirs = (
-                    _name_in(owner, module) if owner is not None and not isinstance(owner.target, nn.Module) else None
-                )
-                ours = None if name == "model" else f"{name}.{module_name}".rstrip(".")
-                return theirs or ours or type(module).__name__
-    return None
-
-
-def _check_not_managed_elsewhere(components: dict[str, nn.Module], previous) -> None:
-    where = _hooked_elsewhere(components, previous.manager if previous is not None else None)
-    if where is not None:
-        raise ValueError(
-            f"{where} is already managed by tritoff through another pipeline or module (shared components cannot be "
-            "packed twice); call tritoff.disable on that one first"
-        )
-    # a shared module without a hook of its own (inside another engine's rest group): its parameters tell
-    mine = {id(p): f"{name}.{pname}" for name, c in components.items() for pname, p in named_parameters(c)}
-    for engine in list(_ENGINES):
-        if engine is previous or getattr(engine.target, ENGINE_ATTR, None) is not engine:
-            continue
-        for component in engine.components.values():
-            for _, param in named_parameters(component):
-                if id(param) in mine:
-                    raise ValueError(
-                        f"{mine[id(param)]} is already managed by tritoff through another pipeline or module (shared "
-                        "weights cannot be packed twice); call tritoff.disable on that one first"
-                    )
-
-
-def _check_not_in_a_call(engine: Engine, what: str) -> None:
-    """Refuse ``what`` (``disable``, ``enable`` again) from inside a forward of a module ``engine`` manages, from a hook
-    or callback on this thread: the forward would go on with its hooks gone. A forward running on another thread is
-    waited for instead (the manager's lock), as a teardown does; the rest of that thread's pipeline call is not."""
-    manager = engine.manager
-    if manager is None:
-        return
-    with manager.lock:
-        if manager.guarded_calls:
-            names = list(dict.fromkeys(c.name for c in manager.running))
-            running = type(engine.target).__name__ if names in ([], ["model"]) else ", ".join(names)
-            raise RuntimeError(
-                f"tritoff.{what} was called during a forward of {running} (from a hook or callback inside it); call "
-                "it after that call returns"
-            )
-
-
-def _check_device(device) -> torch.device:
-    """``device`` as a usable compute device (``cuda`` resolved to its index), or a one-line ValueError."""
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"invalid device {device!r}: use 'cuda', 'cuda:N' or 'cpu'") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"tritoff cannot compute on device {str(device)!r}: use 'cuda', 'cuda:N' or 'cpu'")
-    if device.type == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r} was asked for but CUDA is not available; pass device='cpu'")
-    index = torch.cuda.current_device() if device.index is None else device.index
-    count = torch.cuda.device_count()
-    if index >= count:
-        raise ValueError(f"there is no device {str(device)!r}: this machine has {count} CUDA devices")
-    return torch.device("cuda", index)
-
-
-def check_prefetch(prefetch) -> None:
-    """Refuse a ``prefetch`` that is not a whole number of blocks >= 1, in one line."""
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-        raise ValueError(f"prefetch must be an integer >= 1, got {prefetch!r}")
-
-
-def _resolve(
-    components, storage, granularity, skip, mode, budget, reserve, device, prefetch, transport, kernels, host_budget
-):
-    storage = resolve_storage(storage, components)
-    host_budget = parse_host_budget(host_budget)
-    check_granularity(granularity)
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
-    if transport not in TRANSPORTS:
-        raise ValueError(f"unknown transport {transport!r}: use one of {', '.join(TRANSPORTS)}")
-    if kernels not in KERNELS:
-        raise ValueError(f"unknown kernels {kernels!r}: use one of {', '.join(KERNELS)}")
-    check_prefetch(prefetch)
-    device = _check_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    free, total = device_memory(device)
-    if budget is None:
-        # no budget: the device's free memory less headroom for what the plan cannot count (on the CPU: everything
-        # fits)
-        total_bytes = sum(p.numel() * p.element_size() for m in components.values() for p in m.parameters())
-        budget_bytes = default_budget(free) if free is not None else 2 * total_bytes + 2**30
-    else:
-        budget_bytes = parse_size(budget, total=total)
-    if reserve is None:
-        fraction = 0.1
-    else:
-        # a percentage is checked for syntax only: of a budget too small it is less than a byte, which the planner
-        # then refuses naming the smallest budget that works
-        fraction = percentage(reserve)
-        reserve_bytes = parse_size(reserve, what="reserve", total=budget_bytes if fraction is None else 2**50)
-        if fraction is not None and fraction >= 1:
-            raise ValueError(f"reserve {reserve!r} leaves nothing of the budget for weights: use less than 100%")
-    # a fraction of the budget is computed as the planner computes it when it names the smallest budget that works
-    if fraction is not None:
-        reserve_bytes = int(budget_bytes * fraction)
-    if mode is None:
-        mode = "auto"
-    return Options(
-        storage,
-        granularity,
-        skip_patterns(skip),
-        mode,
-        budget_bytes,
-        reserve_bytes,
-        device,
-        prefetch,
-        transport,
-        kernels,
-        fraction,
-        host_budget,
-    )
-
-
-def _same_skip(
-    components: dict[str, nn.Module], storage: dict[str, str], a: tuple[str, ...], b: tuple[str, ...]
-) -> bool:
-    """Whether skip patterns ``a`` and ``b`` keep the same weights unquantized in every component ``storage``
-    quantizes (whatever their order, repetitions or spelling)."""
-    if set(a) == set(b):
-        return True
-    fp8 = [m for name, m in components.items() if get_format(storage.get(name, "bf16")).is_fp8]
-    return all(
-        SkipRules.for_model(m, a).quantized_names(m) == SkipRules.for_model(m, b).quantized_names(m) for m in fp8
-    )
-
-
-def _check_still_there(components: dict[str, nn.Module], previous: Engine) -> None:
-    """Refuse enabling again a component whose managed weights are not where they were: one gone (its module deleted,
-    moved or wrapped: tritoff still holds it under its old name, which only ``disable`` gives back), or one added
-    (a module put in since, which the packs do not hold)."""
-    for name, module in components.items():
-        own = previous._own_params[name]
-        now = {n: id(p) for n, p in named_parameters(module)}
-        gone = next((n for n, p in own.items() if now.get(n) != id(p)), None)
-        if gone is not None:
-            raise ValueError(
-                f"{name}.{gone} is no longer in {name} under that name (its module was deleted, moved, wrapped or "
-                "aliased since enable), and tritoff still holds its weight: call tritoff.disable(pipe) before changing "
-                "a component's modules"
-            )
-        added = next((n for n in now if n not in own), None)
-        if added is not None:
-            raise ValueError(
-                f"{name}.{added} was added to {name} since enable and tritoff's packs do not hold it: call "
-                "tritoff.disable(pipe) before changing a component's modules, then enable again"
-            )
-
-
-def _groups_for(module: nn.Module, mode: str) -> list[Group]:
-    if mode == "leaf":
-        return leaf_groups(module)
-    groups = block_groups(module)
-    if mode == "group" and not any(is_block(g) for g in groups):
-        # no block list to stream (a model without ModuleLists): stream its layers instead
-        return leaf_groups(module)
-    return groups
-
-
-def _splittable(module: nn.Module, groups: list[Group]) -> bool:
-    blocks = [g for g in groups if is_block(g)]
-    # VAEs are called through encode/decode, which run only pre_forward hooks: they move whole
-    return len(blocks) >= MIN_BLOCKS and not hasattr(module, "decode")
-
-
-def _looped(name: str) -> bool:
-    return name == "model" or name.startswith(("transformer", "unet", "prior", "denoiser"))
 
 
 class Engine:
@@ -453,7 +128,7 @@ class Engine:
             params_by_name = self._own_params[name]
             homes = parameter_homes(module)
             phase = self.plan.phases[name]
-            comp = ComponentRuntime(name, module, phase, _looped(name))
+            comp = ComponentRuntime(name, module, phase, looped(name))
             split = bool(sizes[name].blocks)
             tiers = phase.tiers.get(name, {})
             chunk = self.chunks[name]
@@ -634,7 +309,7 @@ class Engine:
 
 def _forward_replaced(engine: Engine, modules: list[nn.Module]) -> str:
     """What a teardown says of hooked ``modules`` whose forward was replaced after enable (:func:`chain.unhook`)."""
-    where = ", ".join(_name_in(engine, m) or type(m).__name__ for m in modules)
+    where = ", ".join(preflight.name_in(engine, m) or type(m).__name__ for m in modules)
     return (
         f"{where}: forward was replaced after tritoff.enable (tritoff's hook no longer ran in it); tritoff put back "
         "the forward it had hooked: replace it again now, or before tritoff.enable"
@@ -646,152 +321,6 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
         for name, buf in list(sub._buffers.items()):
             if buf is not None and buf.device != device:
                 sub._buffers[name] = buf.to(device)
-
-
-def _sizes(components, group_lists, layouts, mode) -> list[ComponentSize]:
-    sizes = []
-    for name, module in components.items():
-        groups, lays = group_lists[name], layouts[name]
-        if all(is_host(g) for g in groups):  # nothing but host lookup tables: no device bytes at all
-            sizes.append(ComponentSize(name, [], None, _looped(name)))
-            continue
-        splits = mode != "model" and _splittable(module, groups)
-        each = [  # host lookup tables take no device memory
-            GroupSize(
-                g.name,
-                lay.nbytes,
-                lay.out_nbytes,
-                smallest_chunk(lay),
-                half_chunk=halving_chunk(lay) if splits and g.name != REST else 0,
-            )
-            for g, lay in zip(groups, lays, strict=True)
-            if not is_host(g)
-        ]
-        blocks = [s for s in each if s.name != REST]
-        rest = [s for s in each if s.name == REST]
-        if splits:
-            sizes.append(ComponentSize(name, blocks, rest[0] if rest else None, _looped(name)))
-        else:
-            whole = GroupSize(
-                name,
-                sum(s.packed for s in each),
-                sum(s.unpacked for s in each),
-                max(s.min_chunk for s in each),
-                max(s.packed for s in each),
-            )
-            sizes.append(ComponentSize(name, [], whole, _looped(name)))
-    return sizes
-
-
-def _buffer_bytes(components: dict[str, nn.Module]) -> int:
-    """Bytes of the module buffers (rotary tables, position ids) and adapter weights that move to the device with the
-    components."""
-    buffers = sum(b.numel() * b.element_size() for m in components.values() for b in m.buffers())
-    return buffers + sum(adapter_bytes(m) for m in components.values())
-
-
-def shared_bytes(sizes, group_lists, layouts, components, staged: bool, zero_copy: bool) -> tuple[dict[str, int], int]:
-    """Each component's staging chunk capacity, and the device bytes every phase shares: module buffers and the
-    kernel tables (cut for those chunks; host lookup tables have none)."""
-    chunks = {s.name: chunk_capacity(s, staged) for s in sizes}
-    tables = sum(
-        table_bytes(lay, chunks[name], zero_copy)
-        for name, lays in layouts.items()
-        for lay, group in zip(lays, group_lists[name], strict=True)
-        if not is_host(group)
-    )
-    return chunks, _buffer_bytes(components) + tables
-
-
-def _plan(sizes, group_lists, layouts, components, options: Options, fixed_groups: bool = False):
-    """The phased plan, with every device byte the engine allocates outside the groups accounted for (module buffers
-    and the kernel tables, cut for each phase's staging chunk), and each component's chunk capacity.
-
-    A budget too small is refused naming the prefetch and mode that lower the smallest budget that works
-    (:func:`tritoff.advice.advise`); ``fixed_groups``: the groups are a store's, so no mode grouping otherwise is."""
-    try:
-        return _plan_phases(sizes, group_lists, layouts, components, options)
-    except BudgetError as err:
-        minimum = minimum_for(
-            components,
-            group_lists,
-            layouts,
-            dict.fromkeys(components, options.reserve),
-            staged=options.staged,
-            zero_copy=options.reads_host_directly,
-            fraction=options.reserve_fraction,
-            fixed_groups=fixed_groups,
-        )
-        raise advise(err, options.mode, options.prefetch, options.budget, minimum) from None
-
-
-def regroup(components, group_lists, layouts, mode: str) -> tuple[dict, dict]:
-    """The group lists and layouts of ``components`` in ``mode``: those given where the grouping is the same, else
-    laid out again from ``layouts``' entries (:func:`packer.relayout`, which raises KeyError for a tensor they do not
-    hold)."""
-    lists = {n: _groups_for(m, mode) for n, m in components.items()}
-    same = {n for n in components if [g.name for g in lists[n]] == [g.name for g in group_lists[n]]}
-    return lists, {n: layouts[n] if n in same else relayout(layouts[n], lists[n]) for n in components}
-
-
-def minimum_for(
-    components,
-    group_lists,
-    layouts,
-    reserves: dict[str, int],
-    *,
-    staged: bool = True,
-    zero_copy: bool = False,
-    fraction: float | None = None,
-    fixed_groups: bool = False,
-) -> Callable[[str, int], int | None]:
-    """A function of (mode, prefetch) giving the smallest budget that works with them (what the planner names when
-    given one byte), with ``layouts`` laid out again for another grouping. It gives None for a mode enable would
-    refuse here: a grouping whose tensors the layouts lack, or that ``fixed_groups`` (a store's) rules out, a
-    component moving whole that is never called, hooks inside a block compiled with ``fullgraph=True``."""
-    usable, minimums = {}, {}
-
-    def plannable(mode: str):
-        try:
-            lists, lays = regroup(components, group_lists, layouts, mode)
-        except KeyError:
-            return None
-        if fixed_groups and any(lays[n] is not layouts[n] for n in components):
-            return None
-        sizes = _sizes(components, lists, lays, mode)
-        try:
-            _check_callable(components, sizes)
-            operations.check_compiled(_hooked_modules(components, lists, sizes), components)
-        except ValueError:
-            return None
-        _, fixed = shared_bytes(sizes, lists, lays, components, staged, zero_copy)
-        return sizes, fixed, max([len(s.blocks) for s in sizes] + [1])
-
-    def minimum(mode: str, prefetch: int) -> int | None:
-        if mode not in usable:
-            usable[mode] = plannable(mode)
-        if usable[mode] is None:
-            return None
-        sizes, fixed, most = usable[mode]
-        depth = min(prefetch, most)  # a prefetch as deep as the blocks: every one has a slot, a deeper one adds none
-        if (mode, depth) not in minimums:
-            try:
-                plan_phases(sizes, 1, mode, depth, reserves, staged, fraction, fixed)
-                minimums[mode, depth] = 1
-            except BudgetError as err:
-                minimums[mode, depth] = err.minimum
-        return minimums[mode, depth]
-
-    return minimum
-
-
-def _plan_phases(sizes, group_lists, layouts, components, options: Options):
-    staged = options.staged
-    chunks, fixed = shared_bytes(sizes, group_lists, layouts, components, staged, options.reads_host_directly)
-    reserves = dict.fromkeys(chunks, options.reserve)
-    fraction = options.reserve_fraction
-    phased = plan_phases(sizes, options.budget, options.mode, options.prefetch, reserves, staged, fraction, fixed)
-    return phased, chunks
 
 
 def enable(
@@ -849,53 +378,21 @@ def enable(
     from tritoff.kernels import upcast as upcast_kernels
 
     upcast_kernels.check_programs(upcast_kernels.UPCAST_PROGRAMS, "UPCAST_PROGRAMS")  # read again by each group
-    components = _components(target)
+    components = preflight.components_of(target)
     previous: Engine | None = getattr(target, ENGINE_ATTR, None)
     given_spill_dir = spill_dir  # this call's: only it is warned about
     if previous is not None:
-        _check_not_in_a_call(previous, "enable")
-    _check_components(components, previous)
-    _check_not_managed_elsewhere(components, previous)
+        preflight.check_not_in_a_call(previous, "enable")
+    preflight.check_components(components, previous)
+    preflight.check_not_managed_elsewhere(components, previous)
     if previous is None:
-        _check_no_foreign_hooks(components)
+        preflight.check_no_foreign_hooks(components)
     from tritoff.store import fingerprint
 
     # taken before any parameter changes (and reused on re-plans, when parameters hold placeholders)
     fingerprints = previous.fingerprints if previous is not None else {n: fingerprint(m) for n, m in components.items()}
     if store is not None:
-        from tritoff.store import component_storages, read_index
-
-        index = read_index(store)
-        for name, module in components.items():
-            fused = merged_adapters(module)
-            if fused:
-                raise ValueError(
-                    f"{name} has LoRA adapters fused into its weights ({', '.join(fused)}) but the store at {store} "
-                    "holds weights without them: unfuse_lora() before enable(store=...), or enable without store="
-                )
-        held = {n: f for n, f in component_storages(index).items() if n in components}
-        if storage is not None:
-            wanted = resolve_storage(storage, components)
-            for name in held:
-                if wanted[name] != held[name]:
-                    raise ValueError(
-                        f"storage for {name} is {wanted[name]} but the store at {store} holds {held[name]}; drop "
-                        "storage= (the store's applies)"
-                    )
-        if granularity is not None and granularity != index["granularity"]:
-            raise ValueError(
-                f"granularity={granularity!r} but the store at {store} was packed with {index['granularity']!r}; drop "
-                "granularity= (the store's applies)"
-            )
-        if skip is not None and not _same_skip(components, held, skip_patterns(skip), tuple(index["skip"])):
-            raise ValueError(
-                f"skip={list(skip_patterns(skip))} but the store at {store} was packed with skip={index['skip']}; "
-                "drop skip= (the store's applies)"
-            )
-        storage, granularity, skip = held, index["granularity"], tuple(index["skip"])
-        if (mode == "leaf") != (index["grouping"] == "leaf"):
-            fits = "mode='leaf'" if index["grouping"] == "leaf" else "mode='group', 'auto' or 'model'"
-            raise ValueError(f"the store at {store} was made with {index['grouping']} groups: use {fits} with it")
+        storage, granularity, skip = _store_settings(store, components, storage, granularity, skip, mode)
     if previous is not None:  # what is left out keeps what the enabled engine packed with and placed
         storage = previous.options.storage if storage is None else storage
         granularity = previous.options.granularity if granularity is None else granularity
@@ -904,7 +401,7 @@ def enable(
         spill_dir = previous.spill_dir if spill_dir is None else spill_dir
     elif granularity is None:
         granularity = "row"
-    options = _resolve(
+    options = resolve_options(
         components, storage, granularity, skip, mode, budget, reserve, device, prefetch, transport, kernels, host_budget
     )
     if options.device.type == "cpu":
@@ -919,25 +416,7 @@ def enable(
 
         spill_directory(given_spill_dir, create=False)  # made when something spills: a failed enable leaves nothing
     if previous is not None:
-        before, now = previous.options, options
-        if (before.storage, before.granularity) != (now.storage, now.granularity) or not _same_skip(
-            components, now.storage, before.skip, now.skip
-        ):
-            enabled = (
-                f"tritoff is already enabled with storage {describe_storage(before.storage)}, "
-                f"granularity={before.granularity}, skip={list(before.skip)} and the original weights were released"
-            )
-            if store is not None:
-                raise ValueError(
-                    f"{enabled}, but the store at {store} holds storage {describe_storage(now.storage)}, "
-                    f"granularity={now.granularity}, skip={list(now.skip)}: call tritoff.disable(pipe) (or reload the "
-                    "pipeline) before enabling it from this store"
-                )
-            raise ValueError(
-                f"{enabled}; leave storage=, granularity= and skip= out to keep them, or reload the pipeline to change "
-                "them"
-            )
-        options = replace(options, skip=before.skip)  # the same modules skipped, however the patterns are written
+        options = _packed_alike(previous, options, components, store)
     # re-planning keeps the packs; switching to or from leaf groups re-packs, which is exact: quantizing a
     # dequantized pow2-scaled row gives back the same values (its scale may halve and its codes double, where the
     # row's largest value had rounded up to a power of two times the format's largest)
@@ -951,32 +430,32 @@ def enable(
     if previous is not None:  # a weight replaced, changed or gone since: refused now, before anything changes
         for comp in previous._runtimes:
             comp.check_unchanged()
-        _check_still_there(components, previous)
+        preflight.check_still_there(components, previous)
     if reuse:
         group_lists = previous._group_lists
         layouts = {n: [p.layout for p in previous.packed[n].packs] for n in components}
     elif store is not None:
         from tritoff.store import check_packs, check_weights, load_store
 
-        group_lists = {n: _groups_for(m, options.mode) for n, m in components.items()}
+        group_lists = {n: groups_for(m, options.mode) for n, m in components.items()}
         stored = load_store(store, components, group_lists, fingerprints, verify=verify)
         layouts = {n: [p.layout for p in stored[n].packs] for n in components}
     else:
-        group_lists = {n: _groups_for(m, options.mode) for n, m in components.items()}
+        group_lists = {n: groups_for(m, options.mode) for n, m in components.items()}
         layouts = {}
         for name, module in components.items():
             quantized = SkipRules.for_model(module, options.skip).quantized_names(module)
             if previous is None:  # else placeholders: the weights come back from packs that hold finite values
-                _check_loaded(module, name)
-                _check_finite(module, quantized, name)
+                preflight.check_loaded(module, name)
+                preflight.check_finite(module, quantized, name)
             layouts[name] = plan_layouts(group_lists[name], quantized, fmts[name], options.granularity)
-    sizes = _sizes(components, group_lists, layouts, options.mode)
-    _check_callable(components, sizes)
-    operations.check_compiled(_hooked_modules(components, group_lists, sizes), components)
-    operations.check_compiled_wrappers(_wrapped_components(target))
-    the_plan, chunks = _plan(sizes, group_lists, layouts, components, options, fixed_groups=store is not None)
-    looped = {name: _looped(name) for name in components}
-    in_ram = None if reuse else hold_plan(group_lists, layouts, the_plan, looped, options.host_budget)
+    sizes = sizes_of(components, group_lists, layouts, options.mode)
+    check_callable(components, sizes)
+    operations.check_compiled(hooked_modules(components, group_lists, sizes), components)
+    operations.check_compiled_wrappers(preflight.wrapped_components(target))
+    the_plan, chunks = plan_for(sizes, group_lists, layouts, components, options, fixed_groups=store is not None)
+    loops = {name: looped(name) for name in components}
+    in_ram = None if reuse else hold_plan(group_lists, layouts, the_plan, loops, options.host_budget)
     if store is not None:
         # the packs the host budget holds are read (and checked) now, before anything changes; the rest stay on disk
         for name, packed_model in stored.items():
@@ -987,7 +466,7 @@ def enable(
         check_weights(store, components, stored)
         if previous is not None:  # placeholders: the weights are the enabled engine's packs
             check_packs(store, previous.packed, stored, progress=progress)
-        _check_zero_copy(options, stored)
+        preflight.check_zero_copy(options, stored)
     kept, spills = {}, {}
     if not reuse and store is None:
         # the packs beyond the host budget go to spill files, made (and their disk checked) before anything changes
@@ -1005,7 +484,7 @@ def enable(
         disable(target, device="cpu")
         previous = None
     if reuse:
-        _check_zero_copy(options, previous.packed)
+        preflight.check_zero_copy(options, previous.packed)
         previous._teardown()
         for module in previous._unhooked:  # the new plan may hook fewer (group -> model): none keeps a forward of ours
             operations.restore_forward(module)
@@ -1019,57 +498,9 @@ def enable(
         for module in components.values():
             _replace_meta_params(module, options.device)
     else:
-        # zero-copy cannot run without page-locked packs: lock now, refusing before anything changes if that fails;
-        # otherwise pack_model locks each arena once its packs are written (locking faults in every page at once)
-        arenas = {
-            name: HostArena(pack_offsets(kept[name])[1], register=options.reads_host_directly) for name in components
-        }
-        _check_zero_copy(options, arenas)
-        requires_grad = _freeze(components)
-        packed, snr = {}, {}
-        name = None
-        quantize_on = quantize_device(options.device)
-        try:
-            for name, module in components.items():
-                stats: dict[str, float] = {}
-                packed[name] = pack_model(
-                    module,
-                    fmts[name],
-                    granularity=options.granularity,
-                    skip=options.skip,
-                    groups=group_lists[name],
-                    release=True,
-                    progress=progress,
-                    snr=stats,
-                    layouts=layouts[name],
-                    desc=f"packing {name}",
-                    arena=arenas[name],
-                    held=in_ram and in_ram[name],
-                    spill=spills.get(name),
-                    quantize_on=quantize_on,
-                )
-                snr.update({f"{name}.{k}": v for k, v in stats.items()})
-        except BaseException:
-            # a full spill disk, Ctrl-C: components packed so far get their weights back from their packs (the one
-            # being packed did so itself), and their flags
-            for model in packed.values():
-                for pack, group in zip(model.packs, model.groups, strict=True):
-                    restore_params(group, pack)
-            params = {n: dict(named_parameters(module)) for n, module in components.items()}
-            for (n, pname), flag in requires_grad.items():
-                params[n][pname].requires_grad_(flag)
-            rounded = [n for n in [*packed, name] if n is not None and fmts[n].is_fp8]
-            if rounded:
-                warn(
-                    f"enable stopped while packing: the weights of {', '.join(dict.fromkeys(rounded))} packed so far "
-                    "are back as their fp8 packs hold them (the originals were released as they were packed); "
-                    "reload the pipeline for the original weights"
-                )
-            raise
-        finally:
-            if quantize_on.type == "cuda":
-                with torch.cuda.device(quantize_on):  # empty_cache acts on the current device
-                    torch.cuda.empty_cache()  # quantizing's scratch: give it back before the budget's buffers are made
+        packed, snr, requires_grad = _pack_components(
+            components, options, fmts, group_lists, layouts, kept, in_ram, spills, progress
+        )
         if carried is None:  # a re-pack's figures are against weights quantized once, warned of then
             _warn_lost_weights(snr)
     if carried is not None:  # measured now against weights already quantized once: every layer would read inf dB
@@ -1098,12 +529,130 @@ def enable(
     return engine
 
 
+def _pack_components(components, options: Options, fmts, group_lists, layouts, kept, in_ram, spills, progress):
+    """Pack every component (``kept``: the layouts of the packs held in the host arena, ``spills``: the files for the
+    rest), releasing the original weights as each group is packed; returns the packs, the SNR of each quantized
+    weight and the parameters' ``requires_grad`` flags. Interrupted, every parameter gets its weights back from the
+    packs made so far, and its flag."""
+    # zero-copy cannot run without page-locked packs: lock now, refusing before anything changes if that fails;
+    # otherwise pack_model locks each arena once its packs are written (locking faults in every page at once)
+    arenas = {name: HostArena(pack_offsets(kept[name])[1], register=options.reads_host_directly) for name in components}
+    preflight.check_zero_copy(options, arenas)
+    requires_grad = _freeze(components)
+    packed, snr = {}, {}
+    name = None
+    quantize_on = quantize_device(options.device)
+    try:
+        for name, module in components.items():
+            stats: dict[str, float] = {}
+            packed[name] = pack_model(
+                module,
+                fmts[name],
+                granularity=options.granularity,
+                skip=options.skip,
+                groups=group_lists[name],
+                release=True,
+                progress=progress,
+                snr=stats,
+                layouts=layouts[name],
+                desc=f"packing {name}",
+                arena=arenas[name],
+                held=in_ram and in_ram[name],
+                spill=spills.get(name),
+                quantize_on=quantize_on,
+            )
+            snr.update({f"{name}.{k}": v for k, v in stats.items()})
+    except BaseException:
+        # a full spill disk, Ctrl-C: components packed so far get their weights back from their packs (the one
+        # being packed did so itself), and their flags
+        for model in packed.values():
+            for pack, group in zip(model.packs, model.groups, strict=True):
+                restore_params(group, pack)
+        params = {n: dict(named_parameters(module)) for n, module in components.items()}
+        for (n, pname), flag in requires_grad.items():
+            params[n][pname].requires_grad_(flag)
+        rounded = [n for n in [*packed, name] if n is not None and fmts[n].is_fp8]
+        if rounded:
+            warn(
+                f"enable stopped while packing: the weights of {', '.join(dict.fromkeys(rounded))} packed so far "
+                "are back as their fp8 packs hold them (the originals were released as they were packed); "
+                "reload the pipeline for the original weights"
+            )
+        raise
+    finally:
+        if quantize_on.type == "cuda":
+            with torch.cuda.device(quantize_on):  # empty_cache acts on the current device
+                torch.cuda.empty_cache()  # quantizing's scratch: give it back before the budget's buffers are made
+    return packed, snr, requires_grad
+
+
+def _store_settings(store, components: dict[str, nn.Module], storage, granularity, skip, mode):
+    """The storage, granularity and skip patterns of the store at ``store``, which apply to ``components``; the
+    values given for them and ``mode`` are refused, before anything changes, where they disagree with the store."""
+    from tritoff.store import component_storages, read_index
+
+    index = read_index(store)
+    for name, module in components.items():
+        fused = merged_adapters(module)
+        if fused:
+            raise ValueError(
+                f"{name} has LoRA adapters fused into its weights ({', '.join(fused)}) but the store at {store} "
+                "holds weights without them: unfuse_lora() before enable(store=...), or enable without store="
+            )
+    held = {n: f for n, f in component_storages(index).items() if n in components}
+    if storage is not None:
+        wanted = resolve_storage(storage, components)
+        for name in held:
+            if wanted[name] != held[name]:
+                raise ValueError(
+                    f"storage for {name} is {wanted[name]} but the store at {store} holds {held[name]}; drop "
+                    "storage= (the store's applies)"
+                )
+    if granularity is not None and granularity != index["granularity"]:
+        raise ValueError(
+            f"granularity={granularity!r} but the store at {store} was packed with {index['granularity']!r}; drop "
+            "granularity= (the store's applies)"
+        )
+    if skip is not None and not same_skip(components, held, skip_patterns(skip), tuple(index["skip"])):
+        raise ValueError(
+            f"skip={list(skip_patterns(skip))} but the store at {store} was packed with skip={index['skip']}; "
+            "drop skip= (the store's applies)"
+        )
+    if (mode == "leaf") != (index["grouping"] == "leaf"):
+        fits = "mode='leaf'" if index["grouping"] == "leaf" else "mode='group', 'auto' or 'model'"
+        raise ValueError(f"the store at {store} was made with {index['grouping']} groups: use {fits} with it")
+    return held, index["granularity"], tuple(index["skip"])
+
+
+def _packed_alike(previous: Engine, options: Options, components: dict[str, nn.Module], store) -> Options:
+    """``options`` for enabling again over ``previous``, whose original weights are gone: refused in one line unless
+    they pack as it did (the same storage, granularity and skipped modules)."""
+    before, now = previous.options, options
+    if (before.storage, before.granularity) != (now.storage, now.granularity) or not same_skip(
+        components, now.storage, before.skip, now.skip
+    ):
+        enabled = (
+            f"tritoff is already enabled with storage {describe_storage(before.storage)}, "
+            f"granularity={before.granularity}, skip={list(before.skip)} and the original weights were released"
+        )
+        if store is not None:
+            raise ValueError(
+                f"{enabled}, but the store at {store} holds storage {describe_storage(now.storage)}, "
+                f"granularity={now.granularity}, skip={list(now.skip)}: call tritoff.disable(pipe) (or reload the "
+                "pipeline) before enabling it from this store"
+            )
+        raise ValueError(
+            f"{enabled}; leave storage=, granularity= and skip= out to keep them, or reload the pipeline to change them"
+        )
+    return replace(options, skip=before.skip)  # the same modules skipped, however the patterns are written
+
+
 def _install(engine: Engine) -> None:
     """Make ``engine`` (its runtime built) its target's engine, with tritoff's wrappers of pipeline operations."""
     from tritoff import lora
 
     setattr(engine.target, ENGINE_ATTR, engine)
-    _ENGINES.add(engine)
+    ENGINES.add(engine)
     lora.attach(engine)  # fuse_lora / unfuse_lora write into the packs
     blocks = [m for m in engine._hooked if isinstance(getattr(m, "_hf_hook", None), GroupHook)]
     # .to(), offloading, qkv fusion, compile, save_pretrained
@@ -1112,43 +661,6 @@ def _install(engine: Engine) -> None:
         for method in PLANNED_METHODS:
             if callable(getattr(type(comp.module), method, None)) and method not in vars(comp.module):
                 setattr(comp.module, method, planned_method(engine.manager, comp, method))
-
-
-def _hooked_modules(components: dict[str, nn.Module], group_lists: dict, sizes: list[ComponentSize]) -> dict:
-    """The modules :meth:`Engine._build_runtime` hooks, per component: its root, the first module of each block of a
-    split component, and of each lookup table kept on the host."""
-    split = {size.name for size in sizes if size.blocks}
-    hooked = {}
-    for name, module in components.items():
-        outer = outer_modules(module)
-        groups = [g for g in group_lists[name] if is_host(g) or (name in split and is_block(g))]
-        hooked[name] = [module, *(outer[g.modules[0][0]] for g in groups)]
-    return hooked
-
-
-def _check_callable(components: dict[str, nn.Module], sizes: list[ComponentSize]) -> None:
-    """A component moving whole is loaded when its root is called: refuse a root without a forward of its own."""
-    for size in sizes:
-        module = components[size.name]
-        if not size.blocks and type(module).forward is nn.Module.forward:
-            raise ValueError(
-                f"{size.name} is a {type(module).__name__}, which is never called itself, so it cannot move as one "
-                "unit; use mode='group' (each block is loaded when called), or enable tritoff on the module that "
-                "calls it"
-            )
-
-
-def _check_zero_copy(options: Options, arenas: dict) -> None:
-    """transport='zero_copy' needs every arena page-locked; refuse before anything changes if one is not."""
-    if not options.reads_host_directly:
-        return
-    for name, arena in arenas.items():
-        arena = getattr(arena, "arena", arena)
-        if arena.nbytes and not arena.registered:
-            raise ValueError(
-                f"transport='zero_copy' needs page-locked host memory, and {name}'s packs could not be locked "
-                f"({arena.register_error}); use transport='staged', or free host memory"
-            )
 
 
 def _freeze(components: dict[str, nn.Module]) -> dict[tuple[str, str], bool]:
@@ -1171,22 +683,6 @@ def _replace_meta_params(module: nn.Module, device: torch.device) -> None:
                 sub._parameters[name] = nn.Parameter(
                     torch.empty(0, dtype=param.dtype, device=device), requires_grad=False
                 )
-
-
-def _check_loaded(module: nn.Module, component: str) -> None:
-    """Refuse a module whose weights are on the meta device: there are no values to pack."""
-    for name, tensor in (*named_parameters(module), *module.named_buffers()):
-        if tensor.is_meta:
-            raise ValueError(
-                f"{component}.{name} is on the meta device, so there are no weights to pack: load the weights "
-                "before tritoff.enable"
-            )
-
-
-def _check_finite(module: nn.Module, quantized: set[str], component: str) -> None:
-    for name, param in named_parameters(module):
-        if name in quantized and not torch.isfinite(param.detach()).all():
-            raise ValueError(f"{component}.{name} contains NaN or Inf: fix or skip this weight before tritoff.enable")
 
 
 def _warn_lost_weights(snr: dict[str, float]) -> None:
@@ -1260,7 +756,9 @@ def disable(target, device: str | torch.device | None = None) -> None:
         components = getattr(target, "components", None)
         if isinstance(components, dict) and not any(isinstance(m, nn.Module) for m in components.values()):
             return  # a pipeline without models: nothing tritoff could have enabled
-        where = _hooked_elsewhere(_components(target, "disable"), None) or _managed_elsewhere(target)
+        where = preflight.hooked_elsewhere(
+            preflight.components_of(target, "disable"), None
+        ) or preflight.managed_elsewhere(target)
         if where is not None:
             raise ValueError(
                 f"tritoff is enabled on {where} or on the pipeline or module holding it, not on this one; call "
@@ -1268,8 +766,8 @@ def disable(target, device: str | torch.device | None = None) -> None:
             )
         return
 
-    device = _check_device(device) if device is not None else engine.options.device
-    _check_not_in_a_call(engine, "disable")
+    device = check_device(device) if device is not None else engine.options.device
+    preflight.check_not_in_a_call(engine, "disable")
     was_torn_down = engine._torn_down
     try:
         _restore(engine, device)

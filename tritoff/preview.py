@@ -262,10 +262,11 @@ def plan(
     component's call is traced on the meta device (seconds each for a 14B model). Returns a :class:`Preview`
     (``.text()``, ``.as_dict()``), feasible or not, with the smallest budget that fits.
     """
-    from tritoff.engine import _groups_for, _sizes, check_prefetch, shared_bytes
     from tritoff.formats import get_format
+    from tritoff.options import check_prefetch
     from tritoff.packer import pack_offsets, plan_layouts
     from tritoff.presets import PRESETS, as_loaded, build_preset
+    from tritoff.sizing import groups_for, shared_bytes, sizes_of
     from tritoff.skip import SkipRules
     from tritoff.storage import resolve_storage
 
@@ -304,10 +305,10 @@ def plan(
     formats = resolve_storage(storage, components)
     group_lists, layouts = {}, {}
     for name, module in components.items():
-        group_lists[name] = _groups_for(module, mode)
+        group_lists[name] = groups_for(module, mode)
         quantized = SkipRules.for_model(module, ()).quantized_names(module)
         layouts[name] = plan_layouts(group_lists[name], quantized, get_format(formats[name]), "row")
-    sizes = _sizes(components, group_lists, layouts, mode)
+    sizes = sizes_of(components, group_lists, layouts, mode)
     chunks, fixed = shared_bytes(sizes, group_lists, layouts, components, True, False)
     reserves, calls, loops = {}, {}, {}
     traced = {}  # (architecture, method, input shapes) -> estimate: Wan 2.2's two experts are traced once
@@ -360,7 +361,7 @@ def plan(
 def _alternatives(components, group_lists, layouts, reserves, mode: str, prefetch: int, preview: Preview) -> dict:
     """The lower prefetch and the other mode that lower ``preview``'s smallest budget (:func:`tritoff.advice.advise`),
     each planned as :func:`plan` plans ``mode``."""
-    from tritoff.engine import minimum_for
+    from tritoff.sizing import minimum_for
 
     minimum = minimum_for(components, group_lists, layouts, reserves)
     return alternatives(preview.minimum_budget, mode, prefetch, preview.budget, minimum)

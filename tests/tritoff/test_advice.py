@@ -160,11 +160,11 @@ def test_no_mode_enable_would_refuse_is_named():
 
 
 def test_a_deep_prefetch_is_planned_once_per_ring_size(monkeypatch):
-    from tritoff import engine
+    from tritoff import sizing
 
     planned = []
-    real = engine.plan_phases
-    monkeypatch.setattr(engine, "plan_phases", lambda *a, **k: planned.append(a[3]) or real(*a, **k))
+    real = sizing.plan_phases
+    monkeypatch.setattr(sizing, "plan_phases", lambda *a, **k: planned.append(a[3]) or real(*a, **k))
     err = _refusal(stack(n=4), mode="group", prefetch=50)
     # 4 blocks: prefetch 4 and more all give each block a slot, so 49..4 are planned once, then 3, 2 and 1, then
     # each other mode once, and at prefetch 1 where that is new (auto and leaf; model moves whole): 10 plans with the

@@ -466,8 +466,8 @@ def test_budget_advice_names_what_the_engine_planned(mode, prefetch, advice):
 
 def test_the_cli_knows_the_engines_transports_and_storages():
     from tritoff.cli import STORAGES, TRANSPORTS
-    from tritoff.engine import TRANSPORTS as ENGINE_TRANSPORTS
     from tritoff.formats import FORMATS
+    from tritoff.options import TRANSPORTS as ENGINE_TRANSPORTS
 
     assert TRANSPORTS == ENGINE_TRANSPORTS and STORAGES == tuple(FORMATS)
 

@@ -1,0 +1,92 @@
+"""tritoff/preflight.py: what enable refuses about its target, each in one line, before anything changes."""
+
+import types
+
+import pytest
+import torch
+
+import tritoff
+from tritoff import preflight
+
+from .helpers import Stack, stack
+
+pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
+
+
+def _one_line(call, error, message):
+    with pytest.raises(error, match=message) as info:
+        call()
+    assert "\n" not in str(info.value)
+
+
+def test_the_components_of_a_module_a_pipeline_and_a_compiled_module():
+    model = stack()
+    assert preflight.components_of(model) == {"model": model}
+    pipe = types.SimpleNamespace(components={"transformer": model, "scheduler": object(), "tokenizer": None})
+    assert preflight.components_of(pipe) == {"transformer": model}  # only the modules
+    compiled = torch.compile(model)
+    assert preflight.components_of(compiled)["model"] is model  # tritoff manages, and hooks, the module itself
+    assert preflight.wrapped_components(compiled)["model"] is compiled
+
+
+def test_what_is_neither_a_pipeline_nor_a_module_is_refused():
+    _one_line(lambda: preflight.components_of(object(), "disable"), TypeError, "tritoff.disable needs a diffusers")
+    empty = types.SimpleNamespace(components={"scheduler": object()})
+    _one_line(lambda: preflight.components_of(empty), ValueError, "this pipeline has no model components")
+
+
+def test_accelerate_hooks_and_device_maps_are_refused():
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    model = stack()
+    add_hook_to_module(model.blocks[1], AlignDevicesHook(execution_device="cpu"))
+    _one_line(lambda: preflight.check_no_foreign_hooks({"model": model}), ValueError, "model.blocks.1 carries accel")
+    mapped = stack()
+    mapped.hf_device_map = {"": "cpu"}
+    _one_line(lambda: preflight.check_no_foreign_hooks({"unet": mapped}), ValueError, "unet was loaded with a device")
+    preflight.check_no_foreign_hooks({"model": stack()})  # nothing foreign: passes
+
+
+def test_a_parameter_two_components_share_is_refused():
+    first, second = stack(), stack(seed=1)
+    second.head.weight = first.head.weight
+    _one_line(
+        lambda: preflight.check_components({"a": first, "b": second}, None),
+        ValueError,
+        r"a\.head\.weight and b\.head\.weight are one parameter shared by two components",
+    )
+
+
+def test_weights_on_the_meta_device_and_non_finite_weights_are_refused():
+    with torch.device("meta"):
+        empty = Stack()
+    _one_line(lambda: preflight.check_loaded(empty, "vae"), ValueError, r"vae\.proj_in\.weight is on the meta device")
+    model = stack()
+    with torch.no_grad():
+        model.blocks[2][0].weight[3, 4] = float("nan")
+    quantized = {n for n, _ in model.named_parameters()}
+    _one_line(
+        lambda: preflight.check_finite(model, quantized, "transformer"),
+        ValueError,
+        r"transformer\.blocks\.2\.0\.weight contains NaN or Inf",
+    )
+    preflight.check_finite(model, quantized - {"blocks.2.0.weight"}, "transformer")  # skipped: kept as it is
+
+
+def test_a_module_another_engine_manages_is_named_as_that_engine_names_it():
+    model = stack()
+    pipe = types.SimpleNamespace(components={"transformer": model})
+    tritoff.enable(pipe, budget=10**9, progress=False, kernels="reference")
+    try:
+        assert preflight.ENGINES and getattr(pipe, preflight.ENGINE_ATTR) in preflight.ENGINES
+        assert preflight.managed_elsewhere(model.blocks[0][2]) == "transformer.blocks.0.2"
+        assert preflight.managed_elsewhere(stack()) is None
+        _one_line(
+            lambda: preflight.check_not_managed_elsewhere({"model": model}, None),
+            ValueError,
+            "is already managed by tritoff through another pipeline or module",
+        )
+    finally:
+        tritoff.disable(pipe)
+    assert preflight.managed_elsewhere(model.blocks[0][2]) is None
+    preflight.check_not_managed_elsewhere({"model": model}, None)
