@@ -56,6 +56,8 @@ UPCAST_PROGRAMS = 0
 
 _OUT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _OUT_TL = (tl.bfloat16, tl.float16, tl.float32)
+# the dtypes the kernel gives fp8 weights back in (a pack of float64 weights unpacks through the PyTorch reference)
+OUT_DTYPES = tuple(_OUT_CODES)
 
 
 def chunks_for(numel: int, block: int = BLOCK) -> int:

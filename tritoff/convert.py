@@ -205,7 +205,7 @@ def convert_pipeline(
     for name, module in components.items():
         groups = groups_for(module, grouping if grouping == "leaf" else "group")
         quantized = SkipRules.for_model(module, skip).quantized_names(module)
-        plans[name] = groups, plan_layouts(groups, quantized, get_format(storages[name]), granularity)
+        plans[name] = groups, plan_layouts(groups, quantized, get_format(storages[name]), granularity, name)
     # each pack goes to disk as soon as it is made, so host memory holds one group whatever the model's size: into
     # its component's file of the store being written beside the target, where it stays
     partial = partial_store(out_dir, overwrite)

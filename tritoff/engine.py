@@ -24,6 +24,7 @@ from tritoff.formats import get_format
 from tritoff.groups import Group, is_block, is_host
 from tritoff.host_lookup import HostLookupHook, HostTable, host_views
 from tritoff.host_plan import hold_plan
+from tritoff.kernels import upcast as upcast_kernels
 from tritoff.manager import (
     PLANNED_METHODS,
     ComponentHook,
@@ -33,7 +34,7 @@ from tritoff.manager import (
     guard_forward,
     planned_method,
 )
-from tritoff.onload import GroupRuntime, parameter_homes, placeholder, reset_placeholders
+from tritoff.onload import GroupRuntime, parameter_homes, placeholder, reset_placeholders, shared_versions
 from tritoff.options import Options, check_device, same_skip
 from tritoff.options import resolve as resolve_options
 from tritoff.packer import (
@@ -141,17 +142,21 @@ class Engine:
                     comp.host.append(HostTable(name, group, params, places))
                     continue
                 ring_arena = self.disk.arena if pack.on_disk else None
-                g = GroupRuntime(name, pack, packed, params, places, device, use_triton, zero_copy, chunk, ring_arena)
+                triton = use_triton and pack.layout.out_dtype in upcast_kernels.OUT_DTYPES  # else the reference
+                g = GroupRuntime(name, pack, packed, params, places, device, triton, zero_copy, chunk, ring_arena)
                 if split and is_block(group):
                     g.tier = "bf16" if phase.modes[name] == "resident" else tiers[g.name]
                     comp.blocks.append(g)
                 else:  # the rest of a split component, or any group of a whole-moving one
                     g.tier = "pool"
                     comp.unit.append(g)
-                g.release()
                 comp.groups.append(g)
             comp.reads_disk = any(g.pack.on_disk for g in comp.blocks)
             runtimes.append(comp)
+        _share_versions(runtimes)
+        for comp in runtimes:
+            for g in comp.groups:
+                g.release()
         self._runtimes = runtimes
         self.manager = HookManager(
             device,
@@ -307,6 +312,18 @@ class Engine:
             self.disk = None
 
 
+def _share_versions(runtimes: list[ComponentRuntime]) -> None:
+    """Tell each group which of its parameters share an autograd version counter with other managed parameters
+    (views of one tensor: :func:`tritoff.onload.shared_versions`), so that a count its release adds to one is
+    theirs too, not a write of the caller's to refuse."""
+    holders = [(h, i, p) for comp in runtimes for h in (*comp.groups, *comp.host) for i, p in enumerate(h.params)]
+    for indices in shared_versions([p for _, _, p in holders]):
+        for a in indices:
+            holder, i, _ = holders[a]
+            if isinstance(holder, GroupRuntime):
+                holder.shared_versions[i] = [holders[b][:2] for b in indices if b != a]
+
+
 def _forward_replaced(engine: Engine, modules: list[nn.Module]) -> str:
     """What a teardown says of hooked ``modules`` whose forward was replaced after enable (:func:`chain.unhook`)."""
     where = ", ".join(preflight.name_in(engine, m) or type(m).__name__ for m in modules)
@@ -375,8 +392,6 @@ def enable(
     for flag, value in (("verify", verify), ("progress", progress)):
         if not isinstance(value, bool):
             raise ValueError(f"{flag} must be True or False, got {value!r}")
-    from tritoff.kernels import upcast as upcast_kernels
-
     upcast_kernels.check_programs(upcast_kernels.UPCAST_PROGRAMS, "UPCAST_PROGRAMS")  # read again by each group
     components = preflight.components_of(target)
     previous: Engine | None = getattr(target, ENGINE_ATTR, None)
@@ -448,7 +463,9 @@ def enable(
             if previous is None:  # else placeholders: the weights come back from packs that hold finite values
                 preflight.check_loaded(module, name)
                 preflight.check_finite(module, quantized, name)
-            layouts[name] = plan_layouts(group_lists[name], quantized, fmts[name], options.granularity)
+            layouts[name] = plan_layouts(group_lists[name], quantized, fmts[name], options.granularity, name)
+    if options.kernels == "triton":
+        _check_kernel_dtypes(layouts, group_lists)
     sizes = sizes_of(components, group_lists, layouts, options.mode)
     check_callable(components, sizes)
     operations.check_compiled(hooked_modules(components, group_lists, sizes), components)
@@ -645,6 +662,20 @@ def _packed_alike(previous: Engine, options: Options, components: dict[str, nn.M
             f"{enabled}; leave storage=, granularity= and skip= out to keep them, or reload the pipeline to change them"
         )
     return replace(options, skip=before.skip)  # the same modules skipped, however the patterns are written
+
+
+def _check_kernel_dtypes(layouts: dict[str, list], group_lists: dict[str, list[Group]]) -> None:
+    """Refuse ``kernels='triton'`` before anything changes where a pack's weights come back in a dtype the kernel
+    does not give (float64): ``kernels='auto'`` unpacks those packs through the PyTorch reference."""
+    for name, lays in layouts.items():
+        for layout, group in zip(lays, group_lists[name], strict=True):
+            if layout.out_dtype not in upcast_kernels.OUT_DTYPES:
+                dtype = str(layout.out_dtype).removeprefix("torch.")
+                raise ValueError(
+                    f"kernels='triton' gives fp8 weights back in bf16, fp16 or fp32, and {name}.{group.name} computes "
+                    f"in {dtype}: use kernels='auto' (the PyTorch reference for those weights) or cast {name} to "
+                    "float32"
+                )
 
 
 def _install(engine: Engine) -> None:

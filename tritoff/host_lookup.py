@@ -29,6 +29,10 @@ class HostTable:
         self.pointers = [p.data_ptr() for p in params]
         self.versions = [p._version for p in params]
 
+    def param_name(self, index: int) -> str:
+        """The qualified name of parameter ``index`` (``text_encoder.shared.weight``)."""
+        return f"{self.component}.{self.names[index]}"
+
     def check(self) -> None:
         """Refuse, in one line, a table changed since enable."""
         for owner, key, param in self.homes:

@@ -48,6 +48,37 @@ def placeholder(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return _SCALARS[key].expand(tuple(shape))
 
 
+def shared_versions(params: list[torch.Tensor]) -> list[list[int]]:
+    """The indices of ``params`` that share one autograd version counter, for each counter two or more share.
+
+    Views of one tensor share its counter, and keep sharing it whatever data they are given later: weights loaded by
+    slicing a fused tensor (``load_state_dict(assign=True)``, accelerate's ``set_module_tensor_to_device``, which
+    diffusers' loaders call) or made with ``nn.Parameter(other_weight)``. Each counter is set to a mark of its own,
+    one parameter after another (a shared counter ends with the last mark set through it), then given its value
+    back, which its sharers all read the same."""
+    if len(params) < 2:
+        return []
+    before = [p._version for p in params]
+    marks = [2**40 + i for i in range(len(params))]
+    _set_versions(params, marks)
+    seen = [p._version for p in params]
+    _set_versions(params, before)
+    sharing: dict[int, list[int]] = {}
+    for index, mark in enumerate(seen):
+        sharing.setdefault(mark, []).append(index)
+    return [indices for indices in sharing.values() if len(indices) > 1]
+
+
+def _set_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
+    # torch's own setter (what torch.compile uses to put counters back): a sequence of each, or one tensor at a time
+    setter = torch._C._autograd._unsafe_set_version_counter
+    try:
+        setter(tuple(tensors), tuple(versions))
+    except TypeError:
+        for tensor, version in zip(tensors, versions, strict=True):
+            setter(tensor, version)
+
+
 def reset_placeholders() -> None:
     """Give the scalars behind every placeholder their value back (an in-place ``fill_`` or ``zero_``, which overlap
     does not stop, wrote into one)."""
@@ -178,6 +209,9 @@ class GroupRuntime:
         # each parameter's count of in-place writes: one made after enable (nn.init, fill_) landed on a placeholder
         # or a resident buffer, not in the packs, and is refused at the next forward
         self.versions = [p._version for p in params]
+        # index -> the (holder, index) pairs of other managed parameters sharing its version counter (views of one
+        # tensor): a count tritoff adds to it (release) is theirs too (see Engine._build_runtime)
+        self.shared_versions: dict[int, list[tuple[object, int]]] = {}
         # each parameter's data pointer as tritoff last set it (bind, release): one changed since was given new data
         # (``param.data = tensor``), which neither counts as a write nor changes the packs; None until first set
         self._pointers: list[int] | None = None
@@ -337,7 +371,15 @@ class GroupRuntime:
         if [p._version for p in self.params] != self.versions:
             index = next(i for i, p in enumerate(self.params) if p._version != self.versions[i])
             reset_placeholders()
-            raise written_in_place(f"{self.component}.{self.layout.entries[index].name}")
+            name = self.param_name(index)
+            sharers = [holder.param_name(j) for holder, j in self.shared_versions.get(index, ())]
+            if sharers:  # one counter: which of them was written cannot be told
+                name = f"{name} (or {', '.join(sharers)}: views of one tensor)"
+            raise written_in_place(name)
+
+    def param_name(self, index: int) -> str:
+        """The qualified name of parameter ``index`` (``transformer.blocks.0.attn1.to_q.weight``)."""
+        return f"{self.component}.{self.layout.entries[index].name}"
 
     def _replaced(self, owner: dict, key: str) -> RuntimeError:
         place = next(i for i, (o, k, _) in enumerate(self.homes) if o is owner and k == key)
@@ -355,8 +397,9 @@ class GroupRuntime:
                 # (data made under inference mode counts none, and autograd cannot have saved it)
                 before = param._version
                 torch.autograd.graph.increment_version(param)
-                if before == self.versions[i]:  # else a write of the caller's is still to refuse
-                    self.versions[i] = param._version
+                for holder, j in ((self, i), *self.shared_versions.get(i, ())):
+                    if holder.versions[j] == before:  # else a write of the caller's is still to refuse
+                        holder.versions[j] = param._version
             param.data = empty
         self._pointers = [empty.data_ptr() for empty in self.placeholders]
 

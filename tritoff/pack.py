@@ -78,6 +78,15 @@ class PackEntry:
         return -(-self.nbytes // 4) if self.kind == KIND_COPY else self.numel
 
 
+class MixedDtypes(ValueError):
+    """Weights to quantize in more than one dtype in one pack, whose upcast gives every weight one dtype back."""
+
+    def __init__(self, dtypes: dict[str, torch.dtype], message: str | None = None):
+        self.dtypes = dtypes  # name -> dtype of each weight to quantize
+        named = ", ".join(f"{name} {str(dtype).removeprefix('torch.')}" for name, dtype in dtypes.items())
+        super().__init__(message or f"a pack's weights to quantize must share one dtype, got {named}")
+
+
 @dataclass(frozen=True)
 class PackLayout:
     """The table of a pack: its entries, its size, and the size of its unpacked buffer."""
@@ -95,7 +104,7 @@ class PackLayout:
         # bf16/fp16 storage is pure offload: every tensor is copied in its own dtype, nothing is rounded
         compute = {s.dtype for s in specs if s.quantize and storage.is_fp8}
         if len(compute) > 1:
-            raise ValueError(f"a pack's quantized weights must share one dtype, got {sorted(map(str, compute))}")
+            raise MixedDtypes({s.name: s.dtype for s in specs if s.quantize})
         out_dtype = compute.pop() if compute else torch.bfloat16
         entries, offset, out_offset = [], 0, 0
         scale_sizes = []

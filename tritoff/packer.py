@@ -16,9 +16,9 @@ from tqdm.auto import tqdm
 from tritoff.arena import PAGE, HostArena, locks
 from tritoff.disk import PackFile
 from tritoff.formats import StorageFormat, check_granularity, get_format
-from tritoff.groups import Group, block_groups
+from tritoff.groups import REST, Group, block_groups
 from tritoff.kernels.upcast import KIND_FP8
-from tritoff.pack import PackLayout, TensorSpec, align, dequantize_bytes, write_pack
+from tritoff.pack import MixedDtypes, PackLayout, TensorSpec, align, dequantize_bytes, write_pack
 from tritoff.skip import SkipRules
 
 
@@ -111,15 +111,29 @@ def restore_params(group: Group, pack: Pack) -> None:
         param.data = tensors[name].to(param.device)
 
 
-def plan_layouts(groups: list[Group], quantized: set[str], fmt: StorageFormat, granularity: str) -> list[PackLayout]:
+def plan_layouts(
+    groups: list[Group], quantized: set[str], fmt: StorageFormat, granularity: str, component: str = "model"
+) -> list[PackLayout]:
     """Each group's pack layout, from parameter shapes and dtypes alone (no weight is read); ``quantized`` names the
-    parameters to quantize (:meth:`SkipRules.quantized_names`)."""
-    return [
-        PackLayout.plan(
-            [TensorSpec(n, tuple(p.shape), p.dtype, n in quantized) for n, p in group.params], fmt, granularity
-        )
-        for group in groups
-    ]
+    parameters to quantize (:meth:`SkipRules.quantized_names`). A group whose weights to quantize have more than one
+    dtype is refused in one line naming them (``component``: how they are named)."""
+    layouts = []
+    for group in groups:
+        specs = [TensorSpec(n, tuple(p.shape), p.dtype, n in quantized) for n, p in group.params]
+        try:
+            layouts.append(PackLayout.plan(specs, fmt, granularity))
+        except MixedDtypes as err:
+            dtypes = ", ".join(f"{component}.{n} {str(d).removeprefix('torch.')}" for n, d in err.dtypes.items())
+            where = f"{component} outside its blocks" if group.name == REST else f"{component}.{group.name}"
+            raise MixedDtypes(
+                err.dtypes,
+                (
+                    f"{where} has weights to quantize in more than one dtype ({dtypes}), which one "
+                    f"pack cannot give back: keep those of one dtype unquantized (skip=[...] naming their modules), "
+                    f"cast {component} to one dtype, or use mode='leaf' (a pack per layer)"
+                ),
+            ) from None
+    return layouts
 
 
 def relayout(layouts: list[PackLayout], groups: list[Group]) -> list[PackLayout]:

@@ -307,7 +307,7 @@ def plan(
     for name, module in components.items():
         group_lists[name] = groups_for(module, mode)
         quantized = SkipRules.for_model(module, ()).quantized_names(module)
-        layouts[name] = plan_layouts(group_lists[name], quantized, get_format(formats[name]), "row")
+        layouts[name] = plan_layouts(group_lists[name], quantized, get_format(formats[name]), "row", name)
     sizes = sizes_of(components, group_lists, layouts, mode)
     chunks, fixed = shared_bytes(sizes, group_lists, layouts, components, True, False)
     reserves, calls, loops = {}, {}, {}

@@ -15,6 +15,7 @@ from tritoff.advice import advise
 from tritoff.chunks import halving_chunk, smallest_chunk
 from tritoff.groups import REST, Group, block_groups, is_block, is_host, leaf_groups
 from tritoff.onload import table_bytes
+from tritoff.pack import MixedDtypes
 from tritoff.packer import relayout
 from tritoff.planner import BudgetError, ComponentSize, GroupSize, chunk_capacity, plan_phases
 
@@ -148,14 +149,15 @@ def minimum_for(
 ) -> Callable[[str, int], int | None]:
     """A function of (mode, prefetch) giving the smallest budget that works with them (what the planner names when
     given one byte), with ``layouts`` laid out again for another grouping. It gives None for a mode enable would
-    refuse here: a grouping whose tensors the layouts lack, or that ``fixed_groups`` (a store's) rules out, a
-    component moving whole that is never called, hooks inside a block compiled with ``fullgraph=True``."""
+    refuse here: a grouping whose tensors the layouts lack, that mixes dtypes to quantize in a group, or that
+    ``fixed_groups`` (a store's) rules out, a component moving whole that is never called, hooks inside a block
+    compiled with ``fullgraph=True``."""
     usable, minimums = {}, {}
 
     def plannable(mode: str):
         try:
             lists, lays = regroup(components, group_lists, layouts, mode)
-        except KeyError:
+        except (KeyError, MixedDtypes):  # tensors the layouts lack, or a group mixing dtypes to quantize
             return None
         if fixed_groups and any(lays[n] is not layouts[n] for n in components):
             return None

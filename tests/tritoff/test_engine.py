@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tritoff
-from tritoff.onload import is_placeholder
+from tritoff.onload import is_placeholder, shared_versions
 from tritoff.planner import BudgetError
 
 from .helpers import COG_CALL, cogvideox, dequantize_in_place, dequantized_pipeline, run, stack, wan
@@ -641,3 +641,107 @@ def test_weights_on_the_meta_device_are_refused_in_one_line_and_nothing_changes(
         _enable(pipe)
     assert not hasattr(pipe, "_tritoff_engine")
     assert all(torch.equal(p, text_encoder[n]) for n, p in pipe.text_encoder.named_parameters())
+
+
+def _sliced_from_fused(model: torch.nn.Module, names: list[str]) -> torch.nn.Module:
+    """``model`` with the weights ``names`` replaced by slices of one fused tensor, as a loader splitting a fused
+    q/k/v or k/v weight gives them (``load_state_dict(assign=True)``): views sharing one version counter."""
+    params = dict(model.named_parameters())
+    fused = torch.cat([params[n].detach() for n in names]).clone()
+    pieces = fused.split([params[n].shape[0] for n in names])
+    model.load_state_dict(dict(zip(names, pieces, strict=True)), strict=False, assign=True)
+    return model
+
+
+@pytest.mark.parametrize("mode,budget", [("group", 80_000), ("model", "1GB"), ("leaf", 45_000), ("auto", "1GB")])
+def test_weights_sliced_from_one_fused_tensor_run_like_any_other(mode, budget):
+    names = ["blocks.0.0.weight", "blocks.0.2.weight", "blocks.2.0.weight"]  # in one block, and across two
+    model = _sliced_from_fused(stack(), names)
+    params = dict(model.named_parameters())
+    assert shared_versions([params[n] for n in names]) == [[0, 1, 2]]  # one counter, as the loaders give them
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = dequantize_in_place(stack())(x)
+    _enable(model, mode=mode, budget=budget)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected) and torch.equal(model(x), expected)
+        model.blocks[2][0].weight.fill_(1.0)  # a write into one of them is still refused, naming the three
+    sharers = r"model\.blocks\.0\.0\.weight \(or model\.blocks\.0\.2\.weight, model\.blocks\.2\.0\.weight: views of one"
+    with pytest.raises(RuntimeError, match=rf"^{sharers} tensor\) was written in place after tritoff\.enable"):
+        model(x)
+
+
+class _MixedBlock(torch.nn.Module):
+    """A bf16 layer and one kept in float32 for precision, in one block."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(32, 32).to(torch.bfloat16)
+        self.b = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.b(self.a(x).float()).to(x.dtype)
+
+
+class _Mixed(torch.nn.Module):
+    def __init__(self, n=3):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_MixedBlock() for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def _mixed():
+    torch.manual_seed(0)
+    return _Mixed()
+
+
+@pytest.mark.parametrize("mode", ["group", "model", "auto"])
+def test_a_block_mixing_dtypes_to_quantize_is_refused_naming_them_and_what_to_do(mode):
+    model = _mixed()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    message = (
+        r"^model\.blocks\.0 has weights to quantize in more than one dtype \(model\.blocks\.0\.a\.weight bfloat16, "
+        r"model\.blocks\.0\.b\.weight float32\), which one pack cannot give back: keep those of one dtype unquantized "
+        r"\(skip=\[\.\.\.\] naming their modules\), cast model to one dtype, or use mode='leaf'"
+    )
+    with pytest.raises(ValueError, match=message) as info:
+        _enable(model, mode=mode, budget="1GB")
+    assert "\n" not in str(info.value) and not hasattr(model, "_tritoff_engine")
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = dequantize_in_place(_mixed(), skip=(r"\.b$",))(x)
+        _enable(model, mode=mode, budget="1GB", skip=r"\.b$")  # as the refusal says: the float32 layers kept
+        assert torch.equal(model(x), expected)
+
+
+def test_leaf_mode_mixing_dtypes_across_layers_names_the_smallest_budget():
+    # a pack per layer holds one dtype: the planner's refusal names a budget that works, not the group modes' dtypes
+    with pytest.raises(BudgetError) as info:
+        _enable(_mixed(), mode="leaf", budget=1000)
+    assert "mode='group'" not in str(info.value)
+    _enable(_mixed(), mode="leaf", budget=info.value.minimum)
+
+
+def _float64_stack():
+    return stack().to(torch.float64)
+
+
+def test_float64_weights_come_back_through_the_reference_where_the_kernel_has_no_float64():
+    x = torch.randn(4, 16, dtype=torch.float64)
+    with torch.no_grad():
+        expected = dequantize_in_place(_float64_stack())(x)
+    with pytest.raises(BudgetError) as smallest:
+        _enable(_float64_stack(), mode="group", budget=1)
+    model = _float64_stack()
+    engine = _enable(model, mode="group", budget=smallest.value.minimum, kernels="auto")
+    blocks = engine.manager.components["model"].blocks
+    assert {g.tier for g in blocks} == {"stream"} and not any(g.use_triton for g in blocks)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    with pytest.raises(ValueError, match=r"^kernels='triton' gives fp8 weights back in bf16, fp16 or fp32, and mod"):
+        _enable(_float64_stack(), kernels="triton")

@@ -57,3 +57,15 @@ def test_placeholders_first_made_under_inference_mode_can_be_reset_outside_it(mo
         empty.fill_(1.0)  # a write that lands on the shared scalar
     onload.reset_placeholders()
     assert onload.is_placeholder(empty) and torch.isnan(empty).all()
+
+
+def test_parameters_sharing_a_version_counter_are_found_and_their_counts_kept():
+    base = torch.zeros(4, 8)
+    base.add_(1)  # a count of 1 on the counter its views share
+    first, second = torch.nn.Parameter(base[:2]), torch.nn.Parameter(base[2:])
+    alone = torch.nn.Parameter(torch.zeros(3))
+    alias = torch.nn.Parameter(first)  # a parameter made from another shares its counter too
+    params = [first, alone, second, alias]
+    assert onload.shared_versions(params) == [[0, 2, 3]]
+    assert [p._version for p in params] == [1, 0, 1, 1]  # given back as they were
+    assert onload.shared_versions([alone, torch.nn.Parameter(torch.zeros(2))]) == []

@@ -7,7 +7,7 @@ import torch
 from tritoff.formats import get_format
 from tritoff.kernels.quantize import quantize_reference
 from tritoff.kernels.upcast import KIND_COPY, KIND_FP8, PAD, TABLE_COLUMNS
-from tritoff.pack import ALIGN, PackLayout, TensorSpec, align, read_entry, unpack_reference, write_pack
+from tritoff.pack import ALIGN, MixedDtypes, PackLayout, TensorSpec, align, read_entry, unpack_reference, write_pack
 
 E4M3 = get_format("fp8_e4m3")
 SPECS = [
@@ -128,7 +128,8 @@ def test_a_weight_with_nan_or_the_wrong_shape_is_refused_by_name():
 
 def test_quantized_weights_of_two_dtypes_cannot_share_a_pack_and_sixteen_bit_storage_copies_everything():
     specs = [TensorSpec("a", (4, 4), torch.bfloat16, True), TensorSpec("b", (4, 4), torch.float16, True)]
-    with pytest.raises(ValueError, match="must share one dtype"):
+    with pytest.raises(MixedDtypes, match="must share one dtype, got a bfloat16, b float16") as info:
         PackLayout.plan(specs, E4M3)
+    assert info.value.dtypes == {"a": torch.bfloat16, "b": torch.float16}
     layout = PackLayout.plan(specs, get_format("bf16"))  # pure offload: nothing is rounded, so any dtypes
     assert all(e.kind == KIND_COPY and e.num_scales == 0 for e in layout.entries)
