@@ -402,6 +402,7 @@ def enable(
     preflight.check_not_managed_elsewhere(components, previous)
     if previous is None:
         preflight.check_no_foreign_hooks(components)
+        preflight.check_not_inference(components)
     from tritoff.store import fingerprint
 
     # taken before any parameter changes (and reused on re-plans, when parameters hold placeholders)
@@ -711,9 +712,10 @@ def _replace_meta_params(module: nn.Module, device: torch.device) -> None:
     for sub in module.modules():
         for name, param in list(sub._parameters.items()):
             if param is not None and param.is_meta:
-                sub._parameters[name] = nn.Parameter(
-                    torch.empty(0, dtype=param.dtype, device=device), requires_grad=False
-                )
+                with torch.inference_mode(False):  # an enable under inference mode: still an ordinary parameter
+                    sub._parameters[name] = nn.Parameter(
+                        torch.empty(0, dtype=param.dtype, device=device), requires_grad=False
+                    )
 
 
 def _warn_lost_weights(snr: dict[str, float]) -> None:

@@ -206,6 +206,18 @@ def check_still_there(components: dict[str, nn.Module], previous: Engine) -> Non
             )
 
 
+def check_not_inference(components: dict[str, nn.Module]) -> None:
+    """Refuse weights made under ``torch.inference_mode()`` (loaded inside it): such a tensor counts no writes and
+    cannot be given other data, as tritoff gives every weight it manages."""
+    for name, component in components.items():
+        for pname, param in named_parameters(component):
+            if param.is_inference():
+                raise ValueError(
+                    f"{name}.{pname} was made under torch.inference_mode(), whose tensors tritoff cannot manage: load "
+                    "the pipeline outside torch.inference_mode() (calling it inside is fine), then tritoff.enable"
+                )
+
+
 def check_loaded(module: nn.Module, component: str) -> None:
     """Refuse a module whose weights are on the meta device: there are no values to pack."""
     for name, tensor in (*named_parameters(module), *module.named_buffers()):

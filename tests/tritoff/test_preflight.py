@@ -90,3 +90,16 @@ def test_a_module_another_engine_manages_is_named_as_that_engine_names_it():
         tritoff.disable(pipe)
     assert preflight.managed_elsewhere(model.blocks[0][2]) is None
     preflight.check_not_managed_elsewhere({"model": model}, None)
+
+
+def test_weights_made_under_inference_mode_are_refused_before_anything_changes():
+    with torch.inference_mode():
+        model = stack()
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    _one_line(
+        lambda: tritoff.enable(model, budget=10**9, progress=False),
+        ValueError,
+        r"^model\.proj_in\.weight was made under torch\.inference_mode\(\), whose tensors tritoff cannot manage: load",
+    )
+    assert not hasattr(model, preflight.ENGINE_ATTR)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

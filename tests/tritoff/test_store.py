@@ -516,3 +516,23 @@ def test_disable_with_a_pack_damaged_on_disk_keeps_tritoff_enabled_and_says_so(c
     tritoff.disable(pipe)
     assert not hasattr(pipe, "_tritoff_engine")
     assert torch.equal(run(pipe), saved[1])  # plain modules holding the dequantized weights: the store's output
+
+
+def test_a_model_built_without_weights_fills_from_its_store_under_inference_mode(tmp_path):
+    from .helpers import Stack, stack
+
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    model = stack()
+    engine = tritoff.enable(model, mode="group", budget=80_000, progress=False)
+    with torch.no_grad():
+        expected = model(x)
+    engine.save(tmp_path / "store")
+    tritoff.disable(model)
+    with torch.device("meta"):
+        empty = Stack().to(torch.bfloat16)  # as `tritoff run --store` builds a component
+    with torch.inference_mode():  # its new parameters are ordinary ones, which tritoff manages as any other
+        tritoff.enable(empty, mode="group", budget=80_000, progress=False, store=tmp_path / "store")
+        assert torch.equal(empty(x), expected)
+    tritoff.disable(empty)
+    with torch.no_grad():
+        assert torch.equal(empty(x), expected)
