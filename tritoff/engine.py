@@ -8,6 +8,7 @@ parameter changes; a failure after that gives the modules their weights back."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -21,7 +22,7 @@ from tritoff.arena import HostArena
 from tritoff.budget import format_bytes
 from tritoff.disk import DiskRing, spill_files
 from tritoff.formats import get_format
-from tritoff.groups import Group, is_block, is_host
+from tritoff.groups import Group, group_label, is_block, is_host
 from tritoff.host_lookup import HostLookupHook, HostTable, host_views
 from tritoff.host_plan import hold_plan
 from tritoff.kernels import upcast as upcast_kernels
@@ -32,6 +33,7 @@ from tritoff.manager import (
     GroupHook,
     HookManager,
     guard_forward,
+    outside_inference_mode,
     planned_method,
 )
 from tritoff.onload import GroupRuntime, parameter_homes, placeholder, reset_placeholders, shared_versions
@@ -315,13 +317,27 @@ class Engine:
 def _share_versions(runtimes: list[ComponentRuntime]) -> None:
     """Tell each group which of its parameters share an autograd version counter with other managed parameters
     (views of one tensor: :func:`tritoff.onload.shared_versions`), so that a count its release adds to one is
-    theirs too, not a write of the caller's to refuse."""
-    holders = [(h, i, p) for comp in runtimes for h in (*comp.groups, *comp.host) for i, p in enumerate(h.params)]
+    theirs too, not a write of the caller's to refuse. ``runtimes`` (an engine being built) are looked at with those
+    of every other enabled engine, which may hold views of the same tensors (one state dict loaded into two models),
+    and every one's sharers are found again."""
+    others = [
+        comp
+        for engine in list(ENGINES)
+        if not engine._torn_down and getattr(engine.target, ENGINE_ATTR, None) is engine
+        for comp in engine._runtimes
+    ]
+    holders = [
+        (h, i, p) for comp in (*runtimes, *others) for h in (*comp.groups, *comp.host) for i, p in enumerate(h.params)
+    ]
+    shared: dict[int, dict[int, list]] = {}  # id(group) -> index -> (holder, index) of its sharers
     for indices in shared_versions([p for _, _, p in holders]):
         for a in indices:
             holder, i, _ = holders[a]
-            if isinstance(holder, GroupRuntime):
-                holder.shared_versions[i] = [holders[b][:2] for b in indices if b != a]
+            sharers = [(weakref.ref(holders[b][0]), holders[b][1]) for b in indices if b != a]
+            shared.setdefault(id(holder), {})[i] = sharers
+    for comp in (*runtimes, *others):
+        for group in comp.groups:
+            group.shared_versions = shared.get(id(group), {})  # a new dict: a release running meanwhile reads either
 
 
 def _forward_replaced(engine: Engine, modules: list[nn.Module]) -> str:
@@ -340,6 +356,7 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
                 sub._buffers[name] = buf.to(device)
 
 
+@outside_inference_mode
 def enable(
     target,
     storage: str | dict[str, str] | None = None,
@@ -673,9 +690,9 @@ def _check_kernel_dtypes(layouts: dict[str, list], group_lists: dict[str, list[G
             if layout.out_dtype not in upcast_kernels.OUT_DTYPES:
                 dtype = str(layout.out_dtype).removeprefix("torch.")
                 raise ValueError(
-                    f"kernels='triton' gives fp8 weights back in bf16, fp16 or fp32, and {name}.{group.name} computes "
-                    f"in {dtype}: use kernels='auto' (the PyTorch reference for those weights) or cast {name} to "
-                    "float32"
+                    f"kernels='triton' gives fp8 weights back in bf16, fp16 or fp32, and {group_label(name, group)} "
+                    f"computes in {dtype}: use kernels='auto' (the PyTorch reference for those weights) or cast {name} "
+                    "to float32"
                 )
 
 
@@ -712,10 +729,9 @@ def _replace_meta_params(module: nn.Module, device: torch.device) -> None:
     for sub in module.modules():
         for name, param in list(sub._parameters.items()):
             if param is not None and param.is_meta:
-                with torch.inference_mode(False):  # an enable under inference mode: still an ordinary parameter
-                    sub._parameters[name] = nn.Parameter(
-                        torch.empty(0, dtype=param.dtype, device=device), requires_grad=False
-                    )
+                sub._parameters[name] = nn.Parameter(
+                    torch.empty(0, dtype=param.dtype, device=device), requires_grad=False
+                )
 
 
 def _warn_lost_weights(snr: dict[str, float]) -> None:
@@ -774,6 +790,7 @@ def _release(engine: Engine) -> None:
                 params[entry.name].data = placeholder(entry.shape, entry.dtype, engine.options.device)
 
 
+@outside_inference_mode
 def disable(target, device: str | torch.device | None = None) -> None:
     """Remove every tritoff hook; leave ordinary modules holding the dequantized weights on ``device``.
 

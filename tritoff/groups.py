@@ -35,6 +35,12 @@ def is_host(group: Group) -> bool:
     return group.name.startswith(HOST)
 
 
+def group_label(component: str, group: Group) -> str:
+    """How messages name ``group`` of ``component``: ``transformer.blocks.3``, or ``transformer outside its blocks``
+    for the rest of it."""
+    return f"{component} outside its blocks" if group.name == REST else f"{component}.{group.name}"
+
+
 def is_block(group: Group) -> bool:
     """Whether ``group`` is one of the blocks a component streams (not its rest, not a host table)."""
     return group.name != REST and not is_host(group)

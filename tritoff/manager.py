@@ -260,7 +260,7 @@ class HookManager:
     def plan_method(self, comp: ComponentRuntime, method: str, args, kwargs) -> None:
         """Before ``comp.method(*args, **kwargs)`` (a VAE's ``encode`` or ``decode``, whose hook diffusers calls
         without the inputs): plan its activations as a forward's are."""
-        with self.lock, _normal_mode():
+        with self.lock, normal_mode():
             self._plan_activations(comp, args, kwargs, method)
 
     def _plan_activations(self, comp: ComponentRuntime, args, kwargs, method: str = "forward") -> None:
@@ -778,7 +778,7 @@ def _tiling_call(name: str) -> str:
     return "enable_tiling() on the VAE" if name == "model" else f"{name}.enable_tiling()"
 
 
-def _normal_mode():
+def normal_mode():
     """Device buffers and their views are made outside inference mode whatever mode the caller runs in: tensors made
     under ``torch.inference_mode()`` could not be written, or saved for backward, by a later call in normal mode.
     Grad mode stays off, as the caller's inference mode had it (leaving inference mode turns it on)."""
@@ -788,6 +788,18 @@ def _normal_mode():
     stack.enter_context(torch.inference_mode(False))
     stack.enter_context(torch.no_grad())
     return stack
+
+
+def outside_inference_mode(fn):
+    """``fn`` run under :func:`normal_mode`: the weights, buffers and adapters it gives the modules are ordinary
+    tensors whatever mode it is called in (``tritoff.enable``, ``tritoff.disable``)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with normal_mode():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 class _TritoffHook(ModelHook):
@@ -825,13 +837,13 @@ class ComponentHook(_TritoffHook):
     def pre_forward(self, module, *args, **kwargs):
         """Load what the component needs before it runs."""
         # the lock again: encode/decode run this hook alone, outside the guarded forward
-        with self.manager.lock, _normal_mode():
+        with self.manager.lock, normal_mode():
             return self.manager.component_pre(self.component, args, kwargs)
 
     @torch.compiler.disable
     def post_forward(self, module, output):
         """Record the call; finish the trace."""
-        with _normal_mode():
+        with normal_mode():
             self.manager.component_post(self.component)
         return output
 
@@ -846,14 +858,14 @@ class GroupHook(_TritoffHook):
     @torch.compiler.disable
     def pre_forward(self, module, *args, **kwargs):
         """Wait for the block's tensors and bind them."""
-        with _normal_mode():
+        with normal_mode():
             self.manager.group_pre(self.group)
         return args, kwargs
 
     @torch.compiler.disable
     def post_forward(self, module, output):
         """Release the block's slot."""
-        with _normal_mode():
+        with normal_mode():
             self.manager.group_post(self.group)
         return output
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -211,7 +212,7 @@ class GroupRuntime:
         self.versions = [p._version for p in params]
         # index -> the (holder, index) pairs of other managed parameters sharing its version counter (views of one
         # tensor): a count tritoff adds to it (release) is theirs too (see Engine._build_runtime)
-        self.shared_versions: dict[int, list[tuple[object, int]]] = {}
+        self.shared_versions: dict[int, list[tuple[weakref.ref, int]]] = {}
         # each parameter's data pointer as tritoff last set it (bind, release): one changed since was given new data
         # (``param.data = tensor``), which neither counts as a write nor changes the packs; None until first set
         self._pointers: list[int] | None = None
@@ -372,7 +373,7 @@ class GroupRuntime:
             index = next(i for i, p in enumerate(self.params) if p._version != self.versions[i])
             reset_placeholders()
             name = self.param_name(index)
-            sharers = [holder.param_name(j) for holder, j in self.shared_versions.get(index, ())]
+            sharers = [h.param_name(j) for ref, j in self.shared_versions.get(index, ()) if (h := ref()) is not None]
             if sharers:  # one counter: which of them was written cannot be told
                 name = f"{name} (or {', '.join(sharers)}: views of one tensor)"
             raise written_in_place(name)
@@ -397,7 +398,8 @@ class GroupRuntime:
                 # (data made under inference mode counts none, and autograd cannot have saved it)
                 before = param._version
                 torch.autograd.graph.increment_version(param)
-                for holder, j in ((self, i), *self.shared_versions.get(i, ())):
+                sharers = [(h, j) for ref, j in self.shared_versions.get(i, ()) if (h := ref()) is not None]
+                for holder, j in [(self, i), *sharers]:  # a sharer of another engine may be gone since
                     if holder.versions[j] == before:  # else a write of the caller's is still to refuse
                         holder.versions[j] = param._version
             param.data = empty

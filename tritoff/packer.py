@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from tritoff.arena import PAGE, HostArena, locks
 from tritoff.disk import PackFile
 from tritoff.formats import StorageFormat, check_granularity, get_format
-from tritoff.groups import REST, Group, block_groups
+from tritoff.groups import Group, block_groups, group_label
 from tritoff.kernels.upcast import KIND_FP8
 from tritoff.pack import MixedDtypes, PackLayout, TensorSpec, align, dequantize_bytes, write_pack
 from tritoff.skip import SkipRules
@@ -124,7 +124,7 @@ def plan_layouts(
             layouts.append(PackLayout.plan(specs, fmt, granularity))
         except MixedDtypes as err:
             dtypes = ", ".join(f"{component}.{n} {str(d).removeprefix('torch.')}" for n, d in err.dtypes.items())
-            where = f"{component} outside its blocks" if group.name == REST else f"{component}.{group.name}"
+            where = group_label(component, group)
             raise MixedDtypes(
                 err.dtypes,
                 (

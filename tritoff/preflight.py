@@ -211,7 +211,7 @@ def check_not_inference(components: dict[str, nn.Module]) -> None:
     cannot be given other data, as tritoff gives every weight it manages."""
     for name, component in components.items():
         for pname, param in named_parameters(component):
-            if param.is_inference():
+            if param.is_inference() and not param.is_meta:  # a meta one is replaced, filled from a store
                 raise ValueError(
                     f"{name}.{pname} was made under torch.inference_mode(), whose tensors tritoff cannot manage: load "
                     "the pipeline outside torch.inference_mode() (calling it inside is fine), then tritoff.enable"

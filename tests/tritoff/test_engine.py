@@ -11,7 +11,7 @@ import tritoff
 from tritoff.onload import is_placeholder, shared_versions
 from tritoff.planner import BudgetError
 
-from .helpers import COG_CALL, cogvideox, dequantize_in_place, dequantized_pipeline, run, stack, wan
+from .helpers import COG_CALL, Stack, cogvideox, dequantize_in_place, dequantized_pipeline, run, stack, wan
 
 pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
 
@@ -227,6 +227,14 @@ def test_enable_under_inference_mode():
     expected = dequantize_in_place(copy.deepcopy(layers))(x)
     with torch.inference_mode():
         _enable(layers, mode="group", budget="1GB", kernels="triton")
+        assert torch.equal(layers(x), expected)
+        tritoff.disable(layers)  # its weights are ordinary tensors, as they were before enable
+    assert not any(p.is_inference() for p in layers.parameters())
+    x.requires_grad_(True)
+    layers(x).float().sum().backward()  # the weights saved for backward: refused were they inference tensors
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    _enable(layers, mode="group", budget="1GB")  # and enabled again outside inference mode
+    with torch.no_grad():
         assert torch.equal(layers(x), expected)
 
 
@@ -745,3 +753,27 @@ def test_float64_weights_come_back_through_the_reference_where_the_kernel_has_no
         assert torch.equal(model(x), expected)
     with pytest.raises(ValueError, match=r"^kernels='triton' gives fp8 weights back in bf16, fp16 or fp32, and mod"):
         _enable(_float64_stack(), kernels="triton")
+
+
+def test_two_models_loaded_from_one_state_dict_each_enabled_run_like_any_other():
+    # load_state_dict(assign=True) into two models: their weights are the same tensors, sharing version counters
+    # across the two engines, whose counts on release must not read as writes to the other's
+    state = {k: v.clone() for k, v in stack().state_dict().items()}
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = dequantize_in_place(stack())(x)
+    models = []
+    for _ in range(2):
+        with torch.device("meta"):
+            model = Stack()
+        model.load_state_dict(state, assign=True)
+        _enable(model, mode="group", budget=80_000)
+        models.append(model)
+    with torch.no_grad():
+        for model in (*models, *models):
+            assert torch.equal(model(x), expected)
+        tritoff.disable(models[1])
+        assert torch.equal(models[0](x), expected)
+        state["blocks.1.0.weight"].fill_(1.0)  # a write through the state dict: refused to the model still enabled
+        with pytest.raises(RuntimeError, match=r"^model\.blocks\.1\.0\.weight.* was written in place after"):
+            models[0](x)

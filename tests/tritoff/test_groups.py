@@ -1,6 +1,6 @@
 """tritoff/groups.py: blocks of the ModuleLists, then the rest, every parameter in exactly one group."""
 
-from tritoff.groups import REST, block_groups
+from tritoff.groups import REST, Group, block_groups, group_label
 from tritoff.tiny import tiny_cogvideox_transformer, tiny_umt5, tiny_wan_transformer
 
 
@@ -68,3 +68,8 @@ def test_a_list_of_lists_is_no_block_list_its_elements_are_never_called():
     groups = block_groups(model)
     assert [g.name for g in groups] == ["sequential.0", "sequential.1", REST]
     _check_partition(model, groups)
+
+
+def test_messages_name_a_block_by_its_path_and_the_rest_as_outside_the_blocks():
+    assert group_label("transformer", Group("blocks.3")) == "transformer.blocks.3"
+    assert group_label("transformer", Group(REST)) == "transformer outside its blocks"

@@ -528,8 +528,8 @@ def test_a_model_built_without_weights_fills_from_its_store_under_inference_mode
         expected = model(x)
     engine.save(tmp_path / "store")
     tritoff.disable(model)
-    with torch.device("meta"):
-        empty = Stack().to(torch.bfloat16)  # as `tritoff run --store` builds a component
+    with torch.inference_mode(), torch.device("meta"):  # built without weights, as `tritoff run --store` builds
+        empty = Stack().to(torch.bfloat16)
     with torch.inference_mode():  # its new parameters are ordinary ones, which tritoff manages as any other
         tritoff.enable(empty, mode="group", budget=80_000, progress=False, store=tmp_path / "store")
         assert torch.equal(empty(x), expected)
