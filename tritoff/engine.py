@@ -317,27 +317,31 @@ class Engine:
 def _share_versions(runtimes: list[ComponentRuntime]) -> None:
     """Tell each group which of its parameters share an autograd version counter with other managed parameters
     (views of one tensor: :func:`tritoff.onload.shared_versions`), so that a count its release adds to one is
-    theirs too, not a write of the caller's to refuse. ``runtimes`` (an engine being built) are looked at with those
-    of every other enabled engine, which may hold views of the same tensors (one state dict loaded into two models),
-    and every one's sharers are found again."""
-    others = [
+    theirs too, not a write of the caller's to refuse. ``runtimes`` (an engine being built) are looked at with the
+    weights of every other enabled engine, which may share their counters (one state dict loaded into two models):
+    only the new engine's counters are marked, the others' read, and the others' groups learn of the new sharers."""
+    own = _counted(runtimes)
+    others = _counted(
         comp
         for engine in list(ENGINES)
         if not engine._torn_down and getattr(engine.target, ENGINE_ATTR, None) is engine
         for comp in engine._runtimes
-    ]
-    holders = [
-        (h, i, p) for comp in (*runtimes, *others) for h in (*comp.groups, *comp.host) for i, p in enumerate(h.params)
-    ]
-    shared: dict[int, dict[int, list]] = {}  # id(group) -> index -> (holder, index) of its sharers
-    for indices in shared_versions([p for _, _, p in holders]):
+    )
+    holders, mine = own + others, len(own)
+    for indices in shared_versions([p for _, _, p in own], [p for _, _, p in others]):
         for a in indices:
             holder, i, _ = holders[a]
-            sharers = [(weakref.ref(holders[b][0]), holders[b][1]) for b in indices if b != a]
-            shared.setdefault(id(holder), {})[i] = sharers
-    for comp in (*runtimes, *others):
-        for group in comp.groups:
-            group.shared_versions = shared.get(id(group), {})  # a new dict: a release running meanwhile reads either
+            if not isinstance(holder, GroupRuntime):  # a host table releases nothing
+                continue
+            # a group of the new engine learns of every sharer, another engine's of the new engine's (it knew the rest)
+            new = [(weakref.ref(holders[b][0]), holders[b][1]) for b in indices if b != a and (a < mine or b < mine)]
+            # a new dict, not changed in place: a release running meanwhile on another thread reads one or the other
+            holder.shared_versions = {**holder.shared_versions, i: [*holder.shared_versions.get(i, ()), *new]}
+
+
+def _counted(runtimes) -> list[tuple]:
+    """(group or host table, index, parameter) of every managed parameter of ``runtimes``."""
+    return [(h, i, p) for comp in runtimes for h in (*comp.groups, *comp.host) for i, p in enumerate(h.params)]
 
 
 def _forward_replaced(engine: Engine, modules: list[nn.Module]) -> str:

@@ -49,25 +49,34 @@ def placeholder(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return _SCALARS[key].expand(tuple(shape))
 
 
-def shared_versions(params: list[torch.Tensor]) -> list[list[int]]:
-    """The indices of ``params`` that share one autograd version counter, for each counter two or more share.
+def shared_versions(params: list[torch.Tensor], others: list[torch.Tensor] = ()) -> list[list[int]]:
+    """The indices (into ``params`` then ``others``) of the tensors that share an autograd version counter with one
+    of ``params``, for each counter two or more share.
 
     Views of one tensor share its counter, and keep sharing it whatever data they are given later: weights loaded by
     slicing a fused tensor (``load_state_dict(assign=True)``, accelerate's ``set_module_tensor_to_device``, which
-    diffusers' loaders call) or made with ``nn.Parameter(other_weight)``. Each counter is set to a mark of its own,
-    one parameter after another (a shared counter ends with the last mark set through it), then given its value
-    back, which its sharers all read the same."""
-    if len(params) < 2:
+    diffusers' loaders call), made with ``nn.Parameter(other_weight)``, or two models loaded from one state dict. The
+    counters of ``params`` are each set to a mark of their own, one after another (a shared counter ends with the
+    last mark set through it), read with those of ``others``, then given their values back, which their sharers all
+    read the same. ``others`` (another engine's weights, which may be in a forward on another thread) are only read:
+    one sharing no counter with ``params`` is never disturbed."""
+    others = list(others)
+    if len(params) + len(others) < 2 or not params:
         return []
     before = [p._version for p in params]
-    marks = [2**40 + i for i in range(len(params))]
+    marks = [_MARK + i for i in range(len(params))]
     _set_versions(params, marks)
-    seen = [p._version for p in params]
+    seen = [t._version for t in (*params, *others)]
     _set_versions(params, before)
     sharing: dict[int, list[int]] = {}
     for index, mark in enumerate(seen):
-        sharing.setdefault(mark, []).append(index)
+        if mark >= _MARK:  # one of the marks: a counter of ``params`` (an unshared one of ``others`` reads its count)
+            sharing.setdefault(mark, []).append(index)
     return [indices for indices in sharing.values() if len(indices) > 1]
+
+
+# far above any count of writes a tensor reaches, within the counter's 32 bits (2**40 would wrap to 0)
+_MARK = 2**30
 
 
 def _set_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:

@@ -777,3 +777,17 @@ def test_two_models_loaded_from_one_state_dict_each_enabled_run_like_any_other()
         state["blocks.1.0.weight"].fill_(1.0)  # a write through the state dict: refused to the model still enabled
         with pytest.raises(RuntimeError, match=r"^model\.blocks\.1\.0\.weight.* was written in place after"):
             models[0](x)
+
+
+def test_enabling_a_model_never_sets_the_counts_of_another_engines_weights(monkeypatch):
+    # a forward of the other engine may be checking its weights' counts on another thread meanwhile
+    from tritoff import onload
+
+    first = stack()
+    _enable(first, mode="group", budget=80_000)
+    theirs = {id(p) for p in first.parameters()}
+    touched = []
+    real = onload._set_versions
+    monkeypatch.setattr(onload, "_set_versions", lambda tensors, v: touched.extend(tensors) or real(tensors, v))
+    _enable(stack(seed=1), mode="group", budget=80_000)
+    assert touched and not any(id(t) in theirs for t in touched)

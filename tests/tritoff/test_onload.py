@@ -69,3 +69,14 @@ def test_parameters_sharing_a_version_counter_are_found_and_their_counts_kept():
     assert onload.shared_versions(params) == [[0, 2, 3]]
     assert [p._version for p in params] == [1, 0, 1, 1]  # given back as they were
     assert onload.shared_versions([alone, torch.nn.Parameter(torch.zeros(2))]) == []
+
+
+def test_other_tensors_are_only_read_and_found_where_they_share_a_counter_with_the_parameters():
+    base = torch.zeros(4, 8)
+    mine = [torch.nn.Parameter(base[:2]), torch.nn.Parameter(torch.zeros(3))]
+    sharing, apart = torch.nn.Parameter(base[2:]), torch.nn.Parameter(torch.zeros(5))
+    apart.data.add_(1)  # a count of its own, never a mark: .data writes count none, so give it one through autograd
+    torch.autograd.graph.increment_version(apart)
+    assert onload.shared_versions(mine, [apart, sharing]) == [[0, 3]]  # indices into mine, then the others
+    assert apart._version == 1 and sharing._version == 0 and mine[1]._version == 0
+    assert onload.shared_versions([], [sharing, mine[0]]) == []  # only counters shared with the parameters
