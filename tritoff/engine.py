@@ -322,10 +322,7 @@ def _share_versions(runtimes: list[ComponentRuntime]) -> None:
     only the new engine's counters are marked, the others' read, and the others' groups learn of the new sharers."""
     own = _counted(runtimes)
     others = _counted(
-        comp
-        for engine in list(ENGINES)
-        if not engine._torn_down and getattr(engine.target, ENGINE_ATTR, None) is engine
-        for comp in engine._runtimes
+        comp for engine in preflight.enabled_engines() if not engine._torn_down for comp in engine._runtimes
     )
     holders, mine = own + others, len(own)
     for indices in shared_versions([p for _, _, p in own], [p for _, _, p in others]):

@@ -382,10 +382,15 @@ class GroupRuntime:
             index = next(i for i, p in enumerate(self.params) if p._version != self.versions[i])
             reset_placeholders()
             name = self.param_name(index)
-            sharers = [h.param_name(j) for ref, j in self.shared_versions.get(index, ()) if (h := ref()) is not None]
+            sharers = [holder.param_name(j) for holder, j in self._sharers(index)]
             if sharers:  # one counter: which of them was written cannot be told
                 name = f"{name} (or {', '.join(sharers)}: views of one tensor)"
             raise written_in_place(name)
+
+    def _sharers(self, index: int) -> list[tuple]:
+        """The (group or host table, index) of the other managed parameters sharing parameter ``index``'s version
+        counter, less those of another engine gone since."""
+        return [(h, j) for ref, j in self.shared_versions.get(index, ()) if (h := ref()) is not None]
 
     def param_name(self, index: int) -> str:
         """The qualified name of parameter ``index`` (``transformer.blocks.0.attn1.to_q.weight``)."""
@@ -407,8 +412,7 @@ class GroupRuntime:
                 # (data made under inference mode counts none, and autograd cannot have saved it)
                 before = param._version
                 torch.autograd.graph.increment_version(param)
-                sharers = [(h, j) for ref, j in self.shared_versions.get(i, ()) if (h := ref()) is not None]
-                for holder, j in [(self, i), *sharers]:  # a sharer of another engine may be gone since
+                for holder, j in [(self, i), *self._sharers(i)]:
                     if holder.versions[j] == before:  # else a write of the caller's is still to refuse
                         holder.versions[j] = param._version
             param.data = empty

@@ -105,13 +105,18 @@ def check_components(components: dict[str, nn.Module], previous) -> None:
                 )
 
 
+def enabled_engines() -> list[Engine]:
+    """The engines still their target's engine (not replaced by enabling it again, nor disabled)."""
+    return [engine for engine in list(ENGINES) if getattr(engine.target, ENGINE_ATTR, None) is engine]
+
+
 def managed_elsewhere(target) -> str | None:
     """``target`` (a module not hooked itself: a layer of a block, a component's ``proj_out``, an activation) named
     as the engine holding it names it, or None when no engine (enabled, or torn down) holds it."""
     if not isinstance(target, nn.Module):
         return None
-    for engine in list(ENGINES):
-        if not engine._released and getattr(engine.target, ENGINE_ATTR, None) is engine:
+    for engine in enabled_engines():
+        if not engine._released:
             name = name_in(engine, target)
             if name is not None:
                 return name
@@ -155,8 +160,8 @@ def check_not_managed_elsewhere(components: dict[str, nn.Module], previous) -> N
         )
     # a shared module without a hook of its own (inside another engine's rest group): its parameters tell
     mine = {id(p): f"{name}.{pname}" for name, c in components.items() for pname, p in named_parameters(c)}
-    for engine in list(ENGINES):
-        if engine is previous or getattr(engine.target, ENGINE_ATTR, None) is not engine:
+    for engine in enabled_engines():
+        if engine is previous:
             continue
         for component in engine.components.values():
             for _, param in named_parameters(component):
