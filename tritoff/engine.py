@@ -796,12 +796,14 @@ def disable(target, device: str | torch.device | None = None) -> None:
     """Remove every tritoff hook; leave ordinary modules holding the dequantized weights on ``device``.
 
     ``device`` defaults to the device tritoff computed on. Does nothing if tritoff is not enabled on ``target``; a
-    component of a pipeline tritoff is enabled on, or what is neither a pipeline nor a module, is refused.
+    component of a pipeline tritoff is enabled on, or what is neither a pipeline nor a module, is refused. A pipeline
+    holding every component of an enabled one (``OtherPipeline(**pipe.components)``) disables that one.
     Raises ``ValueError`` for a device tritoff cannot use, before anything changes; if the weights do not fit on
     ``device`` (``torch.OutOfMemoryError``), a pack cannot be read back from its file (a damaged store, a spill file
     gone: ``StoreError``) or the call is interrupted, tritoff stays enabled, as it was.
     """
-    engine: Engine | None = getattr(target, ENGINE_ATTR, None)
+    # a pipeline made from an enabled one's components (OtherPipeline(**pipe.components)) disables that one too
+    engine: Engine | None = getattr(target, ENGINE_ATTR, None) or preflight.engine_sharing_all(target)
     if engine is None:
         # refused: what is neither a pipeline nor a module, and a component of a pipeline tritoff is enabled on
         components = getattr(target, "components", None)
@@ -846,7 +848,7 @@ def disable(target, device: str | torch.device | None = None) -> None:
                 "other copy tritoff holds: load the pipeline again (from_pretrained) for them"
             ) from err
         raise
-    delattr(target, ENGINE_ATTR)
+    delattr(engine.target, ENGINE_ATTR)
     engine._release_packs()
     reset_placeholders()  # a fill into one of this engine's placeholders no forward refused
 

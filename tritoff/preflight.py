@@ -110,6 +110,18 @@ def enabled_engines() -> list[Engine]:
     return [engine for engine in list(ENGINES) if getattr(engine.target, ENGINE_ATTR, None) is engine]
 
 
+def engine_sharing_all(target) -> Engine | None:
+    """The enabled engine of a pipeline every model component of which ``target`` (another pipeline) holds, as one
+    made from its components (``OtherPipeline(**pipe.components)``) does; None for a module, or when there is none."""
+    if isinstance(target, nn.Module):
+        return None
+    held = {id(module) for module in components_of(target, "disable").values()}
+    for engine in enabled_engines():
+        if not isinstance(engine.target, nn.Module) and all(id(m) in held for m in engine.components.values()):
+            return engine
+    return None
+
+
 def managed_elsewhere(target) -> str | None:
     """``target`` (a module not hooked itself: a layer of a block, a component's ``proj_out``, an activation) named
     as the engine holding it names it, or None when no engine (enabled, or torn down) holds it."""

@@ -155,6 +155,26 @@ def test_disable_round_trip(wan_reference):
         torch.save(component.state_dict(), io.BytesIO())
 
 
+def test_disable_of_a_pipeline_made_from_the_enabled_ones_components(wan_reference):
+    """``pipe = WanPipeline(**pipe.components)`` drops the enabled pipeline: disabling the new one disables it; one
+    holding only some of its components is refused, naming them."""
+    from diffusers import WanPipeline
+
+    pipe = wan()
+    _enable(pipe, mode="group", budget="4MB")
+    partial = WanPipeline(**{**pipe.components, "text_encoder": wan().text_encoder})
+    with pytest.raises(ValueError, match="^tritoff is enabled on [a-z_]+ or on the pipeline or module holding it"):
+        tritoff.disable(partial)
+    assert hasattr(pipe, "_tritoff_engine")  # untouched
+    pipe = WanPipeline(**pipe.components)
+    tritoff.disable(pipe)
+    assert not hasattr(pipe, "_tritoff_engine")
+    assert not any(hasattr(m, "_hf_hook") for c in (pipe.transformer, pipe.vae) for m in c.modules())
+    assert torch.equal(run(pipe), wan_reference)
+    tritoff.enable(pipe, mode="group", budget="4MB", progress=False, kernels="reference")  # enabled again, anew
+    tritoff.disable(pipe)
+
+
 def test_disable_releases_the_packs_of_an_engine_still_referenced(tmp_path):
     """A notebook keeps the engine enable returned: after disable it holds neither the packs nor their spill file."""
     import gc
