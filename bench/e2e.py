@@ -1048,7 +1048,7 @@ def main() -> None:
     )
     parser.add_argument("--rows", default=None, help="comma-separated row kinds (default: all)")
     parser.add_argument(
-        "--reps", type=at_least(1), default=3, help="timed forwards after the warm-up (image: at least 5)"
+        "--reps", type=at_least(1), default=None, help="timed forwards after warm-up (3; --smoke: 1; image: 5 at least)"
     )
     parser.add_argument("--steps", type=at_least(1), default=2, help="--pipeline: denoising steps")
     parser.add_argument("--pipeline", action="store_true", help="whole pipeline instead of transformer forwards")
@@ -1090,8 +1090,7 @@ def main() -> None:
             "bench/e2e.py measures full-size models on a GPU, and no CUDA device is here: run it on a GPU, or with "
             "--smoke for small models on the CPU"
         )
-    if args.smoke:
-        args.reps = 1
+    args.reps = args.reps or (1 if args.smoke else 3)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     failed = []
     if args.pipeline:

@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--ffn", type=at_least(1), default=4096)
     parser.add_argument("--frames", type=at_least(1), default=4, help="latent frames (tokens: frames x h/2 x w/2)")
     parser.add_argument("--size", type=at_least(2), default=32, help="latent height and width")
-    parser.add_argument("--reps", type=at_least(1), default=3)
+    parser.add_argument("--reps", type=at_least(1), default=None, help="timed calls per configuration (3; --smoke: 1)")
     parser.add_argument("--budget", type=size, default=None, help="device budget (default: 1.1x the smallest)")
     parser.add_argument(
         "--out", type=out_directory, default=None, help="directory for the JSON (default bench/results)"
@@ -133,7 +133,8 @@ def main() -> None:
     if args.size % 2:
         parser.error(f"argument --size: must be even (patches of 2), got {args.size}")
     if args.smoke:
-        args.layers, args.dim, args.ffn, args.frames, args.size, args.reps = 4, 256, 512, 1, 8, 1
+        args.layers, args.dim, args.ffn, args.frames, args.size = 4, 256, 512, 1, 8
+    args.reps = args.reps or (1 if args.smoke else 3)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import warnings

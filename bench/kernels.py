@@ -410,7 +410,7 @@ def main() -> None:
     """Run, print tables, write kernels.json (after every pack size, so a stopped run keeps what it measured)."""
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny packs on the CPU (CI)")
-    parser.add_argument("--reps", type=at_least(1), default=20)
+    parser.add_argument("--reps", type=at_least(1), default=None, help="timed runs per measurement (20; --smoke: 2)")
     parser.add_argument(
         "--out", type=out_directory, default=None, help="where kernels.json and .png go (default bench/results)"
     )
@@ -424,7 +424,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     sizes = [2**16, 2**18] if args.smoke else [mb * 2**20 for mb in SIZES_MB]
     width = 256 if args.smoke else WIDTH
-    reps = 2 if args.smoke else args.reps
+    reps = args.reps or (2 if args.smoke else 20)
     rows, table = [], []
     data = {"sizes": rows, "reps": reps}
     slowest = 0.0
