@@ -195,6 +195,9 @@ def _max_tensors(n: int) -> int:
 # whether Triton made the kernel above an interpreted one, as it decided when decorating it (not os.environ, which a
 # launch should not read, and which may have changed since)
 _INTERPRETED = not isinstance(_upcast_pack_kernel, JITFunction)
+# a compiled kernel's launcher takes every parameter from Triton 3.3 on, the constexprs included (it skips them);
+# Triton 3.2's takes only the others
+LAUNCHER_TAKES_CONSTEXPRS = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 3)
 
 
 def _kernel_arguments(src, dst, table, n_programs, out_code, fp8_e5m2, native, block, grid, warps):
@@ -430,7 +433,7 @@ class PreparedUpcast:
         )
         self.grid = (self.grid[0], 1, 1)
         self._constants = constants
-        self._values = tuple(constants.values())  # the launcher takes every parameter, in order
+        self._values = tuple(constants.values()) if LAUNCHER_TAKES_CONSTEXPRS else ()  # after args, in order
         self._runners: dict[tuple, object] = {}  # (device, src aligned, dst aligned) -> the compiled kernel's launcher
 
     def __call__(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream) -> None:

@@ -348,17 +348,21 @@ def test_reference_dequantizes_in_pieces_exactly(monkeypatch, granularity, piece
 
 
 class _CompiledStandIn:
-    """Stands in on the CPU for what Triton compiles (``kernel[grid](*every parameter, stream=...)``): the positional
+    """Stands in on the CPU for what Triton compiles (``kernel[grid](*parameters, stream=...)``: every parameter from
+    Triton 3.3 on, those not constexpr under 3.2, whose launcher has the constexprs compiled in): the positional
     arguments are matched to the kernel's parameters by name, then the interpreter runs it."""
 
-    def __init__(self, kernel, launches: list):
+    def __init__(self, kernel, launches: list, constants: dict, takes_constexprs: bool):
         self.kernel, self.launches = kernel, launches
+        self.constexprs = {n: v for n, v in constants.items() if n in kernel.arg_names}
+        self.takes_constexprs = takes_constexprs
 
     def __getitem__(self, grid):
         def runner(*args, stream):
-            assert len(args) == len(self.kernel.arg_names)
+            names = [n for n in self.kernel.arg_names if self.takes_constexprs or n not in self.constexprs]
+            assert len(args) == len(names)
             self.launches.append((grid, stream))
-            self.kernel[grid[:1]](**dict(zip(self.kernel.arg_names, args, strict=True)))
+            self.kernel[grid[:1]](**{**self.constexprs, **dict(zip(names, args, strict=True))})
 
         return runner
 
@@ -368,12 +372,13 @@ class _Kernel:
     future of it as under Triton's asynchronous compile, or nothing, as when a ``jit_cache_hook`` declines); a launch
     through ``[grid]`` runs the interpreted kernel."""
 
-    def __init__(self, kernel, handed: str):
+    def __init__(self, kernel, handed: str, takes_constexprs: bool = True):
         self.kernel, self.handed, self.warmups, self.launches, self.jit_launches = kernel, handed, [], [], 0
+        self.takes_constexprs = takes_constexprs
 
     def warmup(self, *args, grid, **constants):
         self.warmups.append((args[3:], grid, constants))
-        compiled = _CompiledStandIn(self.kernel, self.launches)
+        compiled = _CompiledStandIn(self.kernel, self.launches, constants, self.takes_constexprs)
         if self.handed == "future":
             return SimpleNamespace(result=lambda: compiled)
         return compiled if self.handed == "kernel" else None
@@ -385,16 +390,21 @@ class _Kernel:
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("handed", ["kernel", "future", "none"])
-def test_a_prepared_launch_passes_every_parameter_in_order_and_compiles_once(fmt, handed, monkeypatch):
-    """The hooks launch through ``PreparedUpcast``: the compiled kernel found once, then called with every parameter
-    by position on the stream given. Here the interpreter runs what the compiled kernel would."""
+@pytest.mark.parametrize("takes_constexprs", [True, False], ids=["triton>=3.3", "triton-3.2"])
+def test_a_prepared_launch_passes_every_parameter_in_order_and_compiles_once(
+    fmt, handed, takes_constexprs, monkeypatch
+):
+    """The hooks launch through ``PreparedUpcast``: the compiled kernel found once, then called with its parameters
+    by position on the stream given (the constexprs too where the launcher takes them). Here the interpreter runs what
+    the compiled kernel would."""
     import contextlib
 
     from tritoff.kernels import interpreting
 
     if not interpreting():
         pytest.skip("the stand-in runs Triton's interpreter (tests/tritoff/test_gpu.py launches the compiled one)")
-    kernel = _Kernel(upcast_module._upcast_pack_kernel, handed)
+    kernel = _Kernel(upcast_module._upcast_pack_kernel, handed, takes_constexprs)
+    monkeypatch.setattr(upcast_module, "LAUNCHER_TAKES_CONSTEXPRS", takes_constexprs)
     monkeypatch.setattr(upcast_module, "_INTERPRETED", False)
     monkeypatch.setattr(upcast_module, "_upcast_pack_kernel", kernel)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())  # the usual launch's switch
