@@ -103,12 +103,14 @@ class Transfer:
         try:
             yield data
         finally:
-            if stream is not None:
-                # the reader thread waits on it before reading into the buffer again: a blocking event sleeps there,
-                # where a default one would spin a core for as long as the copy waits behind compute
-                event = torch.cuda.Event(blocking=True)
-                event.record(stream)
-            self.disk.give_back(index, event)
+            try:
+                if stream is not None:
+                    # the reader thread waits on it before reading into the buffer again: a blocking event sleeps
+                    # there, where a default one would spin a core for as long as the copy waits behind compute
+                    event = torch.cuda.Event(blocking=True)
+                    event.record(stream)
+            finally:  # a failed record (a CUDA error) must not keep the buffer taken: the ring would wait forever
+                self.disk.give_back(index, event)
 
     def fill(self, group: GroupRuntime, dst: torch.Tensor, after: torch.cuda.Event | None = None) -> int:
         """Write ``group``'s tensors into ``dst`` (asynchronously on CUDA); returns the host bytes read.

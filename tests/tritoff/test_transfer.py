@@ -107,3 +107,37 @@ def test_copies_through_a_driver_stay_exact_and_a_refusal_falls_back_once_per_de
     assert not moving.driver_copies and not other.driver_copies and transfer._DRIVER_REFUSED == {None}
     for out in outputs:
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_a_disk_buffer_is_given_back_when_its_event_cannot_be_recorded(monkeypatch):
+    # a CUDA error recording the event that ends a block's copies out of a disk ring buffer: the buffer still goes
+    # back to the ring (with the unrecorded event, which a wait passes), or every later take of it would wait forever
+    from types import SimpleNamespace
+
+    from tritoff.transfer import Transfer
+
+    class Disk:
+        def __init__(self):
+            self.given = []
+
+        def take(self, pack):
+            return 3, torch.arange(8, dtype=torch.uint8)
+
+        def give_back(self, index, event=None):
+            self.given.append((index, event))
+
+    class FailingEvent:
+        def __init__(self, blocking=False):
+            pass
+
+        def record(self, stream):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "Event", FailingEvent)
+    disk = Disk()
+    transfer = Transfer(torch.device("cpu"), 0, disk=disk)
+    group = SimpleNamespace(pack=SimpleNamespace(on_disk=True))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        with transfer.host_bytes(group, stream=object()) as data:
+            assert data.numel() == 8
+    assert len(disk.given) == 1 and disk.given[0][0] == 3 and isinstance(disk.given[0][1], FailingEvent)
