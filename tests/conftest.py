@@ -29,6 +29,7 @@ def _check_interpreter_bounds() -> None:
 
     ranges: list[tuple[int, int]] = []
     init_args = interpreter.GridExecutor._init_args_hst
+    unwrap = getattr(interpreter, "_unwrap_tensor", lambda tensor: tensor)  # Triton 3.2 unwraps none
 
     def record_ranges(self, args_dev, kwargs):
         ranges.clear()
@@ -36,7 +37,7 @@ def _check_interpreter_bounds() -> None:
             if hasattr(arg, "untyped_storage"):
                 # the wrapper tensors of torch.library.opcheck's modes hold no storage of their own: unwrap as the
                 # interpreter does before touching one
-                storage = interpreter._unwrap_tensor(arg).untyped_storage()
+                storage = unwrap(arg).untyped_storage()
                 ranges.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
         return init_args(self, args_dev, kwargs)
 

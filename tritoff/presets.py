@@ -124,19 +124,18 @@ def build_preset(name: str) -> tuple[str, dict]:
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}: give a local diffusers directory or one of {', '.join(PRESETS)}")
     family, denoisers, transformer, encoder = PRESETS[name]
+    # imported before the meta device is made the default: a first import of torch._dynamo (diffusers imports it)
+    # under it fails on torch 2.6
+    from diffusers import AutoencoderKLCogVideoX, AutoencoderKLWan, CogVideoXTransformer3DModel, WanTransformer3DModel
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
     with torch.device("meta"):
         if family == "wan":
-            from diffusers import AutoencoderKLWan, WanTransformer3DModel
-            from transformers import UMT5Config, UMT5EncoderModel
-
             components = {"text_encoder": UMT5EncoderModel(UMT5Config(**encoder))}
             for denoiser in denoisers:
                 components[denoiser] = WanTransformer3DModel(**transformer)
             components["vae"] = AutoencoderKLWan()
         else:
-            from diffusers import AutoencoderKLCogVideoX, CogVideoXTransformer3DModel
-            from transformers import T5Config, T5EncoderModel
-
             components = {
                 "text_encoder": T5EncoderModel(T5Config(**encoder)),
                 "transformer": CogVideoXTransformer3DModel(**transformer),
