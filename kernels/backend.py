@@ -24,12 +24,17 @@ def interpreting() -> bool:
     """True when Triton runs kernels on the CPU in its interpreter (TRITON_INTERPRET=1 before importing triton).
 
     Once the kernels are imported, whether Triton made them interpreted: it decided when decorating them, so the
-    variable changed later no longer counts. Before, the variable read as Triton reads it: ``1``, ``true``, ``on``,
-    ``yes`` or ``y`` in any case; anything else is off."""
+    variable changed later no longer counts. Before, the variable read as the installed Triton reads it: from 3.4 on,
+    ``1``, ``true``, ``on``, ``yes`` or ``y`` in any case; before 3.4, ``1`` only; anything else is off."""
     upcast = sys.modules.get(f"{__package__}.upcast")
     if upcast is not None and hasattr(upcast, "_INTERPRETED"):
         return upcast._INTERPRETED
-    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes", "y")
+    value = os.environ.get("TRITON_INTERPRET", "")
+    try:
+        from triton._C.libtriton import getenv_bool  # Triton 3.4 on (its knobs read the variable through it)
+    except ImportError:  # an earlier Triton, or none
+        return value == "1"
+    return value.lower() in ("1", "true", "on", "yes", "y")
 
 
 @functools.cache

@@ -174,9 +174,25 @@ def compiled_with(module: torch.nn.Module) -> Recompile | None | bool:
     code, cells = getattr(compiled, "__code__", None), getattr(compiled, "__closure__", None) or ()
     names = code.co_freevars if code is not None else ()
     context = next((cell.cell_contents for name, cell in zip(names, cells, strict=False) if name == "self"), None)
-    if callable(context) and isinstance(getattr(context, "fullgraph", None), bool):
-        return Recompile(context, context.fullgraph)
+    fullgraph = _fullgraph(context)
+    if callable(context) and fullgraph is not None:
+        return Recompile(context, fullgraph)
     return False
+
+
+def _fullgraph(context) -> bool | None:
+    """The ``fullgraph`` option a dynamo context holds, or None where it cannot be read. torch 2.8 on keeps it on the
+    context; torch 2.6 and 2.7 only in its frame converter: the one that asserts one graph (``fullgraph=True``), or
+    one falling back on graph breaks that holds such a converter inside (``_one_graph`` False)."""
+    fullgraph = getattr(context, "fullgraph", None)
+    if isinstance(fullgraph, bool):
+        return fullgraph
+    convert = getattr(getattr(context, "callback", None), "_torchdynamo_orig_callable", None)
+    for converter in (convert, getattr(convert, "_inner_convert", None)):
+        one_graph = getattr(converter, "_one_graph", None)
+        if isinstance(one_graph, bool):
+            return one_graph
+    return None
 
 
 def check_compiled(hooked: dict[str, list[torch.nn.Module]], components: dict[str, torch.nn.Module]) -> None:
@@ -218,7 +234,7 @@ def check_compiled_wrappers(wrapped: dict[str, torch.nn.Module]) -> None:
     itself and its blocks, run inside that graph and break it (``wrapped``: the components as the pipeline holds
     them)."""
     for name, module in wrapped.items():
-        if type(module).__name__ == "OptimizedModule" and getattr(getattr(module, "dynamo_ctx", None), "fullgraph", 0):
+        if type(module).__name__ == "OptimizedModule" and _fullgraph(getattr(module, "dynamo_ctx", None)):
             raise ValueError(
                 f"{name} is torch.compile(..., fullgraph=True): tritoff's hooks on it and its blocks would be graph "
                 f"breaks inside that graph; compile it without fullgraph, or compile each block after tritoff.enable "

@@ -11,6 +11,10 @@ import pytest
 
 @pytest.fixture(scope="module")
 def ptx():
+    import triton
+
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 3):
+        pytest.skip("the probe describes kernels to Triton's compiler as Triton 3.3 on does (ASTSource)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("ptx_probe.py"))],
