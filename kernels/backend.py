@@ -31,8 +31,10 @@ def interpreting() -> bool:
         return upcast._INTERPRETED
     value = os.environ.get("TRITON_INTERPRET", "")
     try:
-        from triton._C.libtriton import getenv_bool  # Triton 3.4 on (its knobs read the variable through it)
-    except ImportError:  # an earlier Triton, or none
+        from triton._C import libtriton
+    except ImportError:  # no Triton
+        libtriton = None
+    if not hasattr(libtriton, "getenv_bool"):  # Triton 3.4 on reads its variables through it; before, "1" only
         return value == "1"
     return value.lower() in ("1", "true", "on", "yes", "y")
 
