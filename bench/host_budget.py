@@ -156,7 +156,7 @@ def main() -> None:
         "text_dim": 256,
     }
     rows = []
-    with tempfile.TemporaryDirectory(dir=ROOT / "bench") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tritoff-host-budget-", dir=ROOT / "bench") as tmp:
         store = Path(tmp) / "store"
         start = time.perf_counter()
         model = tiny_wan_transformer(**config)
@@ -209,6 +209,7 @@ def main() -> None:
         "shape": [args.frames, args.size, args.size],
         "device_budget_bytes": budget,
         "packed_bytes": packed,
+        "reps": args.reps,
         "rows": rows,
     }
     path = write_result(f"host_budget-{args.device}", data, smoke=args.smoke, out=args.out)

@@ -477,7 +477,8 @@ def main() -> None:
         data["stopped"] = "time budget: the overlap probe and (g) were not run"
         print(data["stopped"])
     if device.type == "cuda" and "stopped" not in data:
-        data["overlap_351MB"] = ov = overlap(device, 351 * 2**20, max(3, reps // 4))
+        ov_reps = max(3, reps // 4)  # each timing runs a window of large matmuls
+        data["overlap_351MB"] = ov = {**overlap(device, 351 * 2**20, ov_reps), "reps": ov_reps}
         print(
             f"\nmatmul slowdown while onloading: staged {ov['slowdown_staged_pct']:.1f}%, "
             f"zero-copy {ov['slowdown_zero_copy_pct']:.1f}%"
@@ -486,9 +487,9 @@ def main() -> None:
         write_result("kernels", data, smoke=args.smoke, out=args.out)
         try:
             cuda = device.type == "cuda"
-            g = upcast_beside_compute(
-                device, 351 * 2**20 if cuda else 2**16, width, max(2, reps // 4), 8 if cuda else 2
-            )
+            g_reps = max(2, reps // 4)  # each of its timings runs 8 blocks' matmuls, or a pack upcast per grid
+            g = upcast_beside_compute(device, 351 * 2**20 if cuda else 2**16, width, g_reps, 8 if cuda else 2)
+            g["reps"] = g_reps
         except Exception as err:  # keep what was measured before it
             g = {"error": f"{type(err).__name__}: {err}"[:500], "grids": {}}
             print(f"(g) failed: {g['error']}")

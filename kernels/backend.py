@@ -24,19 +24,16 @@ def interpreting() -> bool:
     """True when Triton runs kernels on the CPU in its interpreter (TRITON_INTERPRET=1 before importing triton).
 
     Once the kernels are imported, whether Triton made them interpreted: it decided when decorating them, so the
-    variable changed later no longer counts. Before, the variable read as the installed Triton reads it: from 3.4 on,
-    ``1``, ``true``, ``on``, ``yes`` or ``y`` in any case; before 3.4, ``1`` only; anything else is off."""
+    variable changed later no longer counts. Before, the setting read as the installed Triton reads it (from 3.4 on,
+    its knobs: ``1``, ``true``, ``on``, ``yes`` or ``y`` in any case; before 3.4, ``1`` only)."""
     upcast = sys.modules.get(f"{__package__}.upcast")
     if upcast is not None and hasattr(upcast, "_INTERPRETED"):
         return upcast._INTERPRETED
-    value = os.environ.get("TRITON_INTERPRET", "")
     try:
-        from triton._C import libtriton
-    except ImportError:  # no Triton
-        libtriton = None
-    if not hasattr(libtriton, "getenv_bool"):  # Triton 3.4 on reads its variables through it; before, "1" only
-        return value == "1"
-    return value.lower() in ("1", "true", "on", "yes", "y")
+        from triton import knobs  # Triton 3.4 on: what its kernel decorator reads
+    except Exception:  # a Triton before 3.4, which compares the variable with "1" (or none, or a broken one)
+        return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return bool(knobs.runtime.interpret)
 
 
 @functools.cache

@@ -802,22 +802,25 @@ def disable(target, device: str | torch.device | None = None) -> None:
     ``device`` (``torch.OutOfMemoryError``), a pack cannot be read back from its file (a damaged store, a spill file
     gone: ``StoreError``) or the call is interrupted, tritoff stays enabled, as it was.
     """
-    # a pipeline made from an enabled one's components (OtherPipeline(**pipe.components)) disables that one too
-    engine: Engine | None = getattr(target, ENGINE_ATTR, None) or preflight.engine_sharing_all(target)
+    engine: Engine | None = getattr(target, ENGINE_ATTR, None)
     if engine is None:
         # refused: what is neither a pipeline nor a module, and a component of a pipeline tritoff is enabled on
         components = getattr(target, "components", None)
         if isinstance(components, dict) and not any(isinstance(m, nn.Module) for m in components.values()):
             return  # a pipeline without models: nothing tritoff could have enabled
-        where = preflight.hooked_elsewhere(
-            preflight.components_of(target, "disable"), None
-        ) or preflight.managed_elsewhere(target)
+        held = preflight.components_of(target, "disable")
+        # a pipeline made from an enabled one's components (OtherPipeline(**pipe.components)) disables that one,
+        # when no other engine holds any of its components
+        engine = preflight.engine_sharing_all(target)
+        where = preflight.hooked_elsewhere(held, engine.manager if engine is not None else None)
+        where = where or (preflight.managed_elsewhere(target) if engine is None else None)
         if where is not None:
             raise ValueError(
                 f"tritoff is enabled on {where} or on the pipeline or module holding it, not on this one; call "
                 "tritoff.disable on that one"
             )
-        return
+        if engine is None:
+            return
 
     device = check_device(device) if device is not None else engine.options.device
     preflight.check_not_in_a_call(engine, "disable")

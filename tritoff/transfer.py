@@ -109,7 +109,13 @@ class Transfer:
                     # there, where a default one would spin a core for as long as the copy waits behind compute
                     event = torch.cuda.Event(blocking=True)
                     event.record(stream)
-            finally:  # a failed record (a CUDA error) must not keep the buffer taken: the ring would wait forever
+            except BaseException:
+                # no event (a CUDA error): the copies queued out of the buffer end before the reader may refill it
+                event = None
+                with contextlib.suppress(Exception):  # an error that persists: nothing more runs on the device
+                    stream.synchronize()
+                raise
+            finally:  # the buffer goes back in every case: kept taken, the ring would wait for it forever
                 self.disk.give_back(index, event)
 
     def fill(self, group: GroupRuntime, dst: torch.Tensor, after: torch.cuda.Event | None = None) -> int:

@@ -158,6 +158,8 @@ def test_disable_round_trip(wan_reference):
 def test_disable_of_a_pipeline_made_from_the_enabled_ones_components(wan_reference):
     """``pipe = WanPipeline(**pipe.components)`` drops the enabled pipeline: disabling the new one disables it; one
     holding only some of its components is refused, naming them."""
+    from types import SimpleNamespace
+
     from diffusers import WanPipeline
 
     pipe = wan()
@@ -166,6 +168,16 @@ def test_disable_of_a_pipeline_made_from_the_enabled_ones_components(wan_referen
     with pytest.raises(ValueError, match="^tritoff is enabled on [a-z_]+ or on the pipeline or module holding it"):
         tritoff.disable(partial)
     assert hasattr(pipe, "_tritoff_engine")  # untouched
+    # one holding all of them and a component another engine holds: refused, as disabling would leave that one hooked
+    other = wan()
+    _enable(other, mode="group", budget="4MB")
+    # a pipeline-like object: diffusers' own refuse components their class does not name
+    mixed = SimpleNamespace(components={**pipe.components, "text_encoder_2": other.text_encoder})
+    with pytest.raises(ValueError, match="^tritoff is enabled on text_encoder or on the pipeline or module holding it"):
+        tritoff.disable(mixed)
+    assert hasattr(pipe, "_tritoff_engine") and hasattr(other, "_tritoff_engine")
+    tritoff.disable(other)
+    tritoff.disable(WanPipeline(**{n: None for n in pipe.components}))  # no models: nothing to disable
     pipe = WanPipeline(**pipe.components)
     tritoff.disable(pipe)
     assert not hasattr(pipe, "_tritoff_engine")

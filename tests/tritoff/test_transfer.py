@@ -110,8 +110,9 @@ def test_copies_through_a_driver_stay_exact_and_a_refusal_falls_back_once_per_de
 
 
 def test_a_disk_buffer_is_given_back_when_its_event_cannot_be_recorded(monkeypatch):
-    # a CUDA error recording the event that ends a block's copies out of a disk ring buffer: the buffer still goes
-    # back to the ring (with the unrecorded event, which a wait passes), or every later take of it would wait forever
+    # a CUDA error recording the event that ends a block's copies out of a disk ring buffer: the stream is waited
+    # for (the reader must not refill the buffer under queued copies), then the buffer goes back to the ring without
+    # an event; kept taken, every later take of it would wait forever
     from types import SimpleNamespace
 
     from tritoff.transfer import Transfer
@@ -124,20 +125,26 @@ def test_a_disk_buffer_is_given_back_when_its_event_cannot_be_recorded(monkeypat
             return 3, torch.arange(8, dtype=torch.uint8)
 
         def give_back(self, index, event=None):
-            self.given.append((index, event))
+            self.given.append((index, event, stream.waited))
+
+    class Stream:
+        waited = False
+
+        def synchronize(self):
+            self.waited = True
 
     class FailingEvent:
         def __init__(self, blocking=False):
             pass
 
         def record(self, stream):
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            raise RuntimeError("CUDA error: invalid resource handle")
 
     monkeypatch.setattr(torch.cuda, "Event", FailingEvent)
-    disk = Disk()
+    disk, stream = Disk(), Stream()
     transfer = Transfer(torch.device("cpu"), 0, disk=disk)
     group = SimpleNamespace(pack=SimpleNamespace(on_disk=True))
-    with pytest.raises(RuntimeError, match="illegal memory access"):
-        with transfer.host_bytes(group, stream=object()) as data:
+    with pytest.raises(RuntimeError, match="invalid resource handle"):
+        with transfer.host_bytes(group, stream=stream) as data:
             assert data.numel() == 8
-    assert len(disk.given) == 1 and disk.given[0][0] == 3 and isinstance(disk.given[0][1], FailingEvent)
+    assert disk.given == [(3, None, True)]
