@@ -195,9 +195,11 @@ def _max_tensors(n: int) -> int:
 # whether Triton made the kernel above an interpreted one, as it decided when decorating it (not os.environ, which a
 # launch should not read, and which may have changed since)
 _INTERPRETED = not isinstance(_upcast_pack_kernel, JITFunction)
+# (major, minor) of the installed Triton, whose interfaces changed between 3.2 and 3.3
+TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
 # a compiled kernel's launcher takes every parameter from Triton 3.3 on, the constexprs included (it skips them);
 # Triton 3.2's takes only the others
-LAUNCHER_TAKES_CONSTEXPRS = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 3)
+LAUNCHER_TAKES_CONSTEXPRS = TRITON_VERSION >= (3, 3)
 
 
 def _kernel_arguments(src, dst, table, n_programs, out_code, fp8_e5m2, native, block, grid, warps):

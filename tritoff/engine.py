@@ -811,9 +811,9 @@ def disable(target, device: str | torch.device | None = None) -> None:
         held = preflight.components_of(target, "disable")
         # a pipeline made from an enabled one's components (OtherPipeline(**pipe.components)) disables that one,
         # when no other engine holds any of its components
-        engine = preflight.engine_sharing_all(target)
-        where = preflight.hooked_elsewhere(held, engine.manager if engine is not None else None)
-        where = where or (preflight.managed_elsewhere(target) if engine is None else None)
+        engine = None if isinstance(target, nn.Module) else preflight.engine_held_by(held)
+        manager = engine.manager if engine is not None else None
+        where = preflight.hooked_elsewhere(held, manager) or preflight.managed_elsewhere(target)
         if where is not None:
             raise ValueError(
                 f"tritoff is enabled on {where} or on the pipeline or module holding it, not on this one; call "

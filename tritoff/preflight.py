@@ -110,12 +110,10 @@ def enabled_engines() -> list[Engine]:
     return [engine for engine in list(ENGINES) if getattr(engine.target, ENGINE_ATTR, None) is engine]
 
 
-def engine_sharing_all(target) -> Engine | None:
-    """The enabled engine of a pipeline every model component of which ``target`` (another pipeline) holds, as one
-    made from its components (``OtherPipeline(**pipe.components)``) does; None for a module, or when there is none."""
-    if isinstance(target, nn.Module):
-        return None
-    held = {id(module) for module in components_of(target, "disable").values()}
+def engine_held_by(components: dict[str, nn.Module]) -> Engine | None:
+    """The enabled engine of a pipeline every model component of which is among ``components`` (another pipeline's,
+    as one made from its components, ``OtherPipeline(**pipe.components)``, holds them), or None."""
+    held = {id(module) for module in components.values()}
     for engine in enabled_engines():
         if not isinstance(engine.target, nn.Module) and all(id(m) in held for m in engine.components.values()):
             return engine
