@@ -505,6 +505,17 @@ def summary_lines(record: dict, out: Path, suffix: str) -> list[str]:
             )
         elif beside.get("error"):
             lines.append(f"upcast beside compute failed: {beside['error']}")
+        by_row_length = kernels.get("upcast_by_row_length", {}).get("rows", {})
+        if by_row_length:  # how a program finds its rows' scales: a gather per element, or scalars
+            lines.append(
+                "HBM upcast of one weight by row length (scales): "
+                + ", ".join(
+                    f"{row_len} ({r['path']}) {r['GBps_read_plus_write']:.0f} GB/s"
+                    + (f", {r['pct_of_d2d']:.0f}% of D2D" if "pct_of_d2d" in r else "")
+                    + ("" if r["exact"] else ", NOT EXACT")
+                    for row_len, r in by_row_length.items()
+                )
+            )
     for path in _fresh(out, "hooks-*", suffix, since):
         hooks = json.loads(path.read_text())
         issue, added = hooks.get("issue_us_per_group"), hooks.get("added_us_per_group")

@@ -9,7 +9,8 @@ against a device-to-device copy, also with 2048 to 16384 elements and 4 or 8 war
 a large matmul: how much each slows it. Last, (g): a Wan-14B block's compute at one frame (its linear layers' matmuls at
 1,560 tokens) with the next block's 351 MB pack upcast from HBM beside it, as tritoff runs fp8-resident blocks, for
 grids of one program per chunk and grids bounded to a share of the SMs (``UPCAST_PROGRAMS``): time per block against
-the matmuls alone, and each grid's upcast rate alone.
+the matmuls alone, and each grid's upcast rate alone. (h): the HBM upcast of a 256 MB pack of one row length for each
+way the kernel finds a row's scale (``ROW_LENGTHS``), against a device-to-device copy.
 
 Usage: python bench/kernels.py [--smoke] [--out DIR] [--deadline SECONDS]
   --smoke: tiny packs on the CPU through the Triton interpreter. --out: where kernels.json goes (default
@@ -61,6 +62,9 @@ UPCAST_GRID_SHARES = (0, 0.25, 0.5, 1, 2)
 UPCAST_GRID_SHAPES = ((BLOCK, WARPS), (16384, 8))
 TOKENS_ONE_FRAME = 1560  # Wan at 480x832, 1 frame
 STREAMED = 4  # packs onloaded in a row for (c')
+# (h): a row length for each way a program of BLOCK elements finds its scales (kernels/upcast.py): a gather per
+# element (rows under BLOCK / 3), up to four rows' scalars (CogVideoX-5B's 3072), one or two rows' (Wan-14B's 5120)
+ROW_LENGTHS = {1024: "gather", 3072: "four rows", 5120: "two rows"}
 
 
 def block_specs(target_bytes: int, width: int = WIDTH) -> list[TensorSpec]:
@@ -79,12 +83,12 @@ def block_specs(target_bytes: int, width: int = WIDTH) -> list[TensorSpec]:
     return specs
 
 
-def build_pack(target_bytes: int, width: int, register: bool):
-    """A pack of ~``target_bytes`` in its own arena. On a GPU its tensors are drawn there and quantized by tritoff's
-    Triton kernel (a 1 GB pack in about a second; drawing and quantizing 1e9 weights on the host takes tens of
-    seconds)."""
+def build_pack(target_bytes: int, width: int, register: bool, specs: list[TensorSpec] | None = None):
+    """A pack of ~``target_bytes`` (or of ``specs``) in its own arena. On a GPU its tensors are drawn there and
+    quantized by tritoff's Triton kernel (a 1 GB pack in about a second; drawing and quantizing 1e9 weights on the
+    host takes tens of seconds)."""
     fmt = get_format("fp8_e4m3")
-    layout = PackLayout.plan(block_specs(target_bytes, width), fmt)
+    layout = PackLayout.plan(specs or block_specs(target_bytes, width), fmt)
     arena = HostArena(layout.nbytes, register=register)
     work = torch.device("cuda" if register and torch.cuda.is_available() else "cpu")
     gen = torch.Generator(work).manual_seed(0)
@@ -406,6 +410,35 @@ def upcast_beside_compute(device: torch.device, target_bytes: int, width: int, r
     return results
 
 
+def upcast_by_row_length(device: torch.device, target_bytes: int, reps: int) -> dict:
+    """(h) The HBM upcast (``BLOCK`` x ``WARPS``) of a pack holding one weight of ~``target_bytes`` for each row length
+    of :data:`ROW_LENGTHS`, against a device-to-device copy of its output (GB/s read + written), and its check."""
+    return {
+        str(row_len): {"path": path, **upcast_rows_of(row_len, device, target_bytes, reps)}
+        for row_len, path in ROW_LENGTHS.items()
+    }
+
+
+def upcast_rows_of(row_len: int, device: torch.device, target_bytes: int, reps: int) -> dict:
+    """One row length of (h)."""
+    spec = TensorSpec("w.weight", (max(1, target_bytes // row_len), row_len), torch.bfloat16, True)
+    layout, arena, fmt = build_pack(target_bytes, row_len, register=device.type == "cuda", specs=[spec])
+    staged = arena.buffer.to(device, copy=True)
+    arena.close()
+    out = torch.full((layout.out_nbytes,), 0xFF, dtype=torch.uint8, device=device)
+    table, programs = layout.table(BLOCK, device), layout.n_programs(BLOCK)
+    seconds = timed(lambda: upcast_pack(staged, out, table, programs, layout.out_dtype, fmt), device, reps)
+    expected = upcast_pack_reference(staged, torch.empty_like(out), layout.table(), layout.out_dtype, fmt)
+    rate = (layout.nbytes + layout.out_nbytes) / seconds / 1e9
+    row = {"pack_bytes": layout.nbytes, "seconds": seconds, "GBps_read_plus_write": rate}
+    if device.type == "cuda":
+        copy = torch.empty_like(out)
+        d2d = 2 * layout.out_nbytes / timed(lambda: copy.copy_(out), device, reps) / 1e9
+        row |= {"hbm_d2d_GBps": d2d, "pct_of_d2d": 100 * rate / d2d}
+    row["exact"] = torch.equal(layout.views(out)["w.weight"], layout.views(expected)["w.weight"])
+    return row
+
+
 def main() -> None:
     """Run, print tables, write kernels.json (after every pack size, so a stopped run keeps what it measured)."""
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -511,6 +544,26 @@ def main() -> None:
                 for name, r in g["grids"].items()
             ]
             print(markdown_table(["grid", "upcast alone GB/s", "ms / block", "slowdown", "exact"], grid_rows))
+    # (h) takes a few seconds on an H100 (three 256 MB packs built and upcast)
+    if args.deadline is not None and time.time() + 15 > args.deadline and "stopped" not in data:
+        data["stopped"] = "time budget: (h) was not run"
+        print(data["stopped"])
+    if "stopped" not in data:
+        h_reps = max(3, reps // 2)
+        h = upcast_by_row_length(device, 256 * 2**20 if device.type == "cuda" else 2**16, h_reps)
+        data["upcast_by_row_length"] = {"reps": h_reps, "rows": h}
+        print(f"\n(h) HBM upcast ({BLOCK} elements x {WARPS} warps per program) by row length:")
+        h_rows = [
+            [
+                row_len,
+                r["path"],
+                f"{r['GBps_read_plus_write']:.0f}",
+                f"{r['pct_of_d2d']:.0f}%" if "pct_of_d2d" in r else "-",
+            ]
+            + ["yes" if r["exact"] else "NO"]
+            for row_len, r in h.items()
+        ]
+        print(markdown_table(["row length", "scales", "GB/s", "% of D2D", "exact"], h_rows))
     print(f"\nwrote {write_result('kernels', data, smoke=args.smoke, out=args.out)}")
     mib = [r["pack_bytes"] / 2**20 for r in rows]
     series = {
@@ -538,7 +591,8 @@ def main() -> None:
     if plot:
         print(f"wrote {plot}")
     beside = data.get("upcast_beside_compute", {}).get("grids", {}).values()
-    if not all(r["exact"] for r in rows) or not all(r["exact"] for r in beside):
+    by_row_length = data.get("upcast_by_row_length", {}).get("rows", {}).values()
+    if not all(r["exact"] for r in [*rows, *beside, *by_row_length]):
         sys.exit("a kernel result differed from the reference")
 
 

@@ -9,8 +9,9 @@ A pack is a byte buffer holding fp8 payloads, their fp32 scales and tensors kept
     dst_offset   byte offset of the output in the destination buffer (256-byte aligned)
     numel        elements (KIND_COPY: 4-byte words, the payload rounded up; padding is allocated on both sides)
     row_len      elements per scale row (numel for a per-tensor scale)
-    scale_offset byte offset of the fp32 scales in the pack (a program whose rows are at least ``BLOCK`` long loads
-                 its one or two scales as scalars; shorter rows gather one per element)
+    scale_offset byte offset of the fp32 scales in the pack (a program whose rows are at least a third of ``BLOCK``
+                 long loads the scales of the two to four rows it spans as scalars; shorter rows gather one per
+                 element)
     padded       numel rounded up to 16: the kernel's bound, so masks are 16-aligned and accesses vectorize; the
                  regions are padded to 256 bytes on both sides, so the extra elements land in padding
 
@@ -121,6 +122,13 @@ def _upcast_chunk(
             s1 = tl.load(scales + tl.minimum(r0 + 1, last_row))
             boundary = tl.minimum((r0 + 1) * row_len - first, BLOCK).to(tl.int32)
             s = tl.where(offs < boundary, s0, s1)
+        elif row_len * 3 >= BLOCK:
+            # rows of a third of a chunk or more (CogVideoX-5B's 3072, Wan-14B's 5120 in a zero-copy chunk of 8192):
+            # at most four rows, four scalar loads and three selects
+            s = tl.zeros([BLOCK], dtype=tl.float32) + tl.load(scales + tl.minimum(r0, last_row))
+            for k in tl.static_range(1, 4):
+                start = tl.minimum((r0 + k) * row_len - first, BLOCK).to(tl.int32)
+                s = tl.where(offs >= start, tl.load(scales + tl.minimum(r0 + k, last_row)), s)
         else:
             # short rows (small layers, per-tensor scales of small tensors): one gathered scale per element
             local = (first - r0 * row_len).to(tl.int32)

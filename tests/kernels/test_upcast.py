@@ -187,12 +187,16 @@ def test_bad_buffers_are_refused():
         pytest.param((5, 4096), id="rows-of-one-block"),
         pytest.param((3, 6000), id="rows-between-one-and-two-blocks"),
         pytest.param((2, 9000), id="rows-over-two-blocks"),
+        pytest.param((9, 3072), id="rows-of-three-quarters-of-a-block"),
+        pytest.param((12, 1366), id="rows-of-a-third-of-a-block"),
+        pytest.param((12, 1365), id="rows-just-under-a-third-of-a-block"),
         pytest.param((70, 130), id="many-rows-per-block"),
     ],
 )
 def test_scales_at_row_boundaries(shape, device):
-    # each program loads its one or two row scales (rows >= BLOCK) or gathers them (shorter rows): rows spanning
-    # a block boundary must take the right scale on each side, scales differing by powers of two from row to row
+    # each program loads the scales of the rows it spans as scalars (rows of BLOCK / 3 or more: up to four rows) or
+    # gathers them (shorter rows): rows spanning a block boundary must take the right scale on each side, scales
+    # differing by powers of two from row to row
     layout, data, _ = _build([TensorSpec("w", shape, torch.bfloat16, True)], E4M3)
     out = poisoned(layout.out_nbytes, device)
     upcast_pack(data.to(device), out, layout.table(BLOCK, device), layout.n_programs(), layout.out_dtype, E4M3)
