@@ -511,6 +511,8 @@ def enable(
             kept[name] = [lay for g, lay in pairs if in_ram is None or g.name in in_ram[name]]
         spilled = {n: sum(lay.nbytes for lay in layouts[n]) - sum(lay.nbytes for lay in kept[n]) for n in components}
         spills = spill_files(spill_dir, spilled)
+    if reuse:
+        preflight.check_zero_copy(options, previous.packed)
     # everything that can fail is checked before a parameter changes: from here on the pipeline is modified
     carried = None
     if previous is not None and not reuse:
@@ -519,46 +521,55 @@ def enable(
             carried = (previous.snr, previous.requantized)
         disable(target, device="cpu")
         previous = None
-    if reuse:
-        preflight.check_zero_copy(options, previous.packed)
-        previous._teardown()
-        for module in previous._unhooked:  # the new plan may hook fewer (group -> model): none keeps a forward of ours
-            operations.restore_forward(module)
-        packed, snr = previous.packed, previous.snr
-        requires_grad = previous.requires_grad
-        requantized = previous.requantized
-        previous._release_packs()  # they are the new engine's: a disable of it must free them, however held
-    elif store is not None:
-        packed, snr = stored, {}
-        requires_grad = _freeze(components)
-        for module in components.values():
-            _replace_meta_params(module, options.device)
-    else:
-        packed, snr, requires_grad = _pack_components(
-            components, options, fmts, group_lists, layouts, kept, in_ram, spills, progress
-        )
-        if carried is None:  # a re-pack's figures are against weights quantized once, warned of then
-            _warn_lost_weights(snr)
-    if carried is not None:  # measured now against weights already quantized once: every layer would read inf dB
-        snr = {**snr, **{k: v for k, v in carried[0].items() if k in snr}}
-        requantized = carried[1]
-    engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr, chunks, reserve is None)
-    engine.fingerprints = fingerprints
-    engine.spill_dir = spill_dir  # where packs beyond the host budget go when a re-enable packs again
-    engine.requires_grad = requires_grad
-    if reuse or carried is not None:
-        engine.requantized = requantized
+    # from here until the engine is installed, a failure (Ctrl-C included) gives the weights back: from the engine
+    # (the previous one until the new one exists, on a re-plan), else from the packs this call made; from a store,
+    # the flags set so far
+    packed, engine, requires_grad = None, None, {}
     try:
+        if reuse:
+            packed, snr = previous.packed, previous.snr
+            requires_grad, requantized = previous.requires_grad, previous.requantized
+            previous._teardown()
+            for module in previous._unhooked:  # the new plan may hook fewer (group -> model): none keeps our forward
+                operations.restore_forward(module)
+            previous._release_packs()  # they are the new engine's: a disable of it must free them, however held
+        elif store is not None:
+            _freeze(components, requires_grad)
+            for module in components.values():
+                _replace_meta_params(module, options.device)
+            packed, snr = stored, {}
+        else:
+            packed, snr, requires_grad = _pack_components(
+                components, options, fmts, group_lists, layouts, kept, in_ram, spills, progress
+            )
+            if carried is None:  # a re-pack's figures are against weights quantized once, warned of then
+                _warn_lost_weights(snr)
+        if carried is not None:  # measured now against weights already quantized once: every layer would read inf dB
+            snr = {**snr, **{k: v for k, v in carried[0].items() if k in snr}}
+            requantized = carried[1]
+        engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr, chunks, reserve is None)
+        engine.fingerprints = fingerprints
+        engine.spill_dir = spill_dir  # where packs beyond the host budget go when a re-enable packs again
+        engine.requires_grad = requires_grad
+        if reuse or carried is not None:
+            engine.requantized = requantized
         engine._build_runtime()
         _install(engine)
     except BaseException:
-        # a failure while placing the packs (an out-of-memory GPU, Ctrl-C): leave ordinary modules holding the
-        # (dequantized) weights rather than placeholders, on the CPU if the device has no room for them; what
-        # _install shadowed goes with the teardown
-        try:
-            _restore(engine, options.device)
-        except BaseException:
-            _restore(engine, torch.device("cpu"))
+        if engine is None and reuse:  # its packs may have been handed over already
+            previous.packed = previous.packed or packed
+            engine = previous
+        if engine is not None:
+            # a failure while placing the packs (an out-of-memory GPU, Ctrl-C): leave ordinary modules holding the
+            # (dequantized) weights rather than placeholders, on the CPU if the device has no room for them; what
+            # _install shadowed goes with the teardown
+            try:
+                _restore(engine, options.device)
+            except BaseException:
+                _restore(engine, torch.device("cpu"))
+        else:
+            from_packs = packed if packed is not None and store is None else {}
+            _weights_back(components, from_packs, requires_grad, [] if carried is not None else list(from_packs), fmts)
         if hasattr(target, ENGINE_ATTR):  # a re-plan: the previous engine was torn down already
             delattr(target, ENGINE_ATTR)
         raise
@@ -601,25 +612,32 @@ def _pack_components(components, options: Options, fmts, group_lists, layouts, k
     except BaseException:
         # a full spill disk, Ctrl-C: components packed so far get their weights back from their packs (the one
         # being packed did so itself), and their flags
-        for model in packed.values():
-            for pack, group in zip(model.packs, model.groups, strict=True):
-                restore_params(group, pack)
-        params = {n: dict(named_parameters(module)) for n, module in components.items()}
-        for (n, pname), flag in requires_grad.items():
-            params[n][pname].requires_grad_(flag)
-        rounded = [n for n in [*packed, name] if n is not None and fmts[n].is_fp8]
-        if rounded:
-            warn(
-                f"enable stopped while packing: the weights of {', '.join(dict.fromkeys(rounded))} packed so far "
-                "are back as their fp8 packs hold them (the originals were released as they were packed); "
-                "reload the pipeline for the original weights"
-            )
+        _weights_back(components, packed, requires_grad, [*packed, name] if name is not None else [], fmts)
         raise
     finally:
         if quantize_on.type == "cuda":
             with torch.cuda.device(quantize_on):  # empty_cache acts on the current device
                 torch.cuda.empty_cache()  # quantizing's scratch: give it back before the budget's buffers are made
     return packed, snr, requires_grad
+
+
+def _weights_back(components, packed: dict[str, PackedModel], requires_grad, packed_now: list[str], fmts) -> None:
+    """After an enable stopped once packing began: the parameters of ``packed``'s components get their weights back
+    from their packs and every parameter its ``requires_grad`` flag; warns that ``packed_now`` (components this call
+    packed, their originals released) hold what their fp8 packs hold."""
+    for model in packed.values():
+        for pack, group in zip(model.packs, model.groups, strict=True):
+            restore_params(group, pack)
+    params = {n: dict(named_parameters(module)) for n, module in components.items()}
+    for (n, pname), flag in requires_grad.items():
+        params[n][pname].requires_grad_(flag)
+    rounded = [n for n in dict.fromkeys(packed_now) if fmts[n].is_fp8]
+    if rounded:
+        warn(
+            f"enable stopped while packing: the weights of {', '.join(rounded)} packed so far are back as their fp8 "
+            "packs hold them (the originals were released as they were packed); reload the pipeline for the "
+            "original weights"
+        )
 
 
 def _store_settings(store, components: dict[str, nn.Module], storage, granularity, skip, mode):
@@ -713,10 +731,10 @@ def _install(engine: Engine) -> None:
                 setattr(comp.module, method, planned_method(engine.manager, comp, method))
 
 
-def _freeze(components: dict[str, nn.Module]) -> dict[tuple[str, str], bool]:
+def _freeze(components: dict[str, nn.Module], flags: dict | None = None) -> dict[tuple[str, str], bool]:
     """Set ``requires_grad=False`` on every parameter (their storage is managed by tritoff); returns the flags to
-    restore on :func:`disable`."""
-    flags = {}
+    restore on :func:`disable`, also written into ``flags`` as they are read, when given."""
+    flags = {} if flags is None else flags
     for name, module in components.items():
         for pname, param in named_parameters(module):  # adapters are not managed: they keep their flags
             flags[(name, pname)] = param.requires_grad

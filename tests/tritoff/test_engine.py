@@ -626,15 +626,18 @@ def test_a_pool_unit_larger_than_staging_moves_in_chunks(kernels):
         assert torch.equal(net(ids), reference(ids))
 
 
-@pytest.mark.parametrize("where", ["placing", "hooking", "installing"])
+@pytest.mark.parametrize("where", ["building", "placing", "hooking", "installing"])
 @pytest.mark.parametrize("replan", [False, True], ids=["first-enable", "re-plan"])
 def test_a_failure_after_packing_leaves_ordinary_modules(wan_reference, monkeypatch, replan, where):
-    """An out-of-memory GPU while placing the packs, or Ctrl-C between two hooks or while the pipeline's operations
-    are wrapped: no hook, wrapper or placeholder is left."""
+    """Ctrl-C before the engine exists (right after packing, or after a re-plan tore the previous engine down), an
+    out-of-memory GPU while placing the packs, or Ctrl-C between two hooks or while the pipeline's operations are
+    wrapped: no hook, wrapper or placeholder is left, and every parameter has its requires_grad back."""
     import tritoff.engine as engine_module
     from tritoff import operations
 
     pipe = wan()
+    pipe.transformer.blocks[0].requires_grad_(False)
+    flags = [p.requires_grad for p in pipe.transformer.parameters()]
     if replan:
         _enable(pipe, mode="group", budget="4MB")
 
@@ -652,18 +655,24 @@ def test_a_failure_after_packing_leaves_ordinary_modules(wan_reference, monkeypa
             raise KeyboardInterrupt
         guard(module, manager)
 
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
     guard = engine_module.guard_forward
-    if where == "placing":
+    if where == "building":
+        monkeypatch.setattr(engine_module, "Engine", interrupted)
+    elif where == "placing":
         monkeypatch.setattr(engine_module, "GroupRuntime", no_memory)
     elif where == "hooking":
         monkeypatch.setattr(engine_module, "guard_forward", interrupted_second_hook)
     else:
         monkeypatch.setattr(operations, "install", lambda *args: no_memory())
-    with pytest.raises(KeyboardInterrupt if where == "hooking" else OutOfMemory):
+    with pytest.raises(KeyboardInterrupt if where in ("building", "hooking") else OutOfMemory):
         _enable(pipe, mode="group", budget="5MB")
     monkeypatch.undo()
     # packing had already released the original weights: ordinary modules hold their dequantized values instead
     assert not hasattr(pipe, "_tritoff_engine")
+    assert [p.requires_grad for p in pipe.transformer.parameters()] == flags
     assert not any(hasattr(m, "_hf_hook") or "forward" in vars(m) for m in pipe.transformer.modules())
     assert not any(is_placeholder(p) for p in pipe.transformer.parameters())
     assert not any(getattr(f, "_tritoff", False) for obj in (pipe, pipe.transformer) for f in vars(obj).values())

@@ -60,6 +60,28 @@ def test_round_trip_is_exact_and_reads_every_pack_into_the_arena(saved):
     assert engine.options.storage == {"text_encoder": "fp8_e4m3", "transformer": "fp8_e4m3", "vae": "bf16"}
 
 
+def test_an_enable_from_a_store_stopped_before_its_engine_exists_leaves_the_pipeline_as_it_was(saved, monkeypatch):
+    # Ctrl-C once the store's packs are read and the parameters frozen, before the engine is built: the weights were
+    # never released, and every requires_grad flag comes back
+    import tritoff.engine as engine_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    directory, _ = saved
+    pipe = wan()
+    pipe.transformer.blocks[0].requires_grad_(False)
+    before = {n: (p.detach().clone(), p.requires_grad) for n, p in pipe.transformer.named_parameters()}
+    monkeypatch.setattr(engine_module, "Engine", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _enable(pipe, store=directory)
+    monkeypatch.undo()
+    assert not hasattr(pipe, "_tritoff_engine")
+    after = {n: (p.detach(), p.requires_grad) for n, p in pipe.transformer.named_parameters()}
+    assert all(torch.equal(after[n][0], w) and after[n][1] == flag for n, (w, flag) in before.items())
+    assert any(not flag for _, flag in before.values()) and any(flag for _, flag in before.values())
+
+
 def test_other_config_is_refused(saved):
     directory, _ = saved
     pipe = wan(num_layers=3)
