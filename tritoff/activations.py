@@ -271,12 +271,17 @@ def peak_bytes(twin: nn.Module, args=(), kwargs=None, method: str = "forward", m
     return tracker.peak
 
 
-def estimate(twin: nn.Module | None, args=(), kwargs=None, method: str = "forward", cuda: bool = True) -> int | None:
+def reserve_bytes(twin: nn.Module, args=(), kwargs=None, method: str = "forward", cuda: bool = True) -> int:
     """The activation reserve a call needs: its traced peak with a margin (and the GPU's workspaces when ``cuda``);
-    None when it cannot be traced."""
+    raises what the trace raised."""
+    return int(peak_bytes(twin, args, kwargs, method) * MARGIN) + (CUDA_SLACK if cuda else 0)
+
+
+def estimate(twin: nn.Module | None, args=(), kwargs=None, method: str = "forward", cuda: bool = True) -> int | None:
+    """:func:`reserve_bytes`, or None when the call cannot be traced."""
     if twin is None:
         return None
     try:
-        return int(peak_bytes(twin, args, kwargs, method) * MARGIN) + (CUDA_SLACK if cuda else 0)
+        return reserve_bytes(twin, args, kwargs, method, cuda)
     except Exception:  # code that cannot run on the meta device (data-dependent shapes, custom kernels)
         return None

@@ -17,17 +17,17 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 from tqdm.auto import tqdm
 
-from tritoff.activations import estimate, meta_twin
+from tritoff.activations import meta_twin, reserve_bytes
 from tritoff.advice import alternatives, clauses
 from tritoff.budget import format_bytes, parse_host_budget, parse_size
 from tritoff.groups import is_host
 from tritoff.planner import BudgetError, fit_together, mode_label
 from tritoff.planner import plan as phase_plan
-from tritoff.shapes import check_dimensions
+from tritoff.shapes import check_dimensions, latent_channels, spatial_scale, temporal_multiple
 from tritoff.store import fingerprint
 
 # the call a pipeline makes per component, by family: prompt tokens, CFG as separate calls (Wan) or one batch of two
-# (CogVideoX), the latent layout, and the VAE's temporal and spatial compression
+# (CogVideoX), the latent layout, and the VAE's temporal and spatial compression where its config does not say them
 FAMILIES = {
     "wan": dict(tokens=512, cfg_batch=1, channels_first=True, temporal=4, spatial=8),
     "cogvideox": dict(tokens=226, cfg_batch=2, channels_first=False, temporal=4, spatial=8),
@@ -80,6 +80,9 @@ class Preview:
     alternatives: dict = field(default_factory=dict)
     host_held_bytes: int | None = None  # packs the host budget holds (None: no host budget, all of them)
     disk_bytes_per_s: float | None = None
+    # components whose call could not be traced on the meta device, and why: their activations are unknown (not
+    # counted), so the plan cannot say that it fits
+    untraced: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         """The object ``tritoff plan --json`` prints."""
@@ -97,6 +100,7 @@ class Preview:
             "shape": self.shape,
             "reason": self.reason,
             "alternatives": {option: list(pair) for option, pair in self.alternatives.items()},
+            "untraced": dict(self.untraced),
             "phases": [p.as_dict() for p in self.phases],
         }
 
@@ -117,8 +121,10 @@ class Preview:
         for p in self.phases:
             tiers = "/".join(str(p.tiers.get(t, 0)) for t in ("bf16", "fp8", "stream")) if p.tiers else "-"
             seconds = (p.streamed_bytes_per_call * p.calls_per_run + p.entry_bytes) / self.link_bytes_per_s
+            untraced = any(name in self.untraced for name in p.components)
+            activations = "unknown" if untraced else format_bytes(p.activation_bytes)
             lines.append(
-                f"  {', '.join(p.components):<16}{p.mode:<10}{tiers:>24}{format_bytes(p.activation_bytes):>13}"
+                f"  {', '.join(p.components):<16}{p.mode:<10}{tiers:>24}{activations:>13}"
                 f"{format_bytes(p.gpu_peak_bytes):>12}{format_bytes(p.streamed_bytes_per_call):>15}"
                 f"{p.calls_per_run:>7}{seconds:>13.1f}s"
             )
@@ -137,6 +143,8 @@ class Preview:
         lines.append("  " + host)
         verdict = "fits" if self.feasible else f"does not fit: {self.reason}"
         smallest = f"the smallest GPU budget that fits is {format_bytes(self.minimum_budget)}"
+        if self.untraced:
+            smallest += f" plus the activations of {', '.join(self.untraced)}"
         lines.append("  " + "; ".join([verdict, smallest, *clauses(self.alternatives, self.budget)]))
         return "\n".join(lines)
 
@@ -196,10 +204,29 @@ def _load_directory(path: Path) -> tuple[str, dict[str, nn.Module], str]:
     return family, components, pipeline
 
 
-def _latent(family: str, frames: int, height: int, width: int, batch: int, dtype: torch.dtype) -> torch.Tensor:
+def _geometry(family: str, components: dict[str, nn.Module]) -> dict:
+    """What the pipeline's calls take, from the VAE's and the denoiser's configs (the family's where they say nothing):
+    the prompt's tokens, the VAE's time and space compression, the channels its decode takes, and those the denoiser
+    takes (more where conditioning latents are concatenated: Wan I2V's 36)."""
     f = FAMILIES[family]
-    shape = (batch, 16, (frames - 1) // f["temporal"] + 1, height // f["spatial"], width // f["spatial"])
-    if not f["channels_first"]:
+    vae = dict(components["vae"].config) if "vae" in components else {}
+    denoiser = components.get("transformer")
+    channels = latent_channels(vae) or 16
+    config = dict(denoiser.config) if denoiser is not None else {}
+    in_channels, tokens = config.get("in_channels"), config.get("max_text_seq_length")  # CogVideoX's: 226
+    return dict(
+        tokens=tokens if isinstance(tokens, int) and tokens >= 1 else f["tokens"],
+        temporal=temporal_multiple(vae) or f["temporal"],
+        spatial=spatial_scale(vae) or f["spatial"],
+        vae_channels=channels,
+        denoiser_channels=in_channels if isinstance(in_channels, int) and in_channels >= 1 else channels,
+    )
+
+
+def _latent(geometry: dict, channels: int, channels_first: bool, frames, height, width, batch, dtype) -> torch.Tensor:
+    g = geometry
+    shape = (batch, channels, (frames - 1) // g["temporal"] + 1, height // g["spatial"], width // g["spatial"])
+    if not channels_first:
         shape = (shape[0], shape[2], shape[1], shape[3], shape[4])
     return torch.empty(shape, dtype=dtype, device="meta")
 
@@ -209,7 +236,7 @@ def _shapes(tree) -> str:
     return repr(tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t, tree))
 
 
-def _call(family: str, name: str, module: nn.Module, frames: int, height: int, width: int):
+def _call(family: str, geometry: dict, name: str, module: nn.Module, frames: int, height: int, width: int):
     """(method, args, kwargs, calls per step or per pipeline call, whether it is called every step) of a component."""
     f = FAMILIES[family]
     counts: dict[torch.dtype, int] = {}
@@ -217,17 +244,20 @@ def _call(family: str, name: str, module: nn.Module, frames: int, height: int, w
         counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
     dtype = max(counts, key=counts.get)
     if name.startswith("text_encoder"):
-        ids = torch.zeros(1, f["tokens"], dtype=torch.long, device="meta")
+        ids = torch.zeros(1, geometry["tokens"], dtype=torch.long, device="meta")
         return "forward", (), dict(input_ids=ids, attention_mask=torch.ones_like(ids)), 2, False
     if name.startswith("vae"):
-        latent = _latent("wan", frames, height, width, 1, dtype)  # decode takes channels first in both families
+        # decode takes channels first in both families
+        latent = _latent(geometry, geometry["vae_channels"], True, frames, height, width, 1, dtype)
         return "decode", (latent,), dict(return_dict=False), 1, False
     batch = f["cfg_batch"]
     width_text = module.config.get("text_dim", module.config.get("text_embed_dim", 4096))
     kwargs = dict(
-        hidden_states=_latent(family, frames, height, width, batch, dtype),
+        hidden_states=_latent(
+            geometry, geometry["denoiser_channels"], f["channels_first"], frames, height, width, batch, dtype
+        ),
         timestep=torch.zeros(batch, dtype=torch.long, device="meta"),
-        encoder_hidden_states=torch.empty(batch, f["tokens"], width_text, dtype=dtype, device="meta"),
+        encoder_hidden_states=torch.empty(batch, geometry["tokens"], width_text, dtype=dtype, device="meta"),
         return_dict=False,
     )
     return "forward", (), kwargs, 2 // batch, True
@@ -310,18 +340,21 @@ def plan(
         layouts[name] = plan_layouts(group_lists[name], quantized, get_format(formats[name]), "row", name)
     sizes = sizes_of(components, group_lists, layouts, mode)
     chunks, fixed = shared_bytes(sizes, group_lists, layouts, components, True, False)
-    reserves, calls, loops = {}, {}, {}
-    traced = {}  # (architecture, method, input shapes) -> estimate: Wan 2.2's two experts are traced once
+    reserves, calls, loops, untraced = {}, {}, {}, {}
+    traced = {}  # (architecture, method, input shapes) -> (reserve, error): Wan 2.2's two experts are traced once
+    geometry = _geometry(family, components)
     with tqdm(components, desc="tracing activations", unit="component", disable=not progress, leave=False) as bar:
         for name in bar:
             bar.set_postfix_str(name)
             module = components[name]
-            method, args, kwargs, per_call, looped = _call(family, name, module, frames, height, width)
+            method, args, kwargs, per_call, looped = _call(family, geometry, name, module, frames, height, width)
             key = (fingerprint(module), method, _shapes((args, kwargs)))
             if key not in traced:
                 twin = module if next(module.parameters()).is_meta else meta_twin(module)
-                traced[key] = estimate(twin, args, kwargs, method)
-            reserves[name] = traced[key] or int(0.1 * budget_bytes)
+                traced[key] = _reserve(twin, args, kwargs, method)
+            reserves[name], error = traced[key]
+            if error is not None:
+                untraced[name] = error
             calls[name] = per_call * (steps if looped else 1)
             loops[name] = looped
     if "transformer_2" in components:  # Wan 2.2: the high-noise expert takes the first 87.5% of the steps
@@ -329,7 +362,7 @@ def plan(
         calls["transformer"], calls["transformer_2"] = 2 * high, 2 * (steps - high)
     host = sum(pack_offsets(lays)[1] for lays in layouts.values())
     shape = dict(frames=frames, height=height, width=width, steps=steps, vae_tiling=vae_tiling)
-    preview = Preview(model, budget_bytes, False, 0, host, host_bytes_budget, link_rate, shape)
+    preview = Preview(model, budget_bytes, False, 0, host, host_bytes_budget, link_rate, shape, untraced=untraced)
     by_name = {s.name: s for s in sizes}
     phases, too_small = {}, []
     for name in components:
@@ -351,11 +384,27 @@ def plan(
         if not too_small:
             _disk_reads(preview, group_lists, layouts, phases, loops)
     if too_small:
-        preview.reason = "; ".join(too_small)
         preview.alternatives = _alternatives(components, group_lists, layouts, reserves, mode, prefetch, preview)
-    else:
-        preview.feasible = True
+    unknown = [
+        f"{name}'s {'decode' if name.startswith('vae') else 'call'} could not be traced on the meta device at this "
+        f"shape ({error}), so its activations are unknown"
+        for name, error in untraced.items()
+    ]
+    preview.reason = "; ".join([*unknown, *too_small])
+    preview.feasible = not preview.reason
     return preview
+
+
+def _reserve(twin: nn.Module, args, kwargs, method: str) -> tuple[int, str | None]:
+    """(the activation reserve of ``twin.method(*args, **kwargs)``, None), as the engine reserves it on a GPU; or
+    (0, why) when the call cannot be traced on the meta device: the model's own error at this shape (a video longer
+    than its position table), or code a meta trace cannot run."""
+    try:
+        return reserve_bytes(twin, args, kwargs, method), None
+    except Exception as err:
+        lines = str(err).strip().splitlines()
+        message = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+        return 0, message if len(message) <= 200 else message[:199] + "…"
 
 
 def _alternatives(components, group_lists, layouts, reserves, mode: str, prefetch: int, preview: Preview) -> dict:

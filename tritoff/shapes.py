@@ -7,16 +7,30 @@ Read from configs (plain dicts) only, so the command line checks its arguments b
 from __future__ import annotations
 
 
+def spatial_scale(vae: dict) -> int | None:
+    """The VAE's spatial downscale from its config (None when the config says nothing of it)."""
+    if isinstance(vae.get("scale_factor_spatial"), int) and vae["scale_factor_spatial"] >= 1:  # Wan, as its pipeline
+        return vae["scale_factor_spatial"]  # reads it (16 for Wan 2.2 TI2V's VAE)
+    if isinstance(vae.get("temperal_downsample"), list):  # Wan configs saved without it: a 2x downscale per stage
+        return 2 ** len(vae["temperal_downsample"])
+    if isinstance(vae.get("block_out_channels"), (list, tuple)):  # diffusers VAEs: one per block after the first
+        return 2 ** (len(vae["block_out_channels"]) - 1)
+    return None
+
+
+def latent_channels(vae: dict) -> int | None:
+    """The channels of the VAE's latents from its config (Wan's ``z_dim``, CogVideoX's ``latent_channels``)."""
+    for key in ("z_dim", "latent_channels"):
+        if isinstance(vae.get(key), int) and vae[key] >= 1:
+            return vae[key]
+    return None
+
+
 def spatial_multiple(vae: dict, denoiser: dict) -> int | None:
     """What height and width must be multiples of: the VAE's spatial downscale times the denoiser's spatial patch
     size, from their configs (None when the VAE's config says neither)."""
-    if isinstance(vae.get("scale_factor_spatial"), int) and vae["scale_factor_spatial"] >= 1:  # Wan, as its pipeline
-        scale = vae["scale_factor_spatial"]  # reads it (16 for Wan 2.2 TI2V's VAE)
-    elif isinstance(vae.get("temperal_downsample"), list):  # Wan configs saved without it: a 2x downscale per stage
-        scale = 2 ** len(vae["temperal_downsample"])
-    elif isinstance(vae.get("block_out_channels"), (list, tuple)):  # diffusers VAEs: one per block after the first
-        scale = 2 ** (len(vae["block_out_channels"]) - 1)
-    else:
+    scale = spatial_scale(vae)
+    if scale is None:
         return None
     patch = denoiser.get("patch_size") or 1
     patch = patch[-1] if isinstance(patch, (list, tuple)) else patch

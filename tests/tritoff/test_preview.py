@@ -219,12 +219,48 @@ def test_experts_of_one_architecture_are_traced_once(tmp_path, monkeypatch):
 
     tiny_wan_pipeline(two_experts=True).save_pretrained(tmp_path / "pipe")
     traced = []
-    real = preview.estimate
-    monkeypatch.setattr(preview, "estimate", lambda twin, *a, **k: traced.append(twin) or real(twin, *a, **k))
+    real = preview.reserve_bytes
+    monkeypatch.setattr(preview, "reserve_bytes", lambda twin, *a, **k: traced.append(twin) or real(twin, *a, **k))
     p = tritoff.plan(str(tmp_path / "pipe"), "64MB", frames=5, height=32, width=32, progress=False)
     experts = [ph for ph in p.phases if ph.components[0].startswith("transformer")]
     assert len(experts) == 2 and len(traced) == 3  # text encoder, one expert, VAE
     assert experts[0].activation_bytes == experts[1].activation_bytes > 0
+
+
+@pytest.mark.parametrize("pipeline", ["wan22-ti2v", "cogvideox"])
+def test_latents_are_shaped_from_the_vae_and_denoiser_configs(tmp_path, pipeline):
+    # Wan 2.2 TI2V-5B (a WanPipeline for text to video): 48 latent channels and a 16x spatial VAE; the tiny CogVideoX:
+    # 4 channels and a 16-token prompt. Every call is traced, so what the plan reserves does not depend on the budget
+    from diffusers import WanPipeline
+
+    from tritoff.tiny import tiny_cogvideox_pipeline, tiny_wan22_ti2v_pipeline
+
+    if pipeline == "cogvideox":
+        pipe = tiny_cogvideox_pipeline()
+    else:
+        parts = tiny_wan22_ti2v_pipeline().components
+        pipe = WanPipeline(**{k: parts[k] for k in ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")})
+    pipe.save_pretrained(tmp_path / "pipe")
+    shape = dict(frames=9, height=32, width=32, progress=False)
+    small, large = (tritoff.plan(str(tmp_path / "pipe"), budget, **shape) for budget in ("1GB", "4GB"))
+    assert small.untraced == {} and small.feasible, small.text()
+    assert [p.activation_bytes for p in small.phases] == [p.activation_bytes for p in large.phases]
+    assert small.minimum_budget == large.minimum_budget < parse_size("1GB")
+
+
+def test_a_call_that_cannot_be_traced_is_named_and_the_plan_does_not_say_it_fits(tmp_path):
+    # the tiny Wan's rotary table holds 32 positions a side: a video 64 patches wide is more than the model can run
+    wan().save_pretrained(tmp_path / "pipe")
+    shape = dict(frames=5, height=32, width=1024, progress=False)
+    preview = tritoff.plan(str(tmp_path / "pipe"), "4GB", **shape)
+    assert list(preview.untraced) == ["transformer"] and not preview.feasible
+    assert preview.reason.startswith("transformer's call could not be traced on the meta device at this shape (")
+    row = next(line for line in preview.text().splitlines() if line.lstrip().startswith("transformer"))
+    assert "unknown" in row and preview.text().endswith("plus the activations of transformer")
+    assert json.loads(preview.json())["untraced"] == preview.untraced
+    # its activations are left out, not guessed from the budget
+    assert tritoff.plan(str(tmp_path / "pipe"), "1GB", **shape).minimum_budget == preview.minimum_budget
+    assert tritoff.plan(str(tmp_path / "pipe"), "4GB", **{**shape, "width": 512}).feasible
 
 
 def test_a_plan_that_does_not_fit_names_what_lowers_its_minimum_and_that_works(tmp_path):
