@@ -23,6 +23,7 @@ import time
 import warnings
 from pathlib import Path
 
+from tritoff import __version__
 from tritoff.allocator import prefer_expandable_segments
 from tritoff.arguments import EXIT_USAGE, OneLineParser, at_least
 from tritoff.atomic import can_create_in, nearest_existing
@@ -605,6 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``tritoff`` command."""
     kw = dict(formatter_class=_Formatter)
     parser = OneLineParser(prog="tritoff", description="Run large diffusion video models on small GPUs.", **kw)
+    parser.add_argument("--version", action="version", version=f"tritoff {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a small locally built Wan pipeline through tritoff; write the video", **kw)

@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 
+from tritoff import __version__
 from tritoff.store import INDEX, read_index, verify_store
 
 TRITOFF = [sys.executable, "-m", "tritoff"]
@@ -228,6 +229,12 @@ def test_plan_refuses_a_model_or_shape_before_importing_torch(work, tmp_path, ar
     argv = [a.format(pipe=work[0] / "pipe", tmp=tmp_path) for a in argv]
     done = subprocess.run([sys.executable, "-c", blocked, "plan", *argv], capture_output=True, text=True, env=_env())
     assert_one_line_error(done.returncode, done.stdout, done.stderr, message)
+
+
+def test_version_is_printed_without_importing_torch():
+    blocked = "import sys; sys.modules['torch'] = None; from tritoff.cli import main; sys.exit(main())"
+    done = subprocess.run([sys.executable, "-c", blocked, "--version"], capture_output=True, text=True, env=_env())
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"tritoff {__version__}\n", "")
 
 
 def test_help_shows_defaults_and_the_run_options():
