@@ -516,6 +516,8 @@ def summary_lines(record: dict, out: Path, suffix: str) -> list[str]:
                     for row_len, r in by_row_length.items()
                 )
             )
+        elif kernels.get("upcast_by_row_length_error"):
+            lines.append(f"HBM upcast by row length failed: {kernels['upcast_by_row_length_error']}")
     for path in _fresh(out, "hooks-*", suffix, since):
         hooks = json.loads(path.read_text())
         issue, added = hooks.get("issue_us_per_group"), hooks.get("added_us_per_group")

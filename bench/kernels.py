@@ -549,8 +549,14 @@ def main() -> None:
         data["stopped"] = "time budget: (h) was not run"
         print(data["stopped"])
     if "stopped" not in data:
+        write_result("kernels", data, smoke=args.smoke, out=args.out)  # (g), kept if (h) fails or is stopped
         h_reps = max(3, reps // 2)
-        h = upcast_by_row_length(device, 256 * 2**20 if device.type == "cuda" else 2**16, h_reps)
+        try:
+            h = upcast_by_row_length(device, 256 * 2**20 if device.type == "cuda" else 2**16, h_reps)
+        except Exception as err:  # keep what was measured before it
+            h = {}
+            data["upcast_by_row_length_error"] = f"{type(err).__name__}: {err}"[:500]
+            print(f"(h) failed: {data['upcast_by_row_length_error']}")
         data["upcast_by_row_length"] = {"reps": h_reps, "rows": h}
         print(f"\n(h) HBM upcast ({BLOCK} elements x {WARPS} warps per program) by row length:")
         h_rows = [
