@@ -19,6 +19,7 @@ from tritoff import chain, disk, operations, preflight, torn_down
 from tritoff.adapters import merged_adapters, move_adapters, named_parameters, outer_modules
 from tritoff.allocator import warn_if_fragmenting
 from tritoff.arena import HostArena
+from tritoff.atomic import interrupts_held
 from tritoff.budget import format_bytes
 from tritoff.disk import DiskRing, spill_files
 from tritoff.formats import get_format
@@ -36,7 +37,14 @@ from tritoff.manager import (
     outside_inference_mode,
     planned_method,
 )
-from tritoff.onload import GroupRuntime, parameter_homes, placeholder, reset_placeholders, shared_versions
+from tritoff.onload import (
+    GroupRuntime,
+    is_placeholder,
+    parameter_homes,
+    placeholder,
+    reset_placeholders,
+    shared_versions,
+)
 from tritoff.options import Options, check_device, same_skip
 from tritoff.options import resolve as resolve_options
 from tritoff.packer import (
@@ -287,31 +295,38 @@ class Engine:
         self._guards = None
         if self._torn_down:
             return
-        with self.manager.lock if self.manager is not None else contextlib.nullcontext():
+        # done once (see teardown), so done whole: a Ctrl-C in it would leave hooks that no later call removes
+        with interrupts_held(), self.manager.lock if self.manager is not None else contextlib.nullcontext():
             self._release_everything()
 
     def _release_everything(self) -> None:
         from tritoff import lora
 
         self._torn_down = True
-        lora.detach(self, unwrap=False)
-        blocks = [m for m in self._hooked if isinstance(getattr(m, "_hf_hook", None), GroupHook)]
-        operations.remove(self.target, self.components, blocks, also=PLANNED_METHODS)
-        replaced = [m for m in self._hooked if not chain.unhook(m, self._installed.get(id(m)))]
-        self._unhooked, self._hooked, self._installed = self._hooked, [], {}
-        if replaced:
-            warn(_forward_replaced(self, replaced))
-        if self.options.device.type == "cuda":
-            torch.cuda.synchronize(self.options.device)
-        if self.manager is not None:
-            self.manager.release()
-        for comp in self._runtimes:
-            for g in comp.groups:
-                g.drop_device_state()
-        self.manager = None
-        if self.disk is not None:
-            self.disk.close()
-            self.disk = None
+        try:
+            lora.detach(self, unwrap=False)
+            blocks = [m for m in self._hooked if isinstance(getattr(m, "_hf_hook", None), GroupHook)]
+            operations.remove(self.target, self.components, blocks, also=PLANNED_METHODS)
+            replaced = [m for m in self._hooked if not chain.unhook(m, self._installed.get(id(m)))]
+            self._unhooked, self._hooked, self._installed = [*self._unhooked, *self._hooked], [], {}
+            if replaced:
+                warn(_forward_replaced(self, replaced))
+            if self.options.device.type == "cuda":
+                torch.cuda.synchronize(self.options.device)
+            if self.manager is not None:
+                self.manager.release()
+            for comp in self._runtimes:
+                for g in comp.groups:
+                    g.drop_device_state()
+            self.manager = None
+            if self.disk is not None:
+                self.disk.close()
+                self.disk = None
+        except BaseException:
+            # not done: the next teardown (disable, a failed enable giving the weights back) does it all again, each
+            # step a no-op where it was done already
+            self._torn_down = False
+            raise
 
 
 def _share_versions(runtimes: list[ComponentRuntime]) -> None:
@@ -539,8 +554,8 @@ def enable(
                 _replace_meta_params(module, options.device)
             packed, snr = stored, {}
         else:
-            packed, snr, requires_grad = _pack_components(
-                components, options, fmts, group_lists, layouts, kept, in_ram, spills, progress
+            packed, snr = _pack_components(
+                components, options, fmts, group_lists, layouts, kept, in_ram, spills, progress, requires_grad
             )
             if carried is None:  # a re-pack's figures are against weights quantized once, warned of then
                 _warn_lost_weights(snr)
@@ -564,9 +579,9 @@ def enable(
             # (dequantized) weights rather than placeholders, on the CPU if the device has no room for them; what
             # _install shadowed goes with the teardown
             try:
-                _restore(engine, options.device)
+                _restore(engine, options.device, released_only=True)
             except BaseException:
-                _restore(engine, torch.device("cpu"))
+                _restore(engine, torch.device("cpu"), released_only=True)
         else:
             from_packs = packed if packed is not None and store is None else {}
             _weights_back(components, from_packs, requires_grad, [] if carried is not None else list(from_packs), fmts)
@@ -576,16 +591,18 @@ def enable(
     return engine
 
 
-def _pack_components(components, options: Options, fmts, group_lists, layouts, kept, in_ram, spills, progress):
+def _pack_components(
+    components, options: Options, fmts, group_lists, layouts, kept, in_ram, spills, progress, requires_grad: dict
+):
     """Pack every component (``kept``: the layouts of the packs held in the host arena, ``spills``: the files for the
-    rest), releasing the original weights as each group is packed; returns the packs, the SNR of each quantized
-    weight and the parameters' ``requires_grad`` flags. Interrupted, every parameter gets its weights back from the
-    packs made so far, and its flag."""
+    rest), releasing the original weights as each group is packed; returns the packs and the SNR of each quantized
+    weight, and fills ``requires_grad`` with the parameters' flags (as it clears them). Interrupted, every parameter
+    gets its weights back from the packs made so far, and its flag."""
     # zero-copy cannot run without page-locked packs: lock now, refusing before anything changes if that fails;
     # otherwise pack_model locks each arena once its packs are written (locking faults in every page at once)
     arenas = {name: HostArena(pack_offsets(kept[name])[1], register=options.reads_host_directly) for name in components}
     preflight.check_zero_copy(options, arenas)
-    requires_grad = _freeze(components)
+    _freeze(components, requires_grad)
     packed, snr = {}, {}
     name = None
     quantize_on = quantize_device(options.device)
@@ -618,7 +635,7 @@ def _pack_components(components, options: Options, fmts, group_lists, layouts, k
         if quantize_on.type == "cuda":
             with torch.cuda.device(quantize_on):  # empty_cache acts on the current device
                 torch.cuda.empty_cache()  # quantizing's scratch: give it back before the budget's buffers are made
-    return packed, snr, requires_grad
+    return packed, snr
 
 
 def _weights_back(components, packed: dict[str, PackedModel], requires_grad, packed_now: list[str], fmts) -> None:
@@ -768,8 +785,10 @@ def _warn_lost_weights(snr: dict[str, float]) -> None:
     )
 
 
-def _restore(engine: Engine, device: torch.device) -> None:
-    """Tear ``engine`` down and give every parameter its dequantized weights on ``device`` and its requires_grad.
+def _restore(engine: Engine, device: torch.device, released_only: bool = False) -> None:
+    """Tear ``engine`` down and give every parameter its dequantized weights on ``device`` and its requires_grad;
+    ``released_only``: only those whose weights were released (a failed enable from a store, stopped before it had
+    released them all, leaves the others' weights as they were).
 
     If that fails (no room on ``device``, Ctrl-C), every parameter points at its placeholder again, the packs are as
     they were, and the error propagates: nothing is lost."""
@@ -782,8 +801,10 @@ def _restore(engine: Engine, device: torch.device) -> None:
             if packed is not None:
                 own = engine._own_params[name]
                 for pack, group in zip(packed.packs, engine._group_lists[name], strict=True):
-                    tensors = _dequantized(pack, device)
-                    for pname, _ in group.params:
+                    shapes = {e.name: tuple(e.shape) for e in pack.layout.entries}
+                    names = [n for n, _ in group.params if not released_only or _released(own[n], shapes[n])]
+                    tensors = _dequantized(pack, device) if names else {}
+                    for pname in names:
                         own[pname].data = tensors[pname]
     except BaseException:
         _release(engine)
@@ -798,6 +819,12 @@ def _restore(engine: Engine, device: torch.device) -> None:
     for module in engine._unhooked:  # ordinary modules again: no forward of tritoff's left on the instances
         operations.restore_forward(module)
     lora.detach(engine, unwrap=True)  # and peft's own merge on their tuner layers (a copy would fuse into these)
+
+
+def _released(param: torch.Tensor, shape: tuple) -> bool:
+    """Whether ``param`` (of ``shape``) holds no weights of its own: a placeholder, or the empty tensor given to a
+    parameter built on the meta device (:func:`_replace_meta_params`)."""
+    return is_placeholder(param) or tuple(param.shape) != shape
 
 
 def _release(engine: Engine) -> None:

@@ -223,6 +223,10 @@ def pack_model(
             packs.append(pack)
             if release:
                 release_params(group)
+        bar.close()
+        if locks(register):  # locked once written: locking faults in every page at once (seconds for a large model)
+            arena.register()
+        return PackedModel(arena, packs, groups, fmt, granularity)
     except BaseException:
         if release:  # a full disk, Ctrl-C: the groups released so far get their weights back from their packs
             for pack, group in zip(packs, groups, strict=False):
@@ -230,9 +234,6 @@ def pack_model(
         raise
     finally:  # now, not when the loop is collected: what is printed next (an error, "interrupted") starts a line
         bar.close()
-    if locks(register):  # locked once written: locking faults in every page at once
-        arena.register()
-    return PackedModel(arena, packs, groups, fmt, granularity)
 
 
 def quantize_device(device: torch.device | None = None) -> torch.device:

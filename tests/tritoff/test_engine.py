@@ -681,6 +681,80 @@ def test_a_failure_after_packing_leaves_ordinary_modules(wan_reference, monkeypa
     assert torch.equal(run(pipe), wan_reference)
 
 
+@pytest.mark.parametrize("how", ["error", "ctrl-c"])
+def test_a_re_plan_stopped_in_the_previous_engines_teardown_leaves_ordinary_modules(wan_reference, monkeypatch, how):
+    """An error in the previous engine's teardown is undone by doing it again (each step a no-op where done); a
+    Ctrl-C is held until the teardown is whole. Either way the re-plan gives the weights back, hooks and all gone."""
+    import signal
+
+    from tritoff import operations
+
+    pipe = wan()
+    _enable(pipe, mode="group", budget="4MB")
+    remove, calls = operations.remove, []
+
+    def stopped_once(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1 and how == "error":
+            raise RuntimeError("simulated")
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)  # a real Ctrl-C, landing in the middle of the teardown
+        remove(*args, **kwargs)
+
+    monkeypatch.setattr(operations, "remove", stopped_once)
+    with pytest.raises(RuntimeError if how == "error" else KeyboardInterrupt):
+        _enable(pipe, mode="group", budget="5MB")
+    monkeypatch.undo()
+    assert not hasattr(pipe, "_tritoff_engine")
+    components = (pipe.text_encoder, pipe.transformer, pipe.vae)
+    assert not any(hasattr(m, "_hf_hook") or "forward" in vars(m) for c in components for m in c.modules())
+    assert not any(is_placeholder(p) for c in components for p in c.parameters())
+    assert torch.equal(run(pipe), wan_reference)
+    _enable(pipe, mode="group", budget="5MB")
+    assert torch.equal(run(pipe), wan_reference)
+
+
+def test_an_enable_stopped_before_packing_began_gives_every_flag_back(monkeypatch):
+    # the parameters are frozen before the first pack is made: a Ctrl-C between the two must not leave them frozen
+    import tritoff.engine as engine_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    pipe = wan()
+    pipe.transformer.blocks[0].requires_grad_(False)
+    flags = {n: p.requires_grad for n, p in pipe.transformer.named_parameters()}
+    weights = {n: p.detach().clone() for n, p in pipe.transformer.named_parameters()}
+    monkeypatch.setattr(engine_module, "quantize_device", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _enable(pipe, mode="group", budget="4MB")
+    monkeypatch.undo()
+    assert {n: p.requires_grad for n, p in pipe.transformer.named_parameters()} == flags
+    assert all(torch.equal(p, weights[n]) for n, p in pipe.transformer.named_parameters())
+
+
+def test_a_component_stopped_once_its_packs_are_made_gets_its_weights_back(wan_reference, monkeypatch):
+    """Ctrl-C after a component's last group was packed (and released), while its arena is page-locked or its
+    packs gathered: its weights come back from those packs, as for a stop in the middle of packing."""
+    from tritoff import packer
+
+    made = packer.PackedModel
+
+    def stopped_at_the_transformer(arena, packs, groups, *args):
+        if any(name.startswith("blocks.") for group in groups for name, _ in group.params):
+            raise KeyboardInterrupt
+        return made(arena, packs, groups, *args)
+
+    pipe = wan()
+    monkeypatch.setattr(packer, "PackedModel", stopped_at_the_transformer)
+    with pytest.warns(UserWarning, match="enable stopped while packing: the weights of .*transformer"):
+        with pytest.raises(KeyboardInterrupt):
+            _enable(pipe, mode="group", budget="4MB")
+    monkeypatch.undo()
+    assert not any(p.numel() == 0 or is_placeholder(p) for p in pipe.transformer.parameters())
+    assert torch.equal(run(pipe), wan_reference)  # every component as its packs hold it
+
+
 def test_weights_on_the_meta_device_are_refused_in_one_line_and_nothing_changes():
     # a model built empty (init_empty_weights) and never loaded: there are no values to pack
     pipe = wan()

@@ -60,9 +60,13 @@ def test_round_trip_is_exact_and_reads_every_pack_into_the_arena(saved):
     assert engine.options.storage == {"text_encoder": "fp8_e4m3", "transformer": "fp8_e4m3", "vae": "bf16"}
 
 
-def test_an_enable_from_a_store_stopped_before_its_engine_exists_leaves_the_pipeline_as_it_was(saved, monkeypatch):
-    # Ctrl-C once the store's packs are read and the parameters frozen, before the engine is built: the weights were
-    # never released, and every requires_grad flag comes back
+@pytest.mark.parametrize("where", ["building", "placing"])
+def test_an_enable_from_a_store_stopped_before_it_released_a_weight_leaves_the_pipeline_as_it_was(
+    saved, monkeypatch, where
+):
+    # Ctrl-C once the store's packs are read and the parameters frozen, before the engine is built or before it
+    # placed a pack: the weights were never released (they stay as they were, not the store's fp8-rounded values),
+    # and every requires_grad flag comes back
     import tritoff.engine as engine_module
 
     def interrupted(*args, **kwargs):
@@ -72,7 +76,10 @@ def test_an_enable_from_a_store_stopped_before_its_engine_exists_leaves_the_pipe
     pipe = wan()
     pipe.transformer.blocks[0].requires_grad_(False)
     before = {n: (p.detach().clone(), p.requires_grad) for n, p in pipe.transformer.named_parameters()}
-    monkeypatch.setattr(engine_module, "Engine", interrupted)
+    if where == "building":
+        monkeypatch.setattr(engine_module, "Engine", interrupted)
+    else:
+        monkeypatch.setattr(engine_module.Engine, "_build_runtime", interrupted)
     with pytest.raises(KeyboardInterrupt):
         _enable(pipe, store=directory)
     monkeypatch.undo()
