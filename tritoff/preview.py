@@ -101,7 +101,10 @@ class Preview:
             "reason": self.reason,
             "alternatives": {option: list(pair) for option, pair in self.alternatives.items()},
             "untraced": dict(self.untraced),
-            "phases": [p.as_dict() for p in self.phases],
+            "phases": [  # an untraced call's activations are unknown: null, not the 0 the plan counted
+                {**p.as_dict(), **({"activation_bytes": None} if set(p.components) & set(self.untraced) else {})}
+                for p in self.phases
+            ],
         }
 
     def json(self) -> str:
@@ -149,8 +152,9 @@ class Preview:
         return "\n".join(lines)
 
 
-def _load_directory(path: Path) -> tuple[str, dict[str, nn.Module], str]:
-    """(family, meta components, pipeline class) of a local diffusers pipeline directory, from its configs."""
+def _load_directory(path: Path) -> tuple[str, dict[str, nn.Module], str, bool]:
+    """(family, meta components, pipeline class, whether it expands timesteps per token) of a local diffusers
+    pipeline directory, from its configs."""
     from tritoff.presets import as_loaded
 
     index_file = path / "model_index.json"
@@ -201,31 +205,40 @@ def _load_directory(path: Path) -> tuple[str, dict[str, nn.Module], str]:
                 built = cls(AutoConfig.from_pretrained(path / name))
         if isinstance(built, nn.Module):
             components[name] = as_loaded(built, torch.bfloat16)  # as ``tritoff run`` loads it
-    return family, components, pipeline
+    return family, components, pipeline, index.get("expand_timesteps") is True
 
 
-def _geometry(family: str, components: dict[str, nn.Module]) -> dict:
+def _geometry(family: str, components: dict[str, nn.Module], expand_timesteps: bool = False) -> dict:
     """What the pipeline's calls take, from the VAE's and the denoiser's configs (the family's where they say nothing):
-    the prompt's tokens, the VAE's time and space compression, the channels its decode takes, and those the denoiser
-    takes (more where conditioning latents are concatenated: Wan I2V's 36)."""
+    the prompt's tokens, the VAE's time and space compression, the channels its decode takes and those the denoiser
+    takes (more where conditioning latents are concatenated), the denoiser's patch in frames (CogVideoX 1.5's 2: the
+    pipeline pads the latent frames to it) and space, and whether each token gets its own timestep
+    (``expand_timesteps``: Wan 2.2 TI2V)."""
     f = FAMILIES[family]
     vae = dict(components["vae"].config) if "vae" in components else {}
     denoiser = components.get("transformer")
-    channels = latent_channels(vae) or 16
     config = dict(denoiser.config) if denoiser is not None else {}
-    in_channels, tokens = config.get("in_channels"), config.get("max_text_seq_length")  # CogVideoX's: 226
+    channels = latent_channels(vae) or 16
+    patch = config.get("patch_size") or 1
+    patch = tuple(patch) if isinstance(patch, (list, tuple)) else (config.get("patch_size_t") or 1, patch, patch)
     return dict(
-        tokens=tokens if isinstance(tokens, int) and tokens >= 1 else f["tokens"],
+        tokens=_positive(config.get("max_text_seq_length")) or f["tokens"],  # CogVideoX's: 226
         temporal=temporal_multiple(vae) or f["temporal"],
         spatial=spatial_scale(vae) or f["spatial"],
         vae_channels=channels,
-        denoiser_channels=in_channels if isinstance(in_channels, int) and in_channels >= 1 else channels,
+        denoiser_channels=_positive(config.get("in_channels")) or channels,
+        patch=tuple(_positive(n) or 1 for n in patch),
+        expand_timesteps=expand_timesteps,
     )
 
 
+def _positive(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
 def _latent(geometry: dict, channels: int, channels_first: bool, frames, height, width, batch, dtype) -> torch.Tensor:
-    g = geometry
-    shape = (batch, channels, (frames - 1) // g["temporal"] + 1, height // g["spatial"], width // g["spatial"])
+    """The latents of ``frames`` latent frames of ``height`` x ``width`` pixels."""
+    shape = (batch, channels, frames, height // geometry["spatial"], width // geometry["spatial"])
     if not channels_first:
         shape = (shape[0], shape[2], shape[1], shape[3], shape[4])
     return torch.empty(shape, dtype=dtype, device="meta")
@@ -246,17 +259,26 @@ def _call(family: str, geometry: dict, name: str, module: nn.Module, frames: int
     if name.startswith("text_encoder"):
         ids = torch.zeros(1, geometry["tokens"], dtype=torch.long, device="meta")
         return "forward", (), dict(input_ids=ids, attention_mask=torch.ones_like(ids)), 2, False
+    latent_frames = (frames - 1) // geometry["temporal"] + 1
     if name.startswith("vae"):
         # decode takes channels first in both families
-        latent = _latent(geometry, geometry["vae_channels"], True, frames, height, width, 1, dtype)
+        latent = _latent(geometry, geometry["vae_channels"], True, latent_frames, height, width, 1, dtype)
         return "decode", (latent,), dict(return_dict=False), 1, False
     batch = f["cfg_batch"]
+    pt, ph, pw = geometry["patch"]
+    latent_frames += -latent_frames % pt  # CogVideoX 1.5's pipeline pads them to its frame patch (and drops them after)
+    hidden = _latent(
+        geometry, geometry["denoiser_channels"], f["channels_first"], latent_frames, height, width, batch, dtype
+    )
+    if geometry["expand_timesteps"]:  # a timestep per token (Wan 2.2 TI2V)
+        patches = latent_frames // pt * (height // geometry["spatial"] // ph) * (width // geometry["spatial"] // pw)
+        timestep = torch.zeros(batch, patches, dtype=torch.long, device="meta")
+    else:
+        timestep = torch.zeros(batch, dtype=torch.long, device="meta")
     width_text = module.config.get("text_dim", module.config.get("text_embed_dim", 4096))
     kwargs = dict(
-        hidden_states=_latent(
-            geometry, geometry["denoiser_channels"], f["channels_first"], frames, height, width, batch, dtype
-        ),
-        timestep=torch.zeros(batch, dtype=torch.long, device="meta"),
+        hidden_states=hidden,
+        timestep=timestep,
         encoder_hidden_states=torch.empty(batch, geometry["tokens"], width_text, dtype=dtype, device="meta"),
         return_dict=False,
     )
@@ -315,13 +337,14 @@ def plan(
     if str(target) in PRESETS:
         model = str(target)
         family, components = build_preset(model)
+        expand_timesteps = False
     else:
         path = Path(target)
         if path.is_file():
             raise ValueError(f"{target} is a file: give the diffusers pipeline directory that holds model_index.json")
         if not path.is_dir():
             raise ValueError(f"{target} is neither a local pipeline directory nor a preset ({', '.join(PRESETS)})")
-        family, components, model = _load_directory(path)
+        family, components, model, expand_timesteps = _load_directory(path)
         model = f"{path.name} ({model})"
     vae = components.get("vae")
     denoiser = components.get("transformer")
@@ -342,7 +365,7 @@ def plan(
     chunks, fixed = shared_bytes(sizes, group_lists, layouts, components, True, False)
     reserves, calls, loops, untraced = {}, {}, {}, {}
     traced = {}  # (architecture, method, input shapes) -> (reserve, error): Wan 2.2's two experts are traced once
-    geometry = _geometry(family, components)
+    geometry = _geometry(family, components, expand_timesteps)
     with tqdm(components, desc="tracing activations", unit="component", disable=not progress, leave=False) as bar:
         for name in bar:
             bar.set_postfix_str(name)

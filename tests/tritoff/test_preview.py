@@ -227,25 +227,60 @@ def test_experts_of_one_architecture_are_traced_once(tmp_path, monkeypatch):
     assert experts[0].activation_bytes == experts[1].activation_bytes > 0
 
 
-@pytest.mark.parametrize("pipeline", ["wan22-ti2v", "cogvideox"])
-def test_latents_are_shaped_from_the_vae_and_denoiser_configs(tmp_path, pipeline):
-    # Wan 2.2 TI2V-5B (a WanPipeline for text to video): 48 latent channels and a 16x spatial VAE; the tiny CogVideoX:
-    # 4 channels and a 16-token prompt. Every call is traced, so what the plan reserves does not depend on the budget
+def _ti2v(expand_timesteps: bool = True):
+    """Wan 2.2 TI2V-5B as its text-to-video WanPipeline: 48 latent channels, a 16x spatial VAE, a timestep per
+    token."""
     from diffusers import WanPipeline
 
-    from tritoff.tiny import tiny_cogvideox_pipeline, tiny_wan22_ti2v_pipeline
+    from tritoff.tiny import tiny_wan22_ti2v_pipeline
+
+    parts = tiny_wan22_ti2v_pipeline().components
+    parts = {k: parts[k] for k in ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")}
+    return WanPipeline(**parts, expand_timesteps=expand_timesteps)
+
+
+@pytest.mark.parametrize("pipeline", ["wan22-ti2v", "cogvideox", "cogvideox-1.5"])
+def test_latents_are_shaped_from_the_vae_and_denoiser_configs(tmp_path, pipeline):
+    # Wan 2.2 TI2V-5B; the tiny CogVideoX: 4 channels and a 16-token prompt; CogVideoX 1.5: 3 latent frames, which
+    # its pipeline pads to its frame patch of 2. Every call is traced, so what the plan reserves does not depend on
+    # the budget
+    from tritoff.tiny import tiny_cogvideox_pipeline
 
     if pipeline == "cogvideox":
         pipe = tiny_cogvideox_pipeline()
+    elif pipeline == "cogvideox-1.5":
+        pipe = tiny_cogvideox_pipeline(
+            attention_head_dim=16,
+            patch_size_t=2,
+            use_rotary_positional_embeddings=True,
+            use_learned_positional_embeddings=False,
+        )
     else:
-        parts = tiny_wan22_ti2v_pipeline().components
-        pipe = WanPipeline(**{k: parts[k] for k in ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")})
+        pipe = _ti2v()
     pipe.save_pretrained(tmp_path / "pipe")
     shape = dict(frames=9, height=32, width=32, progress=False)
     small, large = (tritoff.plan(str(tmp_path / "pipe"), budget, **shape) for budget in ("1GB", "4GB"))
     assert small.untraced == {} and small.feasible, small.text()
     assert [p.activation_bytes for p in small.phases] == [p.activation_bytes for p in large.phases]
     assert small.minimum_budget == large.minimum_budget < parse_size("1GB")
+
+
+def test_a_timestep_per_token_is_traced_as_the_pipeline_passes_it(tmp_path):
+    # Wan 2.2 TI2V's pipeline (expand_timesteps) embeds a timestep per token: its denoiser holds more activations
+    from tritoff import preview
+    from tritoff.activations import meta_twin, reserve_bytes
+
+    shape = dict(frames=9, height=64, width=64, progress=False)
+    reserves = {}
+    for expand in (False, True):
+        _ti2v(expand).save_pretrained(tmp_path / str(expand))
+        plan = tritoff.plan(str(tmp_path / str(expand)), "1GB", **shape)
+        reserves[expand] = next(p.activation_bytes for p in plan.phases if p.components == ["transformer"])
+    transformer = _ti2v().transformer
+    geometry = preview._geometry("wan", {"transformer": transformer, "vae": _ti2v().vae}, expand_timesteps=True)
+    method, args, kwargs, _, _ = preview._call("wan", geometry, "transformer", transformer, 9, 64, 64)
+    assert tuple(kwargs["timestep"].shape) == (1, 3 * 2 * 2)  # 3 latent frames of 4x4, in 2x2 patches
+    assert reserves[True] == reserve_bytes(meta_twin(transformer), args, kwargs, method) > reserves[False]
 
 
 def test_a_call_that_cannot_be_traced_is_named_and_the_plan_does_not_say_it_fits(tmp_path):
@@ -257,7 +292,9 @@ def test_a_call_that_cannot_be_traced_is_named_and_the_plan_does_not_say_it_fits
     assert preview.reason.startswith("transformer's call could not be traced on the meta device at this shape (")
     row = next(line for line in preview.text().splitlines() if line.lstrip().startswith("transformer"))
     assert "unknown" in row and preview.text().endswith("plus the activations of transformer")
-    assert json.loads(preview.json())["untraced"] == preview.untraced
+    data = json.loads(preview.json())
+    assert data["untraced"] == preview.untraced
+    assert [p["activation_bytes"] is None for p in data["phases"]] == [False, True, False]
     # its activations are left out, not guessed from the budget
     assert tritoff.plan(str(tmp_path / "pipe"), "1GB", **shape).minimum_budget == preview.minimum_budget
     assert tritoff.plan(str(tmp_path / "pipe"), "4GB", **{**shape, "width": 512}).feasible
