@@ -324,8 +324,12 @@ class Engine:
                 self.disk = None
         except BaseException:
             # not done: the next teardown (disable, a failed enable giving the weights back) does it all again, each
-            # step a no-op where it was done already
+            # step a no-op where it was done already; with the hooks gone, forwards are refused until then (they
+            # would compute with placeholders)
             self._torn_down = False
+            if not self._hooked and self._guards is None:
+                with contextlib.suppress(Exception):
+                    self._guards = torn_down.guard(self)
             raise
 
 
@@ -579,9 +583,11 @@ def enable(
             # (dequantized) weights rather than placeholders, on the CPU if the device has no room for them; what
             # _install shadowed goes with the teardown
             try:
-                _restore(engine, options.device, released_only=True)
+                given = _restore(engine, options.device, released_only=True)
             except BaseException:
-                _restore(engine, torch.device("cpu"), released_only=True)
+                given = _restore(engine, torch.device("cpu"), released_only=True)
+            # weights released by this call (not a re-plan's, rounded to their packs before) come back rounded
+            _warn_rounded([] if reuse or carried is not None else [n for n in components if n in given], fmts)
         else:
             from_packs = packed if packed is not None and store is None else {}
             _weights_back(components, from_packs, requires_grad, [] if carried is not None else list(from_packs), fmts)
@@ -648,12 +654,16 @@ def _weights_back(components, packed: dict[str, PackedModel], requires_grad, pac
     params = {n: dict(named_parameters(module)) for n, module in components.items()}
     for (n, pname), flag in requires_grad.items():
         params[n][pname].requires_grad_(flag)
-    rounded = [n for n in dict.fromkeys(packed_now) if fmts[n].is_fp8]
+    _warn_rounded(packed_now, fmts, " packed so far")
+
+
+def _warn_rounded(names: list[str], fmts, which: str = "") -> None:
+    """Warn that the fp8 components among ``names``, their original weights released, hold what their packs hold."""
+    rounded = [n for n in dict.fromkeys(names) if fmts[n].is_fp8]
     if rounded:
         warn(
-            f"enable stopped while packing: the weights of {', '.join(rounded)} packed so far are back as their fp8 "
-            "packs hold them (the originals were released as they were packed); reload the pipeline for the "
-            "original weights"
+            f"enable stopped: the weights of {', '.join(rounded)}{which} are back as their fp8 packs hold them (the "
+            "originals were released as they were packed); reload the pipeline for the original weights"
         )
 
 
@@ -785,16 +795,17 @@ def _warn_lost_weights(snr: dict[str, float]) -> None:
     )
 
 
-def _restore(engine: Engine, device: torch.device, released_only: bool = False) -> None:
+def _restore(engine: Engine, device: torch.device, released_only: bool = False) -> set[str]:
     """Tear ``engine`` down and give every parameter its dequantized weights on ``device`` and its requires_grad;
     ``released_only``: only those whose weights were released (a failed enable from a store, stopped before it had
-    released them all, leaves the others' weights as they were).
+    released them all, leaves the others' weights as they were). Returns the components whose weights it gave.
 
-    If that fails (no room on ``device``, Ctrl-C), every parameter points at its placeholder again, the packs are as
-    they were, and the error propagates: nothing is lost."""
+    If that fails (no room on ``device``, Ctrl-C), every parameter it gave weights points at its placeholder again,
+    the packs are as they were, and the error propagates: nothing is lost."""
     from tritoff import lora
 
     engine._teardown()
+    given: set[tuple[str, str]] = set()
     try:
         for name in engine.components:
             packed = engine.packed.get(name)
@@ -806,8 +817,9 @@ def _restore(engine: Engine, device: torch.device, released_only: bool = False) 
                     tensors = _dequantized(pack, device) if names else {}
                     for pname in names:
                         own[pname].data = tensors[pname]
+                        given.add((name, pname))
     except BaseException:
-        _release(engine)
+        _release(engine, None if not released_only else given)
         raise
     for name, module in engine.components.items():
         for pname, param in named_parameters(module):
@@ -819,6 +831,7 @@ def _restore(engine: Engine, device: torch.device, released_only: bool = False) 
     for module in engine._unhooked:  # ordinary modules again: no forward of tritoff's left on the instances
         operations.restore_forward(module)
     lora.detach(engine, unwrap=True)  # and peft's own merge on their tuner layers (a copy would fuse into these)
+    return {name for name, _ in given}
 
 
 def _released(param: torch.Tensor, shape: tuple) -> bool:
@@ -827,13 +840,15 @@ def _released(param: torch.Tensor, shape: tuple) -> bool:
     return is_placeholder(param) or tuple(param.shape) != shape
 
 
-def _release(engine: Engine) -> None:
-    """Point every managed parameter at its placeholder on the compute device (what the engine's runtime expects)."""
+def _release(engine: Engine, only: set[tuple[str, str]] | None = None) -> None:
+    """Point every managed parameter (``only``: those named, as (component, parameter)) at its placeholder on the
+    compute device (what the engine's runtime expects)."""
     for name, packed in engine.packed.items():
         params = engine._own_params[name]
         for pack in packed.packs:
             for entry in pack.layout.entries:
-                params[entry.name].data = placeholder(entry.shape, entry.dtype, engine.options.device)
+                if only is None or (name, entry.name) in only:
+                    params[entry.name].data = placeholder(entry.shape, entry.dtype, engine.options.device)
 
 
 @outside_inference_mode
@@ -873,6 +888,8 @@ def disable(target, device: str | torch.device | None = None) -> None:
     try:
         _restore(engine, device)
     except BaseException as err:
+        if not engine._torn_down:  # its teardown stopped: still hooked, or refusing forwards until a disable ends
+            raise
         # the parameters point at their placeholders again: the engine goes back as it was, hooked or torn down
         if was_torn_down:
             engine._guards = torn_down.guard(engine)

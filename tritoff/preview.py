@@ -220,7 +220,10 @@ def _geometry(family: str, components: dict[str, nn.Module], expand_timesteps: b
     config = dict(denoiser.config) if denoiser is not None else {}
     channels = latent_channels(vae) or 16
     patch = config.get("patch_size") or 1
-    patch = tuple(patch) if isinstance(patch, (list, tuple)) else (config.get("patch_size_t") or 1, patch, patch)
+    if isinstance(patch, (list, tuple)):  # Wan: (frames, height, width); fewer: the leading ones are 1
+        patch = (1, 1, 1, *patch)[-3:]
+    else:
+        patch = (config.get("patch_size_t") or 1, patch, patch)
     return dict(
         tokens=_positive(config.get("max_text_seq_length")) or f["tokens"],  # CogVideoX's: 226
         temporal=temporal_multiple(vae) or f["temporal"],

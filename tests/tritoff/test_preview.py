@@ -298,6 +298,11 @@ def test_a_call_that_cannot_be_traced_is_named_and_the_plan_does_not_say_it_fits
     # its activations are left out, not guessed from the budget
     assert tritoff.plan(str(tmp_path / "pipe"), "1GB", **shape).minimum_budget == preview.minimum_budget
     assert tritoff.plan(str(tmp_path / "pipe"), "4GB", **{**shape, "width": 512}).feasible
+    # a patch size of two entries (height and width) is read as one frame by those
+    config = json.loads((tmp_path / "pipe" / "transformer" / "config.json").read_text())
+    (tmp_path / "pipe" / "transformer" / "config.json").write_text(json.dumps({**config, "patch_size": [2, 2]}))
+    odd = tritoff.plan(str(tmp_path / "pipe"), "4GB", **{**shape, "width": 512})
+    assert odd.feasible or list(odd.untraced) == ["transformer"]
 
 
 def test_a_plan_that_does_not_fit_names_what_lowers_its_minimum_and_that_works(tmp_path):
