@@ -295,8 +295,9 @@ class Engine:
         self._guards = None
         if self._torn_down:
             return
-        # done once (see teardown), so done whole: a Ctrl-C in it would leave hooks that no later call removes
-        with interrupts_held(), self.manager.lock if self.manager is not None else contextlib.nullcontext():
+        # done whole once the lock is taken (a Ctrl-C while waiting for it stops the wait): a Ctrl-C landing in the
+        # middle would leave half of it for the next teardown
+        with self.manager.lock if self.manager is not None else contextlib.nullcontext(), interrupts_held():
             self._release_everything()
 
     def _release_everything(self) -> None:
