@@ -565,8 +565,8 @@ def main() -> None:
                 r["path"],
                 f"{r['GBps_read_plus_write']:.0f}",
                 f"{r['pct_of_d2d']:.0f}%" if "pct_of_d2d" in r else "-",
+                "yes" if r["exact"] else "NO",
             ]
-            + ["yes" if r["exact"] else "NO"]
             for row_len, r in h.items()
         ]
         print(markdown_table(["row length", "scales", "GB/s", "% of D2D", "exact"], h_rows))

@@ -759,15 +759,13 @@ def _install(engine: Engine) -> None:
                 setattr(comp.module, method, planned_method(engine.manager, comp, method))
 
 
-def _freeze(components: dict[str, nn.Module], flags: dict | None = None) -> dict[tuple[str, str], bool]:
-    """Set ``requires_grad=False`` on every parameter (their storage is managed by tritoff); returns the flags to
-    restore on :func:`disable`, also written into ``flags`` as they are read, when given."""
-    flags = {} if flags is None else flags
+def _freeze(components: dict[str, nn.Module], flags: dict[tuple[str, str], bool]) -> None:
+    """Set ``requires_grad=False`` on every parameter (their storage is managed by tritoff), writing into ``flags``
+    each one's flag, to restore on :func:`disable`, as it is read (an interrupted freeze leaves the flags so far)."""
     for name, module in components.items():
         for pname, param in named_parameters(module):  # adapters are not managed: they keep their flags
             flags[(name, pname)] = param.requires_grad
             param.requires_grad_(False)
-    return flags
 
 
 def _replace_meta_params(module: nn.Module, device: torch.device) -> None:
@@ -813,8 +811,10 @@ def _restore(engine: Engine, device: torch.device, released_only: bool = False) 
             if packed is not None:
                 own = engine._own_params[name]
                 for pack, group in zip(packed.packs, engine._group_lists[name], strict=True):
-                    shapes = {e.name: tuple(e.shape) for e in pack.layout.entries}
-                    names = [n for n, _ in group.params if not released_only or _released(own[n], shapes[n])]
+                    names = [n for n, _ in group.params]
+                    if released_only:
+                        shapes = {e.name: tuple(e.shape) for e in pack.layout.entries}
+                        names = [n for n in names if _released(own[n], shapes[n])]
                     tensors = _dequantized(pack, device) if names else {}
                     for pname in names:
                         own[pname].data = tensors[pname]

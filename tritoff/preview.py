@@ -23,7 +23,7 @@ from tritoff.budget import format_bytes, parse_host_budget, parse_size
 from tritoff.groups import is_host
 from tritoff.planner import BudgetError, fit_together, mode_label
 from tritoff.planner import plan as phase_plan
-from tritoff.shapes import check_dimensions, latent_channels, spatial_scale, temporal_multiple
+from tritoff.shapes import check_dimensions, latent_channels, positive_int, spatial_scale, temporal_multiple
 from tritoff.store import fingerprint
 
 # the call a pipeline makes per component, by family: prompt tokens, CFG as separate calls (Wan) or one batch of two
@@ -225,18 +225,14 @@ def _geometry(family: str, components: dict[str, nn.Module], expand_timesteps: b
     else:
         patch = (config.get("patch_size_t") or 1, patch, patch)
     return dict(
-        tokens=_positive(config.get("max_text_seq_length")) or f["tokens"],  # CogVideoX's: 226
+        tokens=positive_int(config.get("max_text_seq_length")) or f["tokens"],  # CogVideoX's: 226
         temporal=temporal_multiple(vae) or f["temporal"],
         spatial=spatial_scale(vae) or f["spatial"],
         vae_channels=channels,
-        denoiser_channels=_positive(config.get("in_channels")) or channels,
-        patch=tuple(_positive(n) or 1 for n in patch),
+        denoiser_channels=positive_int(config.get("in_channels")) or channels,
+        patch=tuple(positive_int(n) or 1 for n in patch),
         expand_timesteps=expand_timesteps,
     )
-
-
-def _positive(value) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
 def _latent(geometry: dict, channels: int, channels_first: bool, frames, height, width, batch, dtype) -> torch.Tensor:

@@ -7,10 +7,15 @@ Read from configs (plain dicts) only, so the command line checks its arguments b
 from __future__ import annotations
 
 
+def positive_int(value) -> int | None:
+    """``value`` when a config gives an integer of at least 1 there (not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
 def spatial_scale(vae: dict) -> int | None:
     """The VAE's spatial downscale from its config (None when the config says nothing of it)."""
-    if isinstance(vae.get("scale_factor_spatial"), int) and vae["scale_factor_spatial"] >= 1:  # Wan, as its pipeline
-        return vae["scale_factor_spatial"]  # reads it (16 for Wan 2.2 TI2V's VAE)
+    if positive_int(vae.get("scale_factor_spatial")):  # Wan, as its pipeline reads it (16 for Wan 2.2 TI2V's VAE)
+        return vae["scale_factor_spatial"]
     if isinstance(vae.get("temperal_downsample"), list):  # Wan configs saved without it: a 2x downscale per stage
         return 2 ** len(vae["temperal_downsample"])
     if isinstance(vae.get("block_out_channels"), (list, tuple)):  # diffusers VAEs: one per block after the first
@@ -20,10 +25,7 @@ def spatial_scale(vae: dict) -> int | None:
 
 def latent_channels(vae: dict) -> int | None:
     """The channels of the VAE's latents from its config (Wan's ``z_dim``, CogVideoX's ``latent_channels``)."""
-    for key in ("z_dim", "latent_channels"):
-        if isinstance(vae.get(key), int) and vae[key] >= 1:
-            return vae[key]
-    return None
+    return positive_int(vae.get("z_dim")) or positive_int(vae.get("latent_channels"))
 
 
 def spatial_multiple(vae: dict, denoiser: dict) -> int | None:
@@ -40,7 +42,7 @@ def spatial_multiple(vae: dict, denoiser: dict) -> int | None:
 def temporal_multiple(vae: dict) -> int | None:
     """The VAE's time compression from its config: frames after the first go into latents this many at a time (None
     when the config says nothing of it)."""
-    if isinstance(vae.get("scale_factor_temporal"), int) and vae["scale_factor_temporal"] >= 1:  # Wan, as its pipeline
+    if positive_int(vae.get("scale_factor_temporal")):  # Wan, as its pipeline reads it
         return vae["scale_factor_temporal"]
     if isinstance(vae.get("temperal_downsample"), list):  # Wan configs saved without it: 2x per stage that has one
         return 2 ** sum(bool(down) for down in vae["temperal_downsample"])
