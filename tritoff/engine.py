@@ -48,6 +48,7 @@ from tritoff.onload import (
 from tritoff.options import Options, check_device, same_skip
 from tritoff.options import resolve as resolve_options
 from tritoff.packer import (
+    Pack,
     PackedModel,
     hold_packs,
     pack_model,
@@ -544,7 +545,7 @@ def enable(
     # from here until the engine is installed, a failure (Ctrl-C included) gives the weights back: from the engine
     # (the previous one until the new one exists, on a re-plan), else from the packs this call made; from a store,
     # the flags set so far
-    packed, engine, requires_grad = None, None, {}
+    packed, engine, requires_grad, made = None, None, {}, {}
     try:
         if reuse:
             packed, snr = previous.packed, previous.snr
@@ -560,7 +561,7 @@ def enable(
             packed, snr = stored, {}
         else:
             packed, snr = _pack_components(
-                components, options, fmts, group_lists, layouts, kept, in_ram, spills, progress, requires_grad
+                components, options, fmts, group_lists, layouts, kept, in_ram, spills, progress, requires_grad, made
             )
             if carried is None:  # a re-pack's figures are against weights quantized once, warned of then
                 _warn_lost_weights(snr)
@@ -589,9 +590,8 @@ def enable(
                 given = _restore(engine, torch.device("cpu"), released_only=True)
             # weights released by this call (not a re-plan's, rounded to their packs before) come back rounded
             _warn_rounded([] if reuse or carried is not None else [n for n in components if n in given], fmts)
-        else:
-            from_packs = packed if packed is not None and store is None else {}
-            _weights_back(components, from_packs, requires_grad, [] if carried is not None else list(from_packs), fmts)
+        else:  # the packs made so far, by component (none from a store): each released group gets its weights back
+            _weights_back(components, group_lists, made, requires_grad, [] if carried is not None else list(made), fmts)
         if hasattr(target, ENGINE_ATTR):  # a re-plan: the previous engine was torn down already
             delattr(target, ENGINE_ATTR)
         raise
@@ -599,19 +599,18 @@ def enable(
 
 
 def _pack_components(
-    components, options: Options, fmts, group_lists, layouts, kept, in_ram, spills, progress, requires_grad: dict
+    components, options: Options, fmts, group_lists, layouts, kept, in_ram, spills, progress, requires_grad: dict, made
 ):
     """Pack every component (``kept``: the layouts of the packs held in the host arena, ``spills``: the files for the
     rest), releasing the original weights as each group is packed; returns the packs and the SNR of each quantized
-    weight, and fills ``requires_grad`` with the parameters' flags (as it clears them). Interrupted, every parameter
-    gets its weights back from the packs made so far, and its flag."""
+    weight. Fills ``requires_grad`` with the parameters' flags (as it clears them) and ``made`` with each component's
+    packs as they are made, from which the caller gives the weights back if the enable stops, here or later."""
     # zero-copy cannot run without page-locked packs: lock now, refusing before anything changes if that fails;
     # otherwise pack_model locks each arena once its packs are written (locking faults in every page at once)
     arenas = {name: HostArena(pack_offsets(kept[name])[1], register=options.reads_host_directly) for name in components}
     preflight.check_zero_copy(options, arenas)
     _freeze(components, requires_grad)
     packed, snr = {}, {}
-    name = None
     quantize_on = quantize_device(options.device)
     try:
         for name, module in components.items():
@@ -631,13 +630,9 @@ def _pack_components(
                 held=in_ram and in_ram[name],
                 spill=spills.get(name),
                 quantize_on=quantize_on,
+                made=made.setdefault(name, []),
             )
             snr.update({f"{name}.{k}": v for k, v in stats.items()})
-    except BaseException:
-        # a full spill disk, Ctrl-C: components packed so far get their weights back from their packs (the one
-        # being packed did so itself), and their flags
-        _weights_back(components, packed, requires_grad, [*packed, name] if name is not None else [], fmts)
-        raise
     finally:
         if quantize_on.type == "cuda":
             with torch.cuda.device(quantize_on):  # empty_cache acts on the current device
@@ -645,12 +640,13 @@ def _pack_components(
     return packed, snr
 
 
-def _weights_back(components, packed: dict[str, PackedModel], requires_grad, packed_now: list[str], fmts) -> None:
-    """After an enable stopped once packing began: the parameters of ``packed``'s components get their weights back
-    from their packs and every parameter its ``requires_grad`` flag; warns that ``packed_now`` (components this call
-    packed, their originals released) hold what their fp8 packs hold."""
-    for model in packed.values():
-        for pack, group in zip(model.packs, model.groups, strict=True):
+def _weights_back(components, group_lists, made: dict[str, list[Pack]], requires_grad, packed_now: list[str], fmts):
+    """After an enable stopped once packing began: the released groups get their weights back from the packs
+    ``made`` so far (by component, in the order of ``group_lists``; a component stopped midway has fewer) and every
+    parameter its ``requires_grad`` flag; warns that ``packed_now`` (components this call packed, their originals
+    released) hold what their fp8 packs hold."""
+    for name, packs in made.items():
+        for group, pack in zip(group_lists[name], packs, strict=False):
             restore_params(group, pack)
     params = {n: dict(named_parameters(module)) for n, module in components.items()}
     for (n, pname), flag in requires_grad.items():

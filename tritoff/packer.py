@@ -171,6 +171,7 @@ def pack_model(
     arena: HostArena | None = None,
     held: set[str] | None = None,
     spill: PackFile | None = None,
+    made: list[Pack] | None = None,
 ) -> PackedModel:
     """Quantize ``model`` into packs, one per group (default: its blocks, then the rest), in one host arena.
 
@@ -183,6 +184,9 @@ def pack_model(
     ``arena``: an arena sized by :func:`pack_offsets` (of the held packs) the caller allocated beforehand.
     ``held``: names of the groups whose packs stay in the arena (default: all); the others are written to ``spill``
     (:func:`tritoff.disk.spill_files`) one at a time, so host memory holds the held packs and one group.
+    ``made``: a list the caller keeps, to which each pack is appended as it is made, before its group is released;
+    the caller then gives the released weights back (:func:`restore_params`) wherever packing stops, the return
+    included. Without it, a failure inside this call gives them back before it raises.
     """
     fmt = get_format(storage)
     check_granularity(granularity)
@@ -203,7 +207,7 @@ def pack_model(
     scratch = torch.empty(max(spilled, default=0), dtype=torch.uint8)  # one spilled pack at a time
     device = torch.device(quantize_on) if quantize_on is not None else quantize_device()
     quantizer = _quantizer(device)
-    packs = []
+    packs = made if made is not None else []
     bar = tqdm(
         zip(groups, layouts, offsets, keep, strict=True),
         total=len(groups),
@@ -226,9 +230,9 @@ def pack_model(
         bar.close()
         if locks(register):  # locked once written: locking faults in every page at once (seconds for a large model)
             arena.register()
-        return PackedModel(arena, packs, groups, fmt, granularity)
+        return PackedModel(arena, list(packs), groups, fmt, granularity)
     except BaseException:
-        if release:  # a full disk, Ctrl-C: the groups released so far get their weights back from their packs
+        if release and made is None:  # a full disk, Ctrl-C: the groups released so far get their packs' weights
             for pack, group in zip(packs, groups, strict=False):
                 restore_params(group, pack)
         raise

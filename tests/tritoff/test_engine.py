@@ -807,6 +807,35 @@ def test_a_component_stopped_once_its_packs_are_made_gets_its_weights_back(wan_r
     assert torch.equal(run(pipe), wan_reference)  # every component as its packs hold it
 
 
+def test_a_component_stopped_as_its_packing_returns_gets_its_weights_back(wan_reference, monkeypatch):
+    """Ctrl-C once pack_model has made and released every group of a component, as it returns (its progress bar
+    closing in the ``finally``): the packs never reach the caller's return value, yet the weights come back."""
+    from tritoff import packer
+
+    bar_class = packer.tqdm
+
+    class InterruptedOnReturn(bar_class):
+        def __init__(self, *args, desc=None, **kwargs):
+            super().__init__(*args, desc=desc, **kwargs)
+            self.named, self.closes = desc, 0
+
+        def close(self):
+            super().close()
+            self.closes += 1
+            # closed twice by a pack_model that completes: in its try, then in its finally, after the return
+            if self.named == "packing transformer" and self.closes == 2:
+                raise KeyboardInterrupt
+
+    pipe = wan()
+    monkeypatch.setattr(packer, "tqdm", InterruptedOnReturn)
+    with pytest.warns(UserWarning, match="enable stopped: the weights of .*transformer"):
+        with pytest.raises(KeyboardInterrupt):
+            _enable(pipe, mode="group", budget="4MB")
+    monkeypatch.undo()
+    assert not any(p.numel() == 0 or is_placeholder(p) for p in pipe.transformer.parameters())
+    assert torch.equal(run(pipe), wan_reference)
+
+
 def test_weights_on_the_meta_device_are_refused_in_one_line_and_nothing_changes():
     # a model built empty (init_empty_weights) and never loaded: there are no values to pack
     pipe = wan()
