@@ -848,11 +848,32 @@ def _format_warning(message, category, filename, lineno, line=None) -> str:
 _python_format_warning = warnings.formatwarning
 
 
+# options whose value may start with a dash: argparse reads "--budget -1GB" or "--negative-prompt '-blurry, dark'" as
+# an option missing its value ("expected one argument") where the value is what was meant
+_DASH_VALUES = ("--budget", "--host-budget", "--reserve", "--link", "--disk", "--prompt", "--negative-prompt")
+
+
+def attach_dash_values(argv: list[str]) -> list[str]:
+    """``argv`` with each value starting with a dash that follows one of the options that take it written as
+    ``--option=value``, which argparse reads as that option's value: a negative size (refused by its own check, which
+    says what to give) or a prompt starting with a dash. A value that is an option (``-h``, ``--steps``) stays one."""
+    out, tokens = [], iter(argv)
+    for token in tokens:
+        value = next(tokens, None) if token in _DASH_VALUES else None
+        if value is None:
+            out.append(token)
+        elif value.startswith("-") and not re.fullmatch(r"-h|--[A-Za-z][\w-]*(=.*)?", value, re.DOTALL):
+            out.append(f"{token}={value}")
+        else:
+            out.extend((token, value))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tritoff`` console script."""
     global _interrupted, _running
     _interrupted = False
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(attach_dash_values(sys.argv[1:] if argv is None else argv))
     stdout, stderr, format_warning, previous = sys.stdout, sys.stderr, warnings.formatwarning, {}
     unraisable = sys.unraisablehook
     try:

@@ -128,6 +128,8 @@ BAD = [
     (["run", "{pipe}", "--prompt", "x", "--store", ""], "argument --store: expected a path, got an empty string"),
     (["convert", "", "{tmp}/store"], "argument model: expected a path, got an empty string"),
     (["run", "{pipe}", "--prompt", "x", "--host-budget=-2GB"], "invalid --host-budget"),
+    (["run", "{pipe}", "--prompt", "x", "--host-budget", "-2GB"], "invalid --host-budget '-2GB'"),
+    (["plan", "wan2.1-t2v-14b", "--budget", "-1GB"], "invalid budget '-1GB': give bytes"),
     (["run", "{pipe}", "--prompt", "x", "--spill-dir", "{tmp}"], "--spill-dir is used only with --host-budget"),
     (
         ["run", "{pipe}", "--prompt", "x", "--host-budget", "1GB", "--spill-dir", "{tmp}/list/tritoff_store.json"],
@@ -188,6 +190,20 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, work, tmp_path):
     argv = [a.format(pipe=work[0] / "pipe", tmp=tmp_path) for a in argv]
     assert_one_line_error(*tritoff(*argv), message)
     assert not list(tmp_path.glob("*.mp4")) and not list(tmp_path.glob("*.gif"))  # nothing half-written
+
+
+def test_values_starting_with_a_dash_are_read_as_values_and_options_stay_options():
+    # argparse alone reads "--negative-prompt '-blurry'" as an option without its value
+    from tritoff import cli
+
+    parser = cli.build_parser()
+    args = parser.parse_args(
+        cli.attach_dash_values(["run", "m", "--prompt", "-x", "--negative-prompt", "-blurry, dark", "--steps", "3"])
+    )
+    assert (args.prompt, args.negative_prompt, args.steps) == ("-x", "-blurry, dark", 3)
+    assert cli.attach_dash_values(["plan", "m", "--budget", "-1GB"]) == ["plan", "m", "--budget=-1GB"]
+    kept = ["run", "m", "--prompt", "--steps", "3", "--negative-prompt", "-h", "--budget=-1GB", "--seed", "-1"]
+    assert cli.attach_dash_values(kept) == kept
 
 
 def test_plan_of_a_pipeline_whose_index_names_no_denoiser_says_so_in_one_line(work, tmp_path):
