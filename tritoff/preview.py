@@ -269,8 +269,8 @@ def _call(family: str, geometry: dict, name: str, module: nn.Module, frames: int
     hidden = _latent(
         geometry, geometry["denoiser_channels"], f["channels_first"], latent_frames, height, width, batch, dtype
     )
+    patches = latent_frames // pt * (height // geometry["spatial"] // ph) * (width // geometry["spatial"] // pw)
     if geometry["expand_timesteps"]:  # a timestep per token (Wan 2.2 TI2V)
-        patches = latent_frames // pt * (height // geometry["spatial"] // ph) * (width // geometry["spatial"] // pw)
         timestep = torch.zeros(batch, patches, dtype=torch.long, device="meta")
     else:
         timestep = torch.zeros(batch, dtype=torch.long, device="meta")
@@ -281,6 +281,11 @@ def _call(family: str, geometry: dict, name: str, module: nn.Module, frames: int
         encoder_hidden_states=torch.empty(batch, geometry["tokens"], width_text, dtype=dtype, device="meta"),
         return_dict=False,
     )
+    head = positive_int(module.config.get("attention_head_dim"))
+    if module.config.get("use_rotary_positional_embeddings") is True and head:
+        # CogVideoX's pipeline passes the rotary table (cos, sin: fp32, a row per video token); the attention's rotation
+        # of q and k makes fp32 temporaries of their size (187 MiB more peak for CogVideoX-5B at 49x480x720)
+        kwargs["image_rotary_emb"] = tuple(torch.empty(patches, head, dtype=torch.float32, device="meta") for _ in "cs")
     return "forward", (), kwargs, 2 // batch, True
 
 

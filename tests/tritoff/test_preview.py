@@ -11,7 +11,7 @@ import torch
 import tritoff
 from tritoff.budget import parse_size
 
-from .helpers import wan
+from .helpers import COG_CALL, wan
 
 GiB = 2**30
 
@@ -281,6 +281,30 @@ def test_a_timestep_per_token_is_traced_as_the_pipeline_passes_it(tmp_path):
     method, args, kwargs, _, _ = preview._call("wan", geometry, "transformer", transformer, 9, 64, 64)
     assert tuple(kwargs["timestep"].shape) == (1, 3 * 2 * 2)  # 3 latent frames of 4x4, in 2x2 patches
     assert reserves[True] == reserve_bytes(meta_twin(transformer), args, kwargs, method) > reserves[False]
+
+
+@pytest.mark.parametrize("patch_size_t", [None, 2], ids=["cogvideox-1.0", "cogvideox-1.5"])
+def test_the_denoiser_is_traced_with_the_rotary_table_the_pipeline_passes(tmp_path, patch_size_t):
+    # CogVideoX's pipeline passes (cos, sin) per video token; rotating q and k makes fp32 temporaries of their size
+    # (187 MiB more peak for CogVideoX-5B at 49x480x720). The plan traces the call the pipeline makes, as the engine
+    # traces it when it runs
+    from tritoff import preview
+    from tritoff.activations import meta_twin, reserve_bytes
+    from tritoff.tiny import tiny_cogvideox_pipeline
+
+    rotary = dict(attention_head_dim=16, use_rotary_positional_embeddings=True, use_learned_positional_embeddings=False)
+    pipe = tiny_cogvideox_pipeline(patch_size_t=patch_size_t, **rotary)
+    calls = []
+    pipe.transformer.register_forward_pre_hook(lambda m, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
+    pipe(**{**COG_CALL, "num_frames": 13, "height": 32, "width": 48, "num_inference_steps": 1})
+    args, kwargs = calls[0]
+    geometry = preview._geometry("cogvideox", {"transformer": pipe.transformer, "vae": pipe.vae})
+    planned = preview._call("cogvideox", geometry, "transformer", pipe.transformer, 13, 32, 48)[2]["image_rotary_emb"]
+    assert [(t.shape, t.dtype) for t in planned] == [(t.shape, t.dtype) for t in kwargs["image_rotary_emb"]]
+    pipe.save_pretrained(tmp_path / "pipe")
+    plan = tritoff.plan(str(tmp_path / "pipe"), "1GB", frames=13, height=32, width=48, progress=False)
+    reserved = next(p.activation_bytes for p in plan.phases if p.components == ["transformer"])
+    assert reserved == reserve_bytes(meta_twin(pipe.transformer), args, kwargs)
 
 
 def test_a_call_that_cannot_be_traced_is_named_and_the_plan_does_not_say_it_fits(tmp_path):
