@@ -856,13 +856,19 @@ _DASH_VALUES = ("--budget", "--host-budget", "--reserve", "--link", "--disk", "-
 def attach_dash_values(argv: list[str]) -> list[str]:
     """``argv`` with each value starting with a dash that follows one of the options that take it written as
     ``--option=value``, which argparse reads as that option's value: a negative size (refused by its own check, which
-    says what to give) or a prompt starting with a dash. A value that is an option (``-h``, ``--steps``) stays one."""
+    says what to give) or a prompt starting with a dash. A value that is an option (``-h``, ``--steps``) or ``--``
+    stays what it is, and so does what follows ``--`` and what ``tritoff bench`` hands to its script."""
+    command = next((token for token in argv if not token.startswith("-")), None)
+    if command == "bench":
+        return list(argv)
     out, tokens = [], iter(argv)
     for token in tokens:
+        if token == "--":  # the rest are positional arguments
+            return [*out, token, *tokens]
         value = next(tokens, None) if token in _DASH_VALUES else None
         if value is None:
             out.append(token)
-        elif value.startswith("-") and not re.fullmatch(r"-h|--[A-Za-z][\w-]*(=.*)?", value, re.DOTALL):
+        elif value.startswith("-") and not re.fullmatch(r"-h|--|--[A-Za-z][\w-]*(=.*)?", value, re.DOTALL):
             out.append(f"{token}={value}")
         else:
             out.extend((token, value))

@@ -591,7 +591,8 @@ def enable(
             # weights released by this call (not a re-plan's, rounded to their packs before) come back rounded
             _warn_rounded([] if reuse or carried is not None else [n for n in components if n in given], fmts)
         else:  # the packs made so far, by component (none from a store): each released group gets its weights back
-            _weights_back(components, group_lists, made, requires_grad, [] if carried is not None else list(made), fmts)
+            rounded = [] if carried is not None else [n for n, packs in made.items() if packs]
+            _weights_back(components, group_lists, made, requires_grad, rounded, fmts)
         if hasattr(target, ENGINE_ATTR):  # a re-plan: the previous engine was torn down already
             delattr(target, ENGINE_ATTR)
         raise

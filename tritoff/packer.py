@@ -185,8 +185,8 @@ def pack_model(
     ``held``: names of the groups whose packs stay in the arena (default: all); the others are written to ``spill``
     (:func:`tritoff.disk.spill_files`) one at a time, so host memory holds the held packs and one group.
     ``made``: a list the caller keeps, to which each pack is appended as it is made, before its group is released;
-    the caller then gives the released weights back (:func:`restore_params`) wherever packing stops, the return
-    included. Without it, a failure inside this call gives them back before it raises.
+    the caller then gives the released weights back (:func:`restore_params`) wherever packing stops, after this call
+    returned included. Without it, a failure inside this call gives them back before it raises.
     """
     fmt = get_format(storage)
     check_granularity(granularity)
@@ -207,7 +207,7 @@ def pack_model(
     scratch = torch.empty(max(spilled, default=0), dtype=torch.uint8)  # one spilled pack at a time
     device = torch.device(quantize_on) if quantize_on is not None else quantize_device()
     quantizer = _quantizer(device)
-    packs = made if made is not None else []
+    packs = []
     bar = tqdm(
         zip(groups, layouts, offsets, keep, strict=True),
         total=len(groups),
@@ -225,19 +225,24 @@ def pack_model(
                 pack.data, pack.file = None, spill
                 spill.write(pack, data)
             packs.append(pack)
+            if made is not None:
+                made.append(pack)
             if release:
                 release_params(group)
+        # closed now, not when the loop is collected: what is printed next starts a line. Inside the try, so that
+        # nothing runs between the last statement a Ctrl-C can stop and the return
         bar.close()
         if locks(register):  # locked once written: locking faults in every page at once (seconds for a large model)
             arena.register()
-        return PackedModel(arena, list(packs), groups, fmt, granularity)
+        return PackedModel(arena, packs, groups, fmt, granularity)
     except BaseException:
-        if release and made is None:  # a full disk, Ctrl-C: the groups released so far get their packs' weights
-            for pack, group in zip(packs, groups, strict=False):
-                restore_params(group, pack)
+        try:
+            if release and made is None:  # a full disk, Ctrl-C: the groups released so far get their packs' weights
+                for pack, group in zip(packs, groups, strict=False):
+                    restore_params(group, pack)
+        finally:  # what is printed next (an error, "interrupted") starts a line
+            bar.close()
         raise
-    finally:  # now, not when the loop is collected: what is printed next (an error, "interrupted") starts a line
-        bar.close()
 
 
 def quantize_device(device: torch.device | None = None) -> torch.device:

@@ -130,6 +130,7 @@ BAD = [
     (["run", "{pipe}", "--prompt", "x", "--host-budget=-2GB"], "invalid --host-budget"),
     (["run", "{pipe}", "--prompt", "x", "--host-budget", "-2GB"], "invalid --host-budget '-2GB'"),
     (["plan", "wan2.1-t2v-14b", "--budget", "-1GB"], "invalid budget '-1GB': give bytes"),
+    (["plan", "wan2.1-t2v-14b", "--budget", "--"], "argument --budget: expected one argument"),
     (["run", "{pipe}", "--prompt", "x", "--spill-dir", "{tmp}"], "--spill-dir is used only with --host-budget"),
     (
         ["run", "{pipe}", "--prompt", "x", "--host-budget", "1GB", "--spill-dir", "{tmp}/list/tritoff_store.json"],
@@ -204,6 +205,14 @@ def test_values_starting_with_a_dash_are_read_as_values_and_options_stay_options
     assert cli.attach_dash_values(["plan", "m", "--budget", "-1GB"]) == ["plan", "m", "--budget=-1GB"]
     kept = ["run", "m", "--prompt", "--steps", "3", "--negative-prompt", "-h", "--budget=-1GB", "--seed", "-1"]
     assert cli.attach_dash_values(kept) == kept
+    # "--" is no value (argparse would read "--budget=--" as an empty list), and ends the options; a benchmark's
+    # arguments are its script's
+    for kept in (
+        ["plan", "m", "--budget", "--"],
+        ["run", "m", "--", "--prompt", "-x"],
+        ["bench", "e2e", "--link", "-1"],
+    ):
+        assert cli.attach_dash_values(kept) == kept
 
 
 def test_plan_of_a_pipeline_whose_index_names_no_denoiser_says_so_in_one_line(work, tmp_path):

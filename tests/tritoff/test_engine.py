@@ -808,32 +808,50 @@ def test_a_component_stopped_once_its_packs_are_made_gets_its_weights_back(wan_r
 
 
 def test_a_component_stopped_as_its_packing_returns_gets_its_weights_back(wan_reference, monkeypatch):
-    """Ctrl-C once pack_model has made and released every group of a component, as it returns (its progress bar
-    closing in the ``finally``): the packs never reach the caller's return value, yet the weights come back."""
-    from tritoff import packer
+    """Ctrl-C once pack_model has made and released every group of a component and returned, before enable holds
+    its packs: they never reach enable's variables, yet the weights come back (from the packs as they were made)."""
+    import tritoff.engine as engine_module
 
-    bar_class = packer.tqdm
+    pack_model = engine_module.pack_model
 
-    class InterruptedOnReturn(bar_class):
-        def __init__(self, *args, desc=None, **kwargs):
-            super().__init__(*args, desc=desc, **kwargs)
-            self.named, self.closes = desc, 0
-
-        def close(self):
-            super().close()
-            self.closes += 1
-            # closed twice by a pack_model that completes: in its try, then in its finally, after the return
-            if self.named == "packing transformer" and self.closes == 2:
-                raise KeyboardInterrupt
+    def stopped_as_it_returns(module, *args, **kwargs):
+        packed = pack_model(module, *args, **kwargs)
+        if kwargs["desc"] == "packing transformer":
+            raise KeyboardInterrupt
+        return packed
 
     pipe = wan()
-    monkeypatch.setattr(packer, "tqdm", InterruptedOnReturn)
+    monkeypatch.setattr(engine_module, "pack_model", stopped_as_it_returns)
     with pytest.warns(UserWarning, match="enable stopped: the weights of .*transformer"):
         with pytest.raises(KeyboardInterrupt):
             _enable(pipe, mode="group", budget="4MB")
     monkeypatch.undo()
     assert not any(p.numel() == 0 or is_placeholder(p) for p in pipe.transformer.parameters())
     assert torch.equal(run(pipe), wan_reference)
+
+
+def test_a_component_stopped_before_its_first_pack_is_not_said_to_be_rounded(monkeypatch):
+    # its weights are the originals: "reload the pipeline" would be wrong about it
+    from tritoff import packer
+
+    write_pack = packer.write_pack
+
+    def stopped_at_the_transformer(layout, data, tensors, *args, **kwargs):
+        if any(name.startswith("blocks.") for name in tensors):
+            raise KeyboardInterrupt
+        return write_pack(layout, data, tensors, *args, **kwargs)
+
+    pipe = wan()
+    weights = {n: p.detach().clone() for n, p in pipe.transformer.named_parameters()}
+    monkeypatch.setattr(packer, "write_pack", stopped_at_the_transformer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(KeyboardInterrupt):
+            _enable(pipe, mode="group", budget="4MB")
+    monkeypatch.undo()
+    said = [str(w.message) for w in caught if "enable stopped" in str(w.message)]
+    assert len(said) == 1 and "the weights of text_encoder packed so far" in said[0], said
+    assert all(torch.equal(p, weights[n]) for n, p in pipe.transformer.named_parameters())
 
 
 def test_weights_on_the_meta_device_are_refused_in_one_line_and_nothing_changes():

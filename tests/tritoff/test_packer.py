@@ -79,6 +79,42 @@ def test_release_frees_weights_as_it_goes():
     assert packed.packed_bytes > 0
 
 
+@pytest.mark.parametrize("stopped_close", [1, 2])
+def test_a_stop_as_packing_ends_gives_the_released_weights_back_or_returns_the_packs(monkeypatch, stopped_close):
+    """Ctrl-C in the progress bar's close (the last thing pack_model runs): either the call raises with every weight
+    given back, or it has returned the packs. Never an empty parameter with no packs to restore it from."""
+    from tritoff import packer
+
+    class Interrupted(packer.tqdm):
+        closes = 0
+
+        def close(self):
+            super().close()
+            Interrupted.closes += 1
+            if Interrupted.closes == stopped_close:
+                raise KeyboardInterrupt
+
+        def __del__(self):  # tqdm closes there too, as the bar dies; Python drops what is raised in __del__
+            pass
+
+    model = tiny_wan_transformer()
+    monkeypatch.setattr(packer, "tqdm", Interrupted)
+    try:
+        packed = pack_model(model, release=True, progress=False)
+    except KeyboardInterrupt:
+        assert not any(p.numel() == 0 for p in model.parameters())
+    else:
+        assert all(p.numel() == 0 for p in model.parameters()) and len(packed.packs) == len(packed.groups)
+    assert Interrupted.closes >= 1
+
+
+def test_packs_made_are_handed_to_the_callers_list_as_they_are_made():
+    # the caller gives released weights back from them wherever the packing stops; a list reused keeps its packs
+    made = ["a pack of an earlier call"]
+    packed = pack_model(tiny_wan_transformer(), release=True, progress=False, made=made)
+    assert made == ["a pack of an earlier call", *packed.packs] and len(packed.packs) == len(packed.groups)
+
+
 def test_nan_weight_is_refused_with_its_name():
     model = tiny_wan_transformer()
     with torch.no_grad():
