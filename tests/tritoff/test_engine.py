@@ -785,34 +785,20 @@ def test_an_enable_stopped_before_packing_began_gives_every_flag_back(monkeypatc
     assert all(torch.equal(p, weights[n]) for n, p in pipe.transformer.named_parameters())
 
 
-def test_a_component_stopped_once_its_packs_are_made_gets_its_weights_back(wan_reference, monkeypatch):
-    """Ctrl-C after a component's last group was packed (and released), while its arena is page-locked or its
-    packs gathered: its weights come back from those packs, as for a stop in the middle of packing."""
+@pytest.mark.parametrize("where", ["gathering", "returned"])
+def test_a_component_stopped_once_its_packs_are_made_gets_its_weights_back(wan_reference, monkeypatch, where):
+    """Ctrl-C after a component's last group was packed (and released): while its arena is page-locked or its packs
+    gathered, or once pack_model has returned, before enable holds the packs. Its weights come back from the packs as
+    they were made, as for a stop in the middle of packing."""
+    import tritoff.engine as engine_module
     from tritoff import packer
 
-    made = packer.PackedModel
+    gather, pack_model = packer.PackedModel, engine_module.pack_model
 
-    def stopped_at_the_transformer(arena, packs, groups, *args):
+    def stopped_gathering(arena, packs, groups, *args):
         if any(name.startswith("blocks.") for group in groups for name, _ in group.params):
             raise KeyboardInterrupt
-        return made(arena, packs, groups, *args)
-
-    pipe = wan()
-    monkeypatch.setattr(packer, "PackedModel", stopped_at_the_transformer)
-    with pytest.warns(UserWarning, match="enable stopped: the weights of .*transformer"):
-        with pytest.raises(KeyboardInterrupt):
-            _enable(pipe, mode="group", budget="4MB")
-    monkeypatch.undo()
-    assert not any(p.numel() == 0 or is_placeholder(p) for p in pipe.transformer.parameters())
-    assert torch.equal(run(pipe), wan_reference)  # every component as its packs hold it
-
-
-def test_a_component_stopped_as_its_packing_returns_gets_its_weights_back(wan_reference, monkeypatch):
-    """Ctrl-C once pack_model has made and released every group of a component and returned, before enable holds
-    its packs: they never reach enable's variables, yet the weights come back (from the packs as they were made)."""
-    import tritoff.engine as engine_module
-
-    pack_model = engine_module.pack_model
+        return gather(arena, packs, groups, *args)
 
     def stopped_as_it_returns(module, *args, **kwargs):
         packed = pack_model(module, *args, **kwargs)
@@ -821,13 +807,16 @@ def test_a_component_stopped_as_its_packing_returns_gets_its_weights_back(wan_re
         return packed
 
     pipe = wan()
-    monkeypatch.setattr(engine_module, "pack_model", stopped_as_it_returns)
+    if where == "gathering":
+        monkeypatch.setattr(packer, "PackedModel", stopped_gathering)
+    else:
+        monkeypatch.setattr(engine_module, "pack_model", stopped_as_it_returns)
     with pytest.warns(UserWarning, match="enable stopped: the weights of .*transformer"):
         with pytest.raises(KeyboardInterrupt):
             _enable(pipe, mode="group", budget="4MB")
     monkeypatch.undo()
     assert not any(p.numel() == 0 or is_placeholder(p) for p in pipe.transformer.parameters())
-    assert torch.equal(run(pipe), wan_reference)
+    assert torch.equal(run(pipe), wan_reference)  # every component as its packs hold it
 
 
 def test_a_component_stopped_before_its_first_pack_is_not_said_to_be_rounded(monkeypatch):
