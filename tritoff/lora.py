@@ -197,12 +197,28 @@ def _where(engine) -> dict[int, tuple[GroupRuntime, int]]:
     return where
 
 
+def _locate(engine, params) -> list[tuple[torch.nn.Parameter, GroupRuntime, int]]:
+    """(parameter, its group, its entry in the group's pack) of each of ``params`` that ``engine`` manages: a
+    group's own parameters, or, inside a streamed group's forward, the slot's parameters the modules then hold (peft
+    unfuses there when adapters are disabled with a LoRA fused: ``disable_lora`` after ``fuse_lora``)."""
+    where = _where(engine)
+    located = [(p, *where[id(p)]) for p in params if id(p) in where]
+    if located:
+        return located
+    wanted = {id(p) for p in params}
+    for comp in engine._runtimes:
+        for g in comp.groups:
+            if g.bound:  # a tied parameter has a place per home: located once
+                places = {id(p): (p, g, g.entry_of_place(k)) for k, p in enumerate(g.bound_params) if id(p) in wanted}
+                located.extend(places.values())
+    return located
+
+
 def _owner(params):
     for engine in list(_ENGINES):
         if engine.manager is None:
             continue
-        where = _where(engine)
-        located = [(p, *where[id(p)]) for p in params if id(p) in where]
+        located = _locate(engine, params)
         if located:
             return engine, located
     return None, []
@@ -211,10 +227,8 @@ def _owner(params):
 def _refuse_disk(engine, layer, what: str, unchanged: str) -> None:
     """Refuse to ``what`` (fuse or unfuse) a LoRA in ``layer`` when a weight of its base layer is in a pack served
     from disk; ``unchanged`` says what the refusal left as it was."""
-    where = _where(engine)
-    for param in layer.get_base_layer().parameters():
-        g, i = where.get(id(param), (None, None))
-        if g is not None and g.pack.on_disk:
+    for _, g, i in _locate(engine, list(layer.get_base_layer().parameters())):
+        if g.pack.on_disk:
             into, keep = ("into", "unfused") if what == "fuse" else ("from", "fused")
             raise ValueError(
                 f"cannot {what} a LoRA {into} {g.component}.{g.layout.entries[i].name}: "
@@ -224,11 +238,32 @@ def _refuse_disk(engine, layer, what: str, unchanged: str) -> None:
 
 
 def _edit(layer, change, what: str):
+    if id(layer) in _EDITING:
+        # peft's own merge calling unmerge and merge again (a DoRA fused after other adapters recovers the unmerged
+        # weight): the outer call holds the weights being changed and stores its final result
+        return change()
     engine, located = _owner(list(layer.get_base_layer().parameters()))
     if engine is None or (what == "unfuse" and not getattr(layer, "merged_adapters", None)):
         return change()  # unfusing a layer with nothing merged changes no weight
     _refuse_disk(engine, layer, what, "this layer was left as it was")
-    engine.manager.drop_prefetch()
+    if not all(g.bound for _, g, _ in located):
+        # outside a forward: groups in flight may hold this layer's weights as they were. Inside one (peft unfusing
+        # in its forward), the groups in flight are the next blocks, and the running one is refreshed in _store
+        engine.manager.drop_prefetch()
+    _EDITING.add(id(layer))
+    try:
+        return _edit_weights(engine, layer, located, change, what)
+    finally:
+        _EDITING.discard(id(layer))
+
+
+# tuner layers whose merge or unmerge is running under _edit, by id
+_EDITING: set[int] = set()
+
+
+def _edit_weights(engine, layer, located, change, what: str):
+    """Run ``change`` (peft's merge or unmerge) on the exact dequantized weights of ``located``, then store each
+    changed one into its pack (and every GPU copy)."""
     device = engine.options.device
     merged = list(getattr(layer, "merged_adapters", []))
     bound = [(p, p.data) for p, _, _ in located]
@@ -276,6 +311,10 @@ def _store(engine, g: GroupRuntime, i: int, value: torch.Tensor, what: str) -> N
                 g.device_pack[start : start + nbytes].copy_(g.pack.data[start : start + nbytes])
     if g.buffer is not None:  # bf16 tier or a loaded pool unit: the tensor itself, as the kernels would unpack it
         layout.views(g.buffer)[e.name].copy_(read_entry(layout, g.pack.data, e))
+    if g.bound:  # inside its forward, from a slot: the rest of this forward computes with the new weight
+        value = read_entry(layout, g.pack.data, e)
+        ring = engine.manager.components[g.component].ring
+        ring.refresh(g, lambda: [view.copy_(value) for view in g.bound_views(i)])
     name = f"{g.component}.{e.name}"
     if e.name in snr:
         engine.snr[name] = snr[e.name]

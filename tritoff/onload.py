@@ -266,6 +266,19 @@ class GroupRuntime:
         return self._bound is not None
 
     @property
+    def bound_params(self) -> list[torch.nn.Parameter]:
+        """The slot's parameters the modules hold while bound, one per place in :attr:`homes` (else none)."""
+        return self._bound.params if self._bound is not None else []
+
+    def entry_of_place(self, place: int) -> int:
+        """The pack entry (parameter index) of place ``place`` in :attr:`homes`."""
+        return self._home_index[place]
+
+    def bound_views(self, index: int) -> list[torch.Tensor]:
+        """While bound: the slot's views of parameter ``index``, one per place it has (a tied parameter: several)."""
+        return [self._bound.views[k] for k, i in enumerate(self._home_index) if i == index] if self._bound else []
+
+    @property
     def packed_bytes(self) -> int:
         """Bytes of the pack (what crosses PCIe when streamed)."""
         return self.layout.nbytes

@@ -155,6 +155,14 @@ class SlotRing:
         load drops it."""
         return self.buffers[group.slot]._version != self._versions[group.slot]
 
+    def refresh(self, group: GroupRuntime, write) -> None:
+        """Run ``write`` (tritoff's own write into ``group``'s bound slot: its pack changed during its forward), which
+        :meth:`written` then does not count; a write before it still does."""
+        earlier = self.written(group)
+        write()
+        if not earlier:
+            self._versions[group.slot] = self.buffers[group.slot]._version
+
     def check_parameters(self) -> RuntimeError | None:
         """The refusal of a slot parameter given new data during a forward (its views put back), or None."""
         for key, slot in self._params.items():

@@ -39,6 +39,9 @@ def expected():
     ref.unfuse_lora(components=["transformer"])
     dequantize_in_place(ref.transformer)
     out["unfused"] = run(ref, LATENTS)
+    ref.disable_lora()
+    out["unfused, disabled"] = run(ref, LATENTS)
+    ref.enable_lora()
     ref.unload_lora_weights()
     out["unloaded"] = run(ref, LATENTS)
     assert not torch.equal(out["lora"], out["plain"]) and not torch.equal(out["fused"], out["lora"])
@@ -83,6 +86,55 @@ def test_unfuse_unload_and_fusing_twice(expected):
     pipe.unload_lora_weights()
     assert torch.equal(run(pipe, LATENTS), expected["unloaded"])
     assert not any("lora" in n for n, _ in pipe.transformer.named_parameters())
+
+
+@pytest.mark.parametrize(
+    "mode,budget",
+    [
+        pytest.param("group", "4MB", id="streamed"),
+        pytest.param("group", "6MB", id="fp8-resident"),
+        pytest.param("leaf", "2MB", id="leaf"),
+    ],
+)
+def test_disable_lora_after_fuse_unfuses_into_the_packs(expected, mode, budget):
+    """peft unfuses inside the layer's forward when adapters are disabled with a LoRA fused: there, a streamed
+    block's weights are the parameters of the slot it runs from. The unfused weights reach the packs (quantized again,
+    as by unfuse_lora) and the slot, so that forward, the next ones and disable all compute without the LoRA."""
+    pipe = wan()
+    engine = _enable(pipe, mode=mode, budget=budget)
+    tiers = engine.plan.tier_counts("transformer")
+    assert tiers["stream"] + tiers["fp8"] > 0  # blocks that run from a slot
+    pipe.load_lora_weights(_lora(), adapter_name="style")
+    pipe.fuse_lora(components=["transformer"])
+    pipe.disable_lora()
+    assert torch.equal(run(pipe, LATENTS), expected["unfused, disabled"])
+    assert torch.equal(run(pipe, LATENTS), expected["unfused, disabled"])
+    assert not merged_adapters(pipe.transformer)
+    pipe.enable_lora()  # applied once, unfused
+    assert torch.equal(run(pipe, LATENTS), expected["unfused"])
+    tritoff.disable(pipe)
+    assert torch.equal(run(pipe, LATENTS), expected["unfused"])
+
+
+def test_a_dora_fused_after_a_lora_on_the_same_layer_fuses_like_plain_diffusers():
+    # peft's DoRA merge unmerges the adapters merged before it and merges them again, from inside the merge tritoff
+    # wraps: bf16 packs hold exactly what plain diffusers' weights hold
+    lora = lora_state_dict(wan().transformer, targets=("to_k",), seed=1)
+    dora = lora_state_dict(wan().transformer, targets=("to_k",), seed=3, rank=4, use_dora=True)
+    weights = []
+    for use_tritoff in (False, True):
+        pipe = wan()
+        if use_tritoff:
+            _enable(pipe, storage="bf16", mode="group", budget="6MB")
+        pipe.load_lora_weights(lora, adapter_name="a")
+        pipe.load_lora_weights(dora, adapter_name="d")
+        pipe.set_adapters(["a", "d"], [1.0, 1.0])
+        pipe.fuse_lora(components=["transformer"])
+        assert merged_adapters(pipe.transformer)
+        if use_tritoff:
+            tritoff.disable(pipe)
+        weights.append([layer.base_layer.weight.detach().clone() for layer in tuner_layers(pipe.transformer)])
+    assert len(weights[0]) == 8 and all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
 
 
 def test_unload_after_fuse_keeps_the_fused_weights(expected):
