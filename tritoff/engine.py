@@ -749,7 +749,8 @@ def _install(engine: Engine) -> None:
     lora.attach(engine)  # fuse_lora / unfuse_lora write into the packs
     blocks = [m for m in engine._hooked if isinstance(getattr(m, "_hf_hook", None), GroupHook)]
     # .to(), offloading, qkv fusion, compile, save_pretrained
-    operations.install(engine.target, engine.components, engine.options.device, blocks, engine.managed_ids)
+    leaf = engine.options.mode == "leaf"
+    operations.install(engine.target, engine.components, engine.options.device, blocks, engine.managed_ids, leaf)
     for comp in engine._runtimes:  # a VAE's encode and decode plan their activations as forwards do
         for method in PLANNED_METHODS:
             if callable(getattr(type(comp.module), method, None)) and method not in vars(comp.module):

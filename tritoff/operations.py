@@ -91,9 +91,11 @@ def refuse(objects, refusals: dict[str, str]) -> None:
                 setattr(obj, name, _refusal(name, message))
 
 
-def install(target, components: dict, device: torch.device, blocks=(), managed: frozenset | set = frozenset()) -> None:
+def install(
+    target, components: dict, device: torch.device, blocks=(), managed: frozenset | set = frozenset(), leaf=False
+) -> None:
     """Intercept the operations above on ``target`` (a pipeline or module), on each of its ``components`` and on the
-    hooked ``blocks``; ``managed``: the ids of the parameters tritoff holds the weights of."""
+    hooked ``blocks`` (layers when ``leaf``); ``managed``: the ids of the parameters tritoff holds the weights of."""
     for block in blocks:
         install_block(block)
     refuse((target, *components.values()), REFUSED)
@@ -106,9 +108,14 @@ def install(target, components: dict, device: torch.device, blocks=(), managed: 
                 sub.load_state_dict = _guarded_load_state_dict(sub, where)
         # or copied or pickled on its own: its copy would hold placeholders (and could not pickle the guards above)
         refuse(list(module.modules()), SUBMODULE_REFUSED)
-        inside = {id(m) for m in module.modules()}
-        if "compile" not in module.__dict__ and any(id(b) in inside for b in blocks):
-            module.compile = _compile_around_hooks(module, name)
+        # a module holding hooked ones compiled with fullgraph=True: the hooks are graph breaks inside it (the
+        # component; in leaf mode, also each block and attention holding hooked layers)
+        hooked = {id(b) for b in blocks}
+        for sub_name, sub in module.named_modules():
+            if "compile" in sub.__dict__ or id(sub) in hooked:
+                continue
+            if any(id(m) in hooked for m in sub.modules()):
+                sub.compile = _compile_around_hooks(sub, f"{name}.{sub_name}" if sub_name else name, name, leaf)
     if not isinstance(target, torch.nn.Module) and callable(getattr(target, "to", None)) and "to" not in vars(target):
         target.to = _guarded_to(target, components, device)
 
@@ -305,14 +312,20 @@ def restore_forward(module: torch.nn.Module) -> None:
         module._compiled_call_impl._tritoff_recompile = how
 
 
-def _compile_around_hooks(module: torch.nn.Module, component: str):
+def _compile_around_hooks(module: torch.nn.Module, where: str, component: str, leaf: bool):
     original = module.compile
 
     @functools.wraps(original)
     def compile(*args, **kwargs):
         if kwargs.get("fullgraph"):
+            if leaf:
+                raise RuntimeError(
+                    f"{where}.compile(fullgraph=True): tritoff's hooks on the layers inside it (mode='leaf') are "
+                    "graph breaks inside it; drop fullgraph, or enable with mode='group' and compile each block "
+                    f"({component}.compile_repeated_blocks(fullgraph=True))"
+                )
             raise RuntimeError(
-                f"{component}.compile(fullgraph=True): tritoff's hooks on its blocks (resident ones too: a re-plan may "
+                f"{where}.compile(fullgraph=True): tritoff's hooks on its blocks (resident ones too: a re-plan may "
                 f"stream them) are graph breaks inside it; use {component}.compile_repeated_blocks(fullgraph=True) "
                 "(each block's own forward compiles as one graph), or drop fullgraph"
             )

@@ -221,6 +221,23 @@ def test_fullgraph_over_hooked_blocks_is_refused_in_one_line():
     assert pipe.transformer._compiled_call_impl is None  # nothing was compiled
 
 
+def test_fullgraph_over_hooked_layers_in_leaf_mode_is_refused_in_one_line():
+    # each block holds hooked layers: compiled whole with fullgraph=True it would fail at every call (graph breaks)
+    from .helpers import wan
+
+    pipe = wan()
+    tritoff.enable(pipe, mode="leaf", budget="2MB", kernels="reference", progress=False)
+    with pytest.raises(
+        RuntimeError, match=r"^transformer\.blocks\.0\.compile\(fullgraph=True\): .*mode='group'"
+    ) as info:
+        pipe.transformer.compile_repeated_blocks(fullgraph=True)
+    assert "\n" not in str(info.value)
+    assert all(block._compiled_call_impl is None for block in pipe.transformer.blocks)  # nothing was compiled
+    pipe.transformer.compile_repeated_blocks(backend="eager")  # without fullgraph: graph breaks at the hooks
+    tritoff.disable(pipe)
+    assert not any("compile" in vars(m) for m in pipe.transformer.modules())
+
+
 def test_lora_on_a_transformer_compiled_whole():
     """diffusers' pipe.fuse_lora skips a component compiled whole without a word (it is no ModelMixin): refused in
     one line, and the way it names works."""
