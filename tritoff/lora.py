@@ -25,6 +25,7 @@ import weakref
 import torch
 
 from tritoff.adapters import is_tuner_layer, tuner_layers
+from tritoff.atomic import interrupts_held
 from tritoff.onload import GroupRuntime
 from tritoff.pack import KIND_FP8, read_entry, write_entry
 
@@ -237,6 +238,22 @@ def _refuse_disk(engine, layer, what: str, unchanged: str) -> None:
             )
 
 
+def _refuse_lazy_unfuse(engine, layer) -> None:
+    """peft unfuses each fused layer in its own forward once adapters are disabled (``disable_lora``), layer after
+    layer: before the first changes, refuse if any of them in ``layer``'s component is in a pack on disk."""
+    for module in engine.components.values():
+        if any(m is layer for m in module.modules()):
+            for other in tuner_layers(module):
+                if getattr(other, "merged_adapters", None) and getattr(other, "disable_adapters", False):
+                    _refuse_disk(
+                        engine,
+                        other,
+                        "unfuse",
+                        "nothing was unfused (peft unfuses a fused LoRA in the first call after disable_lora; "
+                        "enable_lora() undoes that)",
+                    )
+
+
 def _edit(layer, change, what: str):
     if id(layer) in _EDITING:
         # peft's own merge calling unmerge and merge again (a DoRA fused after other adapters recovers the unmerged
@@ -245,6 +262,8 @@ def _edit(layer, change, what: str):
     engine, located = _owner(list(layer.get_base_layer().parameters()))
     if engine is None or (what == "unfuse" and not getattr(layer, "merged_adapters", None)):
         return change()  # unfusing a layer with nothing merged changes no weight
+    if what == "unfuse" and getattr(layer, "disable_adapters", False):
+        _refuse_lazy_unfuse(engine, layer)
     _refuse_disk(engine, layer, what, "this layer was left as it was")
     if not all(g.bound for _, g, _ in located):
         # outside a forward: groups in flight may hold this layer's weights as they were. Inside one (peft unfusing
@@ -267,6 +286,7 @@ def _edit_weights(engine, layer, located, change, what: str):
     device = engine.options.device
     merged = list(getattr(layer, "merged_adapters", []))
     bound = [(p, p.data) for p, _, _ in located]
+    stored = False
     try:
         before = []
         for p, g, i in located:
@@ -286,10 +306,14 @@ def _edit_weights(engine, layer, located, change, what: str):
                 )
             if not torch.equal(new, old):
                 changed.append((g, i, new))
-        for g, i, new in changed:  # checked above: none of these writes can fail halfway
-            _store(engine, g, i, new, what)
+        # checked above: none of these writes can fail halfway. Ctrl-C waits for them: once they are made, peft's
+        # record of what is merged is what the packs hold, and is not put back
+        with interrupts_held():
+            for g, i, new in changed:
+                _store(engine, g, i, new, what)
+            stored = True
     except BaseException:
-        if hasattr(layer, "merged_adapters"):
+        if not stored and hasattr(layer, "merged_adapters"):
             layer.merged_adapters[:] = merged
         raise
     finally:

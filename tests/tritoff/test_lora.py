@@ -137,6 +137,58 @@ def test_a_dora_fused_after_a_lora_on_the_same_layer_fuses_like_plain_diffusers(
     assert len(weights[0]) == 8 and all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
 
 
+def test_disable_lora_after_fuse_with_a_pack_on_disk_is_refused_before_any_layer_changes(tmp_path):
+    """peft unfuses layer after layer, each in its forward: one whose pack is on disk refuses the first call after
+    disable_lora before any layer changes, not midway (the blocks unfused, proj_out still fused)."""
+    fused = wan()
+    fused.load_lora_weights(_lora(), adapter_name="style")
+    fused.fuse_lora(components=["transformer"])
+    expected = run(dequantized_pipeline(lambda: fused), LATENTS)
+    pipe = wan()
+    pipe.load_lora_weights(_lora(), adapter_name="style")
+    pipe.fuse_lora(components=["transformer"])
+    engine = _enable(pipe, mode="group", budget="4MB", host_budget="2MB", spill_dir=tmp_path)
+    on_disk = [g.name for comp in engine._runtimes for g in comp.groups if g.pack.on_disk]
+    assert on_disk == ["<rest>"]  # proj_out's pack, after every block's
+    pipe.disable_lora()
+    with pytest.raises(ValueError, match=r"proj_out\.weight: its pack is served from disk .*enable_lora") as info:
+        run(pipe, LATENTS)
+    assert "\n" not in str(info.value)
+    assert all(layer.merged for layer in tuner_layers(pipe.transformer))
+    pipe.enable_lora()
+    assert torch.equal(run(pipe, LATENTS), expected)
+
+
+def test_ctrl_c_while_an_unfuse_is_stored_waits_for_the_store(expected, monkeypatch, ctrl_c_raises):
+    # a Ctrl-C between writing a pack and the end of the store would leave peft saying "fused" over unfused packs,
+    # and the next call would take the LoRA out a second time
+    import signal
+
+    from tritoff import lora
+
+    write_entry, calls = lora.write_entry, []
+
+    def interrupted(*args, **kwargs):
+        write_entry(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)
+
+    pipe = wan()
+    _enable(pipe, mode="group", budget="4MB")
+    pipe.load_lora_weights(_lora(), adapter_name="style")
+    pipe.fuse_lora(components=["transformer"])
+    pipe.disable_lora()
+    monkeypatch.setattr(lora, "write_entry", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(pipe, LATENTS)
+    monkeypatch.undo()
+    assert len(calls) == 1 and sum(not layer.merged for layer in tuner_layers(pipe.transformer)) == 1
+    assert torch.equal(run(pipe, LATENTS), expected["unfused, disabled"])
+    tritoff.disable(pipe)
+    assert torch.equal(run(pipe, LATENTS), expected["unfused, disabled"])
+
+
 def test_unload_after_fuse_keeps_the_fused_weights(expected):
     pipe = wan()
     _enable(pipe, mode="group", budget="4MB")
