@@ -7,7 +7,9 @@ those created later: a module registration hook sees them appear). For the call,
 their exact dequantized values on the compute device; peft changes them as it always does; then every changed tensor
 is written back into its pack (an fp8 weight is quantized again exactly as when it was packed, and the SNR of the
 result is recorded for the report), and the GPU copies (resident packs, resident and pooled tensors) are refreshed.
-``disable`` then returns the fused weights, and a re-plan keeps them.
+``disable`` then returns the fused weights, and a re-plan keeps them. peft also unfuses on its own, inside a layer's
+forward once adapters are disabled (``disable_lora`` after ``fuse_lora``): there a streamed block's weights are the
+parameters of the ring slot it runs from, which are located too, and the slot is refreshed for the rest of that forward.
 
 Fusing is refused in one line where a pack is served from disk (beyond ``host_budget``: its file is not tritoff's
 to rewrite), and so is unfusing. ``fuse_lora`` and ``unfuse_lora`` (the pipeline's and the components') first check
