@@ -243,6 +243,8 @@ def _refuse_disk(engine, layer, what: str, unchanged: str) -> None:
 def _refuse_lazy_unfuse(engine, layer) -> None:
     """peft unfuses each fused layer in its own forward once adapters are disabled (``disable_lora``), layer after
     layer: before the first changes, refuse if any of them in ``layer``'s component is in a pack on disk."""
+    if not any(g.pack.on_disk for comp in engine._runtimes for g in comp.groups):
+        return  # all packs held (the usual case): nothing to look for, at each of the layers peft unfuses
     for module in engine.components.values():
         if any(m is layer for m in module.modules()):
             for other in tuner_layers(module):
