@@ -337,12 +337,14 @@ def _store(engine, g: GroupRuntime, i: int, value: torch.Tensor, what: str) -> N
         for start, nbytes in ((e.offset, e.nbytes), (e.scale_offset, 4 * e.num_scales)):
             if start >= 0 and nbytes:
                 g.device_pack[start : start + nbytes].copy_(g.pack.data[start : start + nbytes])
-    if g.buffer is not None:  # bf16 tier or a loaded pool unit: the tensor itself, as the kernels would unpack it
-        layout.views(g.buffer)[e.name].copy_(read_entry(layout, g.pack.data, e))
-    if g.bound:  # inside its forward, from a slot: the rest of this forward computes with the new weight
-        value = read_entry(layout, g.pack.data, e)
-        ring = engine.manager.components[g.component].ring
-        ring.refresh(g, lambda: [view.copy_(value) for view in g.bound_views(i)])
+    # the tensor itself, as the kernels would unpack it: a bf16-tier group's or loaded pool unit's buffer, and inside
+    # its forward a slot's views (the rest of that forward computes with the new weight)
+    if g.buffer is not None or g.bound:
+        unpacked = read_entry(layout, g.pack.data, e)
+        if g.buffer is not None:
+            layout.views(g.buffer)[e.name].copy_(unpacked)
+        if g.bound:
+            engine.manager.components[g.component].ring.refresh(g, g.bound_views(i), unpacked)
     name = f"{g.component}.{e.name}"
     if e.name in snr:
         engine.snr[name] = snr[e.name]

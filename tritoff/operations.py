@@ -99,6 +99,7 @@ def install(
     for block in blocks:
         install_block(block)
     refuse((target, *components.values()), REFUSED)
+    hooked = {id(b) for b in blocks}
     for name, module in components.items():
         for sub_name, sub in module.named_modules():  # any submodule may be moved, cast or loaded on its own
             where = f"{name}.{sub_name}" if sub_name else name
@@ -110,7 +111,6 @@ def install(
         refuse(list(module.modules()), SUBMODULE_REFUSED)
         # a module holding hooked ones compiled with fullgraph=True: the hooks are graph breaks inside it (the
         # component; in leaf mode, also each block and attention holding hooked layers)
-        hooked = {id(b) for b in blocks}
         for sub_name, sub in module.named_modules():
             if "compile" in sub.__dict__ or id(sub) in hooked:
                 continue

@@ -155,11 +155,12 @@ class SlotRing:
         load drops it."""
         return self.buffers[group.slot]._version != self._versions[group.slot]
 
-    def refresh(self, group: GroupRuntime, write) -> None:
-        """Run ``write`` (tritoff's own write into ``group``'s bound slot: its pack changed during its forward), which
-        :meth:`written` then does not count; a write before it still does."""
+    def refresh(self, group: GroupRuntime, views: list[torch.Tensor], value: torch.Tensor) -> None:
+        """Copy ``value`` into ``views`` of ``group``'s bound slot (its pack changed during its forward): tritoff's own
+        write, which :meth:`written` then does not count; a write before it still does."""
         earlier = self.written(group)
-        write()
+        for view in views:
+            view.copy_(value)
         if not earlier:
             self._versions[group.slot] = self.buffers[group.slot]._version
 
