@@ -853,19 +853,21 @@ _python_format_warning = warnings.formatwarning
 _DASH_VALUES = ("--budget", "--host-budget", "--reserve", "--link", "--disk", "--prompt", "--negative-prompt")
 
 
-def attach_dash_values(argv: list[str]) -> list[str]:
+def attach_dash_values(argv: list[str], parser: argparse.ArgumentParser | None = None) -> list[str]:
     """``argv`` with each value starting with a dash that follows one of the options that take it written as
     ``--option=value``, which argparse reads as that option's value: a negative size (refused by its own check, which
-    says what to give) or a prompt starting with a dash. A value that is an option (``-h``, ``--steps``) or ``--``
-    stays what it is, and so does what follows ``--`` and what ``tritoff bench`` hands to its script."""
+    says what to give) or a prompt starting with a dash. The option may be abbreviated as argparse allows (``--neg``:
+    the one option of its command starting so). A value that is an option (``-h``, ``--steps``) or ``--`` stays what
+    it is, and so does what follows ``--`` and what ``tritoff bench`` hands to its script."""
     command = next((token for token in argv if not token.startswith("-")), None)
     if command == "bench":
         return list(argv)
+    options = _long_options(parser or build_parser(), command)
     out, tokens = [], iter(argv)
     for token in tokens:
         if token == "--":  # the rest are positional arguments
             return [*out, token, *tokens]
-        value = next(tokens, None) if token in _DASH_VALUES else None
+        value = next(tokens, None) if _full_option(token, options) in _DASH_VALUES else None
         if value is None:
             out.append(token)
         elif value.startswith("-") and not re.fullmatch(r"-h|--|--[A-Za-z][\w-]*(=.*)?", value, re.DOTALL):
@@ -875,11 +877,26 @@ def attach_dash_values(argv: list[str]) -> list[str]:
     return out
 
 
+def _long_options(parser: argparse.ArgumentParser, command: str | None) -> list[str]:
+    """The long options ``command`` takes (none for a command ``parser`` does not know)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices.get(command)
+    return [o for o in sub._option_string_actions if o.startswith("--")] if sub is not None else []
+
+
+def _full_option(token: str, options: list[str]) -> str | None:
+    """The option ``token`` names: itself, or the one option it abbreviates (None where it names none or several)."""
+    if token in options:
+        return token
+    matches = [o for o in options if token.startswith("--") and len(token) > 2 and o.startswith(token)]
+    return matches[0] if len(matches) == 1 else None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tritoff`` console script."""
     global _interrupted, _running
     _interrupted = False
-    args = build_parser().parse_args(attach_dash_values(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args = parser.parse_args(attach_dash_values(sys.argv[1:] if argv is None else argv, parser))
     stdout, stderr, format_warning, previous = sys.stdout, sys.stderr, warnings.formatwarning, {}
     unraisable = sys.unraisablehook
     try:

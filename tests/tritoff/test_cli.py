@@ -203,6 +203,11 @@ def test_values_starting_with_a_dash_are_read_as_values_and_options_stay_options
     )
     assert (args.prompt, args.negative_prompt, args.steps) == ("-x", "-blurry, dark", 3)
     assert cli.attach_dash_values(["plan", "m", "--budget", "-1GB"]) == ["plan", "m", "--budget=-1GB"]
+    # abbreviated as argparse allows: the one option of the command starting so
+    args = parser.parse_args(cli.attach_dash_values(["run", "m", "--prom", "-x", "--neg", "-blurry"], parser))
+    assert (args.prompt, args.negative_prompt) == ("-x", "-blurry")
+    ambiguous = ["run", "m", "--prompt", "x", "--s", "-1"]  # --seed, --steps, --storage, ...
+    assert cli.attach_dash_values(ambiguous) == ambiguous
     kept = ["run", "m", "--prompt", "--steps", "3", "--negative-prompt", "-h", "--budget=-1GB", "--seed", "-1"]
     assert cli.attach_dash_values(kept) == kept
     # "--" is no value (argparse would read "--budget=--" as an empty list), and ends the options; a benchmark's
