@@ -3,8 +3,10 @@
 Only the floating-point ``weight`` (of two bytes or more per element) of ``nn.Linear`` and ``nn.Conv*`` layers is
 quantized. Everything else keeps its dtype: integer, bool and already-fp8 weights (fp8 would change their values or
 gain nothing), biases, embeddings, bare ``nn.Parameter``s (Wan's ``scale_shift_table``), buffers, and every layer whose
-name matches a skip pattern: diffusers' layerwise-casting defaults, the timestep/conditioning path (fp8 there ruins
-images), the model's own ``_skip_layerwise_casting_patterns`` and ``_keep_in_fp32_modules``, and the user's patterns.
+name matches a skip pattern: diffusers' layerwise-casting defaults, the embedders, the timestep/conditioning path and
+modulation layers (fp8 there ruins images), the final layers, the model's own ``_skip_layerwise_casting_patterns`` and
+``_keep_in_fp32_modules``, and the user's patterns; and every layer inside a module of a conditioning class (an
+adaptive norm, a timestep embedding, a modulation), whatever its name.
 """
 
 from __future__ import annotations
@@ -17,17 +19,28 @@ import torch.nn as nn
 
 # diffusers' layerwise-casting defaults (regexes searched in the module's qualified name)
 DIFFUSERS_DEFAULT_PATTERNS = ("pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$")
-# timestep and conditioning embedders and modulation layers of Wan, CogVideoX and their relatives
+# the conditioning path and the layers around the blocks, by name: embedders of every kind (patch, positional, text,
+# timestep: x_embedder, context_embedder, time_text_embed, ...), the timestep and guidance path (Chroma's
+# distilled_guidance_layer makes every modulation vector), modulation layers (QwenImage's img_mod and txt_mod,
+# LTX-2's scale_shift), SkyReels-V2's fps projection (added to the timestep's modulation) and the final layers
+# (Cosmos' and Z-Image's final_layer, LTX-2's audio_proj_in/out, Kandinsky 5's out_layer)
 CONDITIONING_PATTERNS = (
-    "time_embed",
+    "embed",
     "timestep",
     "time_proj",
-    "condition_embed",
-    "ofs_embed",
-    "guidance_embed",
+    "guidance",
     "modulation",
     "adaln",
+    r"_mod\b",
+    "scale_shift",
+    "fps_projection",
+    "final_layer",
+    r"^\w*proj_(in|out)$",
+    r"^out_layer\b",
 )
+# the same by the class of a module holding the layer: diffusers' adaptive norms, timestep embeddings and modulation
+# layers under any attribute name (LTX-2's cross-attention gates are LTX2AdaLayerNormSingle modules named *_gate)
+CONDITIONING_CLASSES = r"AdaLayerNorm|Timestep|Modulation"
 
 QUANTIZABLE_LAYERS = (
     nn.Linear,
@@ -68,10 +81,14 @@ class SkipRules:
 
     def quantized_names(self, model: nn.Module) -> set[str]:
         """Qualified names of the parameters of ``model`` that are quantized."""
-        names = set()
+        names, kept = set(), []
         from tritoff.adapters import named_modules
 
-        for module_name, module in named_modules(model):  # names before adapters were injected
+        for module_name, module in named_modules(model):  # names before adapters were injected, parents first
+            if re.search(CONDITIONING_CLASSES, type(module).__name__):
+                kept.append(module_name + ".")
+            if any((module_name + ".").startswith(prefix) for prefix in kept):
+                continue
             if isinstance(module, QUANTIZABLE_LAYERS) and not self.skips_module(module_name):
                 if _quantizable(getattr(module, "weight", None)):
                     names.add(f"{module_name}.weight" if module_name else "weight")

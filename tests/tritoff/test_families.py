@@ -129,3 +129,54 @@ def test_family_lora_loaded_and_fused_after_enable(family):
     assert torch.equal(_run(pipe, call, "latent")[1], expected_fused)
     assert engine.stats["requantized_weights"] > 0
     tritoff.disable(pipe)
+
+
+def _tiny_qwen_image():
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    )
+    with warnings.catch_warnings():  # "modules that should be kept in float32: []"
+        warnings.simplefilter("ignore")
+        return tiny.realistic_init(model).to(torch.bfloat16).eval()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_qwen_image_blocks_with_their_modulation_kept_bf16_equal_the_dequantized_twin():
+    """QwenImage keeps each block's modulation (img_mod, txt_mod) in bf16 beside its fp8 linears: every block
+    streamed, in group and leaf mode, computes what the dequantized model does, at two image sizes."""
+    g = torch.Generator().manual_seed(0)
+    calls = []
+    for h, w, tokens in ((4, 4, 8), (6, 4, 10)):
+        mask = torch.ones(1, tokens, dtype=torch.long)
+        mask[:, -2:] = 0
+        calls.append(
+            dict(
+                hidden_states=torch.randn(1, h * w, 16, generator=g).bfloat16(),
+                encoder_hidden_states=torch.randn(1, tokens, 32, generator=g).bfloat16(),
+                encoder_hidden_states_mask=mask,
+                timestep=torch.full((1,), 0.7).bfloat16(),
+                img_shapes=[[(1, h, w)]],
+            )
+        )
+    reference = dequantize_in_place(_tiny_qwen_image())
+    with torch.no_grad():
+        expected = [reference(**call).sample for call in calls]
+    assert not torch.equal(expected[0], _tiny_qwen_image()(**calls[0]).sample)  # fp8 changes the result
+    model = _tiny_qwen_image()
+    for mode in ("group", "leaf"):
+        engine = tritoff.enable(model, mode=mode, budget=_minimum(model, mode), reserve=1000, progress=False)
+        assert all(g.tier == "stream" for g in engine.manager.components["model"].blocks), mode
+        with torch.no_grad():
+            for call, want in zip(calls, expected, strict=True):
+                assert torch.equal(model(**call).sample, want), mode
+        tritoff.disable(model)
