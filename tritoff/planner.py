@@ -214,20 +214,52 @@ def spread_order(n: int) -> list[int]:
     return [i for i in order if i < n]
 
 
-def chunk_capacity(component: ComponentSize, staged: bool = True) -> int:
-    """Bytes of one staging half for ``component``: half its largest block, and the few KiB cutting it costs (streamed
-    blocks move in two chunks, so the DMA of one overlaps the upcast of the other at the cost of one pack of
-    staging; a third chunk would hold the next pack's DMA back), or for a component moving whole its largest
-    pack, at most ``UNIT_STAGING``. Depends on the sizes alone, never on the budget."""
+def _round_up(n: int, to: int = 256) -> int:
+    return -(-n // to) * to
+
+
+@dataclass
+class Ring:
+    """A split component's ring: the blocks kept resident in bf16, the slots, their bytes and the staging half."""
+
+    kept: list[GroupSize]
+    slots: int
+    slot_bytes: int
+    chunk: int
+
+
+def ring_for(component: ComponentSize, depth: int, staged: bool = True) -> Ring:
+    """The ring of ``component``'s blocks that needs the fewest bytes. Its slots hold every block but the few largest,
+    which stay resident where that costs less than slots of their size and staging cut for them (one large layer
+    among small ones: a time projection in leaf mode). Streamed blocks move in two chunks, so the DMA of one overlaps
+    the upcast of the other at the cost of one pack of staging (a third chunk would hold the next pack's DMA back); a
+    block kept resident loads in more. ``depth`` ring slots come after the running block's."""
+    floor = max(g.min_chunk for g in [*component.blocks, *([component.rest] if component.rest else [])])
+    by_size = sorted(component.blocks, key=lambda g: g.unpacked, reverse=True)
+    halves = [g.half_chunk or -(-g.packed // 2) for g in by_size]
+    for i in range(len(halves) - 2, -1, -1):  # the largest half chunk of the blocks from i on
+        halves[i] = max(halves[i], halves[i + 1])
+    best, kept = None, 0
+    for k, group in enumerate(by_size):  # the k largest kept, the ring sized for the next
+        slots = min(depth + 1, len(by_size) - k)  # the running block and those ahead of it: never more than there are
+        chunk = _round_up(max(halves[k], floor)) if staged else 0
+        if best is None or kept + slots * group.unpacked + 2 * chunk < best[0]:
+            best = (kept + slots * group.unpacked + 2 * chunk, Ring(by_size[:k], slots, group.unpacked, chunk))
+        kept += group.unpacked
+    return best[1]
+
+
+def chunk_capacity(component: ComponentSize, depth: int, staged: bool = True) -> int:
+    """Bytes of one staging half for ``component``: for a split one its ring's (:func:`ring_for`), for one moving
+    whole its largest pack, at most ``UNIT_STAGING``. Depends on the sizes and ``depth`` alone, never on the
+    budget."""
     groups = [*component.blocks, *([component.rest] if component.rest else [])]
     if not staged or not groups:
         return 0
     if component.blocks:
-        capacity = max(g.half_chunk or -(-g.packed // 2) for g in component.blocks)
-    else:
-        capacity = min(max(g.largest_pack or g.packed for g in groups), UNIT_STAGING)
-    capacity = max(capacity, *(g.min_chunk for g in groups))
-    return -(-capacity // 256) * 256
+        return ring_for(component, depth, staged).chunk
+    capacity = min(max(g.largest_pack or g.packed for g in groups), UNIT_STAGING)
+    return _round_up(max(capacity, *(g.min_chunk for g in groups)))
 
 
 def plan(
@@ -265,7 +297,7 @@ def plan(
 
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
-    staging = 2 * max(chunk_capacity(c, staged) for c in components)
+    staging = 2 * max(chunk_capacity(c, depth, staged) for c in components)
     everything = sum(c.unpacked_bytes for c in components)
     if mode == "auto" and everything + staging + reserve + fixed <= budget:
         resident = {c.name: "resident" for c in components}
@@ -290,10 +322,12 @@ def plan(
         return Plan(budget, reserve, depth, modes, staging_bytes=staging, pool_bytes=units, fixed_bytes=fixed)
     # in auto mode a budget too small to split may still hold everything resident (tiny models): name the smaller
     resident_need = smallest(everything + staging + reserve + fixed) if mode == "auto" else None
-    blocks = [g for c in split for g in c.blocks]
-    slots = min(depth + 1, len(blocks))  # the running block and those ahead of it: never more than there are
-    slot_bytes = max(g.unpacked for g in blocks)
-    minimum = reserve + slots * slot_bytes + staging + units + fixed
+    rings = [ring_for(c, depth, staged) for c in split]
+    pinned = [g for r in rings for g in r.kept]
+    pinned_bytes = sum(g.unpacked for g in pinned)
+    slots = min(depth + 1, sum(len(c.blocks) for c in split) - len(pinned))
+    slot_bytes = max(r.slot_bytes for r in rings)
+    minimum = reserve + pinned_bytes + slots * slot_bytes + staging + units + fixed
     if minimum > budget:
         if resident_need is not None and resident_need < smallest(minimum):
             raise BudgetError(
@@ -302,9 +336,10 @@ def plan(
                 f"{format_bytes(reserve_at(resident_need))})",
                 resident_need,
             )
+        held = f"the {len(pinned)} largest groups resident, {format_bytes(pinned_bytes)}; " if pinned else ""
         raise BudgetError(
             f"budget {format_bytes(budget)} is too small: the smallest that works is {format_bytes(smallest(minimum))} "
-            f"({slots} ring slots of {format_bytes(slot_bytes)}, staging {format_bytes(staging)}, units "
+            f"({held}{slots} ring slots of {format_bytes(slot_bytes)}, staging {format_bytes(staging)}, units "
             f"{format_bytes(units)}, buffers and tables {format_bytes(fixed)}, activation reserve "
             f"{format_bytes(reserve_at(smallest(minimum)))})",
             smallest(minimum),
@@ -317,10 +352,11 @@ def plan(
         for c in sorted(split, key=lambda c: not c.looped)
         for i in reversed(spread_order(len(c.blocks)))
     ]
-    tiers = {c.name: {g.name: "stream" for g in c.blocks} for c in split}
-    resident = 0
+    kept = {id(g) for g in pinned}
+    tiers = {c.name: {g.name: "bf16" if id(g) in kept else "stream" for g in c.blocks} for c in split}
+    resident = pinned_bytes
     for c, g in ordered:  # first make as many groups as possible fp8-resident (half the bytes of bf16)
-        if g.packed <= spare:
+        if tiers[c.name][g.name] == "stream" and g.packed <= spare:
             tiers[c.name][g.name], spare, resident = "fp8", spare - g.packed, resident + g.packed
     for c, g in ordered:  # then upgrade fp8 groups to bf16 with what is left
         extra = g.unpacked - g.packed

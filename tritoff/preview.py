@@ -366,7 +366,7 @@ def plan(
         quantized = SkipRules.for_model(module, ()).quantized_names(module)
         layouts[name] = plan_layouts(group_lists[name], quantized, get_format(formats[name]), "row", name)
     sizes = sizes_of(components, group_lists, layouts, mode)
-    chunks, fixed = shared_bytes(sizes, group_lists, layouts, components, True, False)
+    chunks, fixed = shared_bytes(sizes, group_lists, layouts, components, True, False, prefetch)
     reserves, calls, loops, untraced = {}, {}, {}, {}
     traced = {}  # (architecture, method, input shapes) -> (reserve, error): Wan 2.2's two experts are traced once
     geometry = _geometry(family, components, expand_timesteps)

@@ -92,10 +92,12 @@ def buffer_bytes(components: dict[str, nn.Module]) -> int:
     return buffers + sum(adapter_bytes(m) for m in components.values())
 
 
-def shared_bytes(sizes, group_lists, layouts, components, staged: bool, zero_copy: bool) -> tuple[dict[str, int], int]:
-    """Each component's staging chunk capacity, and the device bytes every phase shares: module buffers and the
-    kernel tables (cut for those chunks; host lookup tables have none)."""
-    chunks = {s.name: chunk_capacity(s, staged) for s in sizes}
+def shared_bytes(
+    sizes, group_lists, layouts, components, staged: bool, zero_copy: bool, depth: int
+) -> tuple[dict[str, int], int]:
+    """Each component's staging chunk capacity at prefetch ``depth``, and the device bytes every phase shares: module
+    buffers and the kernel tables (cut for those chunks; host lookup tables have none)."""
+    chunks = {s.name: chunk_capacity(s, depth, staged) for s in sizes}
     tables = sum(
         table_bytes(lay, chunks[name], zero_copy)
         for name, lays in layouts.items()
@@ -167,17 +169,17 @@ def minimum_for(
             operations.check_compiled(hooked_modules(components, lists, sizes), components)
         except ValueError:
             return None
-        _, fixed = shared_bytes(sizes, lists, lays, components, staged, zero_copy)
-        return sizes, fixed, max([len(s.blocks) for s in sizes] + [1])
+        return sizes, lists, lays, max([len(s.blocks) for s in sizes] + [1])
 
     def minimum(mode: str, prefetch: int) -> int | None:
         if mode not in usable:
             usable[mode] = plannable(mode)
         if usable[mode] is None:
             return None
-        sizes, fixed, most = usable[mode]
+        sizes, lists, lays, most = usable[mode]
         depth = min(prefetch, most)  # a prefetch as deep as the blocks: every one has a slot, a deeper one adds none
         if (mode, depth) not in minimums:
+            _, fixed = shared_bytes(sizes, lists, lays, components, staged, zero_copy, depth)
             try:
                 plan_phases(sizes, 1, mode, depth, reserves, staged, fraction, fixed)
                 minimums[mode, depth] = 1
@@ -191,7 +193,9 @@ def minimum_for(
 def _plan_phases(sizes, group_lists, layouts, components, options: Options):
     """The phased plan at ``options``, and each component's chunk capacity; raises the planner's BudgetError."""
     staged = options.staged
-    chunks, fixed = shared_bytes(sizes, group_lists, layouts, components, staged, options.reads_host_directly)
+    chunks, fixed = shared_bytes(
+        sizes, group_lists, layouts, components, staged, options.reads_host_directly, options.prefetch
+    )
     reserves = dict.fromkeys(chunks, options.reserve)
     fraction = options.reserve_fraction
     phased = plan_phases(sizes, options.budget, options.mode, options.prefetch, reserves, staged, fraction, fixed)

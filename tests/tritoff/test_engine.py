@@ -938,6 +938,33 @@ def test_leaf_mode_mixing_dtypes_across_layers_names_the_smallest_budget():
     _enable(_mixed(), mode="leaf", budget=info.value.minimum)
 
 
+def test_leaf_mode_keeps_a_layer_larger_than_the_rest_resident_and_sizes_the_ring_for_the_others():
+    # a tiny Wan's fp32 time embedder outweighs every layer tritoff quantizes: three slots of its size would cost
+    # more than holding it once, so the smallest budget keeps it (and the time projection) and slots fit the rest
+    from tritoff.tiny import tiny_wan_transformer
+
+    def model():
+        return tiny_wan_transformer(num_attention_heads=4, attention_head_dim=16, ffn_dim=128)
+
+    with pytest.raises(BudgetError, match=r"the 2 largest groups resident") as info:
+        _enable(model(), mode="leaf", budget=1000)
+    wan_model = model()
+    engine = _enable(wan_model, mode="leaf", budget=info.value.minimum)
+    groups = engine.manager.components["model"].blocks
+    kept = {g.name for g in groups if g.tier == "bf16"}
+    assert kept == {"condition_embedder.time_embedder.linear_1", "condition_embedder.time_proj"}
+    assert engine.plan.phases["model"].slot_bytes < min(g.unpacked_bytes for g in groups if g.name in kept)
+    assert {g.tier for g in groups if g.name not in kept} == {"stream"}
+    call = dict(
+        hidden_states=torch.randn(1, 16, 2, 8, 8, dtype=torch.bfloat16),
+        timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 8, 32, dtype=torch.bfloat16),
+    )
+    with torch.no_grad():
+        expected = dequantize_in_place(model())(**call).sample
+        assert torch.equal(wan_model(**call).sample, expected)
+
+
 def _float64_stack():
     return stack().to(torch.float64)
 

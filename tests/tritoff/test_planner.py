@@ -2,7 +2,7 @@
 
 import pytest
 
-from tritoff.planner import BudgetError, ComponentSize, GroupSize, chunk_capacity, plan, spread_order
+from tritoff.planner import BudgetError, ComponentSize, GroupSize, Ring, chunk_capacity, plan, ring_for, spread_order
 
 MB = 2**20
 
@@ -48,7 +48,7 @@ def test_every_fixed_byte_is_in_the_plan_and_the_minimum_is_honest():
     minimum = info.value.minimum
     the_plan = plan([comp], minimum, "group", 2, MB, fixed=fixed)
     assert the_plan.fixed_bytes == fixed
-    assert the_plan.staging_bytes == 2 * chunk_capacity(comp) >= 8 * MB  # two halves of half a pack each
+    assert the_plan.staging_bytes == 2 * chunk_capacity(comp, 2) >= 8 * MB  # two halves of half a pack each
     assert the_plan.planned_bytes <= minimum
     with pytest.raises(BudgetError):
         plan([comp], minimum - 1, "group", 2, MB, fixed=fixed)
@@ -71,3 +71,33 @@ def test_nothing_to_split_moves_whole_or_names_its_minimum():
     the_plan = plan([whole], info.value.minimum, "group", 2, MB)
     assert the_plan.modes == {"vae": "model"} and the_plan.planned_bytes <= info.value.minimum
     assert the_plan.staging_bytes == 2 * 10 * MB  # chunks of its largest single pack, not of the whole
+
+
+def test_one_group_larger_than_the_others_stays_resident_where_that_lowers_the_minimum():
+    # leaf mode's time projection: one unquantized layer twice the unpacked size of any other, so three ring slots
+    # of its size would cost more than holding it once and sizing the slots for the rest
+    small = [GroupSize(f"blocks.{i}", 4 * MB, 8 * MB) for i in range(20)]
+    big = GroupSize("time_proj", 20 * MB, 20 * MB)
+    comp = ComponentSize("transformer", [*small[:3], big, *small[3:]], GroupSize("<rest>", MB, MB), looped=True)
+    with pytest.raises(BudgetError, match=r"the 1 largest groups resident, 20\.00 MiB; 3 ring slots of 8\.00 MiB") as e:
+        plan([comp], MB, "group", 2, MB)
+    minimum = e.value.minimum
+    the_plan = plan([comp], minimum, "group", 2, MB)
+    assert the_plan.tiers["transformer"]["time_proj"] == "bf16" and the_plan.slot_bytes == 8 * MB
+    assert [t for n, t in the_plan.tiers["transformer"].items() if n != "time_proj"] == ["stream"] * 20
+    # the staging halves are cut for the blocks that stream: the resident one loads in more chunks
+    assert the_plan.staging_bytes == 2 * chunk_capacity(comp, 2) == 2 * 2 * MB
+    assert the_plan.planned_bytes <= minimum
+    with pytest.raises(BudgetError):
+        plan([comp], minimum - 1, "group", 2, MB)
+    # 20 MiB + 3 x 8 MiB + two 2 MiB halves, against 3 x 20 MiB + two 10 MiB halves
+    assert minimum == MB + 20 * MB + 3 * 8 * MB + 4 * MB + MB
+    # blocks of one size keep every one in the ring, and two large groups of twenty are both kept
+    assert ring_for(_transformer(n=8), 2) == Ring([], 3, 16 * MB, 4 * MB)
+    twice = ComponentSize("transformer", [*small, big, GroupSize("proj", 20 * MB, 20 * MB)], None, looped=True)
+    with pytest.raises(BudgetError, match=r"the 2 largest groups resident, 40\.00 MiB"):
+        plan([twice], MB, "group", 2, MB)
+    # zero-copy (no staging) with a prefetch of 0 has one slot: the larger group costs no more in it than resident
+    assert ring_for(comp, 0, staged=False) == Ring([], 1, 20 * MB, 0)
+    with pytest.raises(BudgetError, match=r"\(1 ring slots of 20\.00 MiB, staging 0 B"):
+        plan([comp], MB, "group", 0, MB, staged=False)

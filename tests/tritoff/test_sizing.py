@@ -59,7 +59,7 @@ def test_the_shared_bytes_count_the_buffers_and_the_kernel_tables():
     lists = {"model": groups_for(model, "group")}
     layouts = _layouts(components, lists)
     sizes = sizes_of(components, lists, layouts, "group")
-    chunks, fixed = shared_bytes(sizes, lists, layouts, components, staged=True, zero_copy=False)
+    chunks, fixed = shared_bytes(sizes, lists, layouts, components, staged=True, zero_copy=False, depth=2)
     assert chunks["model"] > 0 and fixed > 4000  # the buffer, plus a table per group
 
 
@@ -72,7 +72,7 @@ def test_the_minimum_named_plans_and_one_byte_less_does_not(mode, prefetch):
     reserves = {"model": 4096}
     minimum = minimum_for(components, lists, layouts, reserves)(mode, prefetch)
     sizes = sizes_of(components, lists, layouts, mode)
-    _, fixed = shared_bytes(sizes, lists, layouts, components, staged=True, zero_copy=False)
+    _, fixed = shared_bytes(sizes, lists, layouts, components, staged=True, zero_copy=False, depth=prefetch)
     plan_phases(sizes, minimum, mode, prefetch, reserves, True, None, fixed)
     with pytest.raises(BudgetError):
         plan_phases(sizes, minimum - 1, mode, prefetch, reserves, True, None, fixed)
