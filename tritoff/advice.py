@@ -80,6 +80,6 @@ def clauses(alternatives: dict[str, tuple[object, int]], budget: int) -> list[st
     said = []
     for option, (value, needed) in alternatives.items():
         what = f"mode={value[0]!r} with prefetch={value[1]}" if option == "together" else f"{option}={value!r}"
-        needs = "would fit this budget" if needed <= budget else f"needs only {format_bytes(needed)}"
+        needs = "would fit this budget" if needed <= budget else f"needs only {format_bytes(needed, up=True)}"
         said.append(f"{what} {needs}")
     return said

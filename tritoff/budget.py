@@ -147,9 +147,10 @@ def default_budget(free: int) -> int:
     return max(0, free - max(HEADROOM_MIN, int(free * HEADROOM_FRACTION)))
 
 
-def format_bytes(n: int | float) -> str:
-    """``n`` bytes as a short human string (GiB/MiB/KiB)."""
+def format_bytes(n: int | float, up: bool = False) -> str:
+    """``n`` bytes as a short human string (GiB/MiB/KiB). ``up``: rounded up, not to the nearest, where the figure
+    names a smallest budget (given back as a budget, it must be enough)."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+            return f"{(math.ceil(n * 100 / size) / 100 if up else n / size):.2f} {unit}"
+    return f"{math.ceil(n) if up else int(n)} B"

@@ -316,7 +316,7 @@ def plan(
                 f"budget {format_bytes(budget)} is too small for {', '.join(modes)} moving whole{why}: it needs "
                 f"{format_bytes(units)} plus staging {format_bytes(staging)}, buffers and tables {format_bytes(fixed)} "
                 f"and a {format_bytes(reserve_at(need))} activation reserve; use a budget of at least "
-                f"{format_bytes(need)}",
+                f"{format_bytes(need, up=True)}",
                 need,
             )
         return Plan(budget, reserve, depth, modes, staging_bytes=staging, pool_bytes=units, fixed_bytes=fixed)
@@ -332,13 +332,15 @@ def plan(
         if resident_need is not None and resident_need < smallest(minimum):
             raise BudgetError(
                 f"budget {format_bytes(budget)} is too small: the smallest that works is "
-                f"{format_bytes(resident_need)} (everything resident, activation reserve "
+                f"{format_bytes(resident_need, up=True)} (everything resident, activation reserve "
                 f"{format_bytes(reserve_at(resident_need))})",
                 resident_need,
             )
-        held = f"the {len(pinned)} largest groups resident, {format_bytes(pinned_bytes)}; " if pinned else ""
+        largest = "the largest group" if len(pinned) == 1 else f"the {len(pinned)} largest groups"
+        held = f"{largest} resident, {format_bytes(pinned_bytes)}; " if pinned else ""
+        need = format_bytes(smallest(minimum), up=True)
         raise BudgetError(
-            f"budget {format_bytes(budget)} is too small: the smallest that works is {format_bytes(smallest(minimum))} "
+            f"budget {format_bytes(budget)} is too small: the smallest that works is {need} "
             f"({held}{slots} ring slots of {format_bytes(slot_bytes)}, staging {format_bytes(staging)}, units "
             f"{format_bytes(units)}, buffers and tables {format_bytes(fixed)}, activation reserve "
             f"{format_bytes(reserve_at(smallest(minimum)))})",

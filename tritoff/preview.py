@@ -145,7 +145,7 @@ class Preview:
             host += f"; host budget {format_bytes(self.host_budget)}"
         lines.append("  " + host)
         verdict = "fits" if self.feasible else f"does not fit: {self.reason}"
-        smallest = f"the smallest GPU budget that fits is {format_bytes(self.minimum_budget)}"
+        smallest = f"the smallest GPU budget that fits is {format_bytes(self.minimum_budget, up=True)}"
         if self.untraced:
             smallest += f" plus the activations of {', '.join(self.untraced)}"
         lines.append("  " + "; ".join([verdict, smallest, *clauses(self.alternatives, self.budget)]))
@@ -401,7 +401,7 @@ def plan(
             phases[name] = phase_plan([by_name[name]], budget_bytes, mode, prefetch, reserves[name], True, None, fixed)
         except BudgetError as err:
             phases[name] = None
-            too_small.append(f"{name} needs {format_bytes(err.minimum)}")
+            too_small.append(f"{name} needs {format_bytes(err.minimum, up=True)}")
     together = not too_small and fit_together(phases.values(), fixed, reserves, budget_bytes)
     preview.phases = [
         _phase(name, phases[name], by_name[name], calls[name], reserves[name], together, mode) for name in components

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tritoff.budget import default_budget, parse_host_budget, parse_size
+from tritoff.budget import default_budget, format_bytes, parse_host_budget, parse_size
 
 GiB, MiB = 2**30, 2**20
 
@@ -108,3 +108,16 @@ def test_a_cgroup_memory_limit_bounds_what_a_percentage_of_host_memory_is(tmp_pa
     assert budget.parse_host_budget("50%") == 2**29
     monkeypatch.setattr(budget, "cgroup_memory_limits", lambda: [])
     assert budget.parse_host_budget("50%") == ram // 2
+
+
+def test_a_smallest_budget_is_shown_rounded_up_so_that_given_back_it_is_enough():
+    # 116177 B is 113.454 KiB: "113.45 KiB" given back as a budget would be 5 bytes short
+    assert format_bytes(116177) == "113.45 KiB" and format_bytes(116177, up=True) == "113.46 KiB"
+    assert format_bytes(20 * 2**20, up=True) == "20.00 MiB" and format_bytes(1023.5, up=True) == "1024 B"
+    import random
+
+    rng = random.Random(0)
+    for n in [rng.randrange(1, 2**45) for _ in range(2000)] + [2**k + d for k in range(10, 45) for d in (-1, 0, 1)]:
+        shown = format_bytes(n, up=True)
+        step = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 100}[shown.split()[1]] / 100  # one in the last digit
+        assert n <= parse_size(shown.replace(" ", "")) < n + step + 1, (n, shown)
