@@ -72,7 +72,7 @@ def main() -> None:
             format_bytes(r["budget"]),
             s["vae_tiling"],
             r["feasible"],
-            format_bytes(r["minimum_budget"]),
+            format_bytes(r["minimum_budget"], up=True),
             sep=" | ",
         )
     print("\nmodel", "RAM", "host budget", "GPU budget", "held", "read from disk per run (50 steps)", sep=" | ")
