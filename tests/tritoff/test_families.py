@@ -1,7 +1,7 @@
 """Every pipeline family, built tiny and locally, equals its dequantized twin bit for bit in every mode.
 
 One pipeline per family runs through four modes in turn (``enable`` again re-plans): ``group`` and ``leaf`` at the
-smallest budget each accepts (every block streamed), ``model`` and ``auto`` at theirs. The first run decodes frames;
+smallest budget each accepts (the blocks streamed), ``model`` and ``auto`` at theirs. The first run decodes frames;
 the others stop at the latents (what the mode changes is the denoising), compared as the last step left them.
 Transformers of more families (QwenImage, Chroma, SkyReels-V2, HunyuanVideo 1.5, SD3) are compared on their own.
 """
