@@ -341,7 +341,8 @@ def plan(
         need = format_bytes(smallest(minimum), up=True)
         raise BudgetError(
             f"budget {format_bytes(budget)} is too small: the smallest that works is {need} "
-            f"({held}{slots} ring slots of {format_bytes(slot_bytes)}, staging {format_bytes(staging)}, units "
+            f"({held}{slots} ring slot{'s' if slots != 1 else ''} of {format_bytes(slot_bytes)}, staging "
+            f"{format_bytes(staging)}, units "
             f"{format_bytes(units)}, buffers and tables {format_bytes(fixed)}, activation reserve "
             f"{format_bytes(reserve_at(smallest(minimum)))})",
             smallest(minimum),

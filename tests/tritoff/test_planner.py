@@ -99,5 +99,5 @@ def test_one_group_larger_than_the_others_stays_resident_where_that_lowers_the_m
         plan([twice], MB, "group", 2, MB)
     # zero-copy (no staging) with a prefetch of 0 has one slot: the larger group costs no more in it than resident
     assert ring_for(comp, 0, staged=False) == Ring([], 1, 20 * MB, 0)
-    with pytest.raises(BudgetError, match=r"\(1 ring slots of 20\.00 MiB, staging 0 B"):
+    with pytest.raises(BudgetError, match=r"\(1 ring slot of 20\.00 MiB, staging 0 B"):
         plan([comp], MB, "group", 0, MB, staged=False)
