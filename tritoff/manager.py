@@ -7,9 +7,11 @@ are accelerate ``ModelHook``s (put under diffusers' own hooks, and taken off, by
 everything, nothing depends on the order features were enabled in.
 
 Prefetch: the order of a component's groups starts as their module order and is replaced by the order traced during
-its first forward. After a group's forward starts, the next ``depth`` groups in that order (wrapping to the first
-block of the next forward) are already being written into ring slots on the side stream. A group that runs out of that
-order is loaded synchronously and counted; one the traced forward skipped then joins the order where it ran.
+its first forward, and by the order traced during the first forward with other input shapes or flags when called with
+those again (a call skipping blocks by an argument, a model looping over its inputs, run another order). After a
+group's forward starts, the next ``depth`` groups in that order (wrapping to the first block of the next forward) are
+already being written into ring slots on the side stream. A group that runs out of that order is loaded synchronously
+and counted; one the traced forward skipped then joins the order where it ran.
 
 Under ``torch.compile`` the hooks stay outside the compiled regions (``torch.compiler.disable``): a block's body
 compiles to one graph, reused for every block of the same class whatever slot its weights sit in, and the binding of
@@ -51,6 +53,10 @@ _STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError",
 PLANNED_METHODS = ("encode", "decode")
 
 
+# call keys whose traced orders a component keeps (a model called with another key at every call keeps the latest)
+MAX_ORDERS = 16
+
+
 class RefusedUnchanged(RuntimeError):
     """A call refused before its hook changed anything: that call needs no recovery, which would release what the
     calls around it still hold (a block whose forward catches the refusal goes on with its weights); the calls it
@@ -74,7 +80,7 @@ class ComponentStats:
     bytes_h2d: int = 0
     onloads: int = 0
     sync_onloads: int = 0  # groups that ran out of the traced order
-    trace_sync_onloads: int = 0  # the first forward, while its order was being traced
+    trace_sync_onloads: int = 0  # calls tracing their order (the first, and the first of each other call key)
     pool_loads: int = 0  # phase entries that uploaded it
     entry_bytes: int = 0  # host bytes those entries moved
     evictions: int = 0
@@ -98,6 +104,8 @@ class ComponentRuntime:
     host: list[HostTable] = field(default_factory=list)  # lookup tables kept in host memory
     reads_disk: bool = False  # some streamed block is served from disk
     order: list[int] = field(default_factory=list)  # module order until the first forward is traced
+    orders: dict = field(default_factory=dict)  # _call_key -> the order traced on the first call with that key
+    call_key: tuple | None = None  # the outermost running call's
     trace: list[int] | None = None
     traced: bool = False
     loaded: bool = False
@@ -164,6 +172,19 @@ def planned_method(manager: HookManager, comp: ComponentRuntime, method: str):
 
     call._tritoff = True
     return call
+
+
+def _call_key(args, kwargs) -> tuple:
+    """What picks a call's block order: its tensors' shapes and dtypes, and its flags, names and counts (``bool``,
+    ``int``, ``str``, ``None``: ``skip_layers=[2]``, ``kv_cache_mode="cached"``); other values by their type only."""
+    return tuple(
+        (tuple(t.shape), t.dtype)
+        if isinstance(t, torch.Tensor)
+        else (type(t).__name__, t)
+        if t is None or isinstance(t, (bool, int, str))
+        else type(t).__name__
+        for t in tree_leaves((args, kwargs))
+    )
 
 
 def _shapes(args, kwargs) -> tuple:
@@ -330,17 +351,25 @@ class HookManager:
         counted = steady and loaded  # entering the phase here is an upload, not the hooks' overhead
         comp.stats.calls += 1
         comp.last_ran = None
+        outermost = not comp.active
         if comp.blocks:  # encode/decode run pre_forward only (diffusers' apply_forward_hook): never marked active
             comp.active += 1
         self.enter(comp)
         if comp.blocks:
             if not comp.order:
                 comp.order = list(range(len(comp.blocks)))
-            if not comp.traced and comp.trace is None:
-                comp.trace = []
-                self._start_activation_measure(comp)
+            switched = False
+            if outermost:
+                comp.call_key = _call_key(args, kwargs)
+                order = comp.orders.get(comp.call_key)
+                switched = order is not None and order != comp.order
+                comp.order = order if order is not None else comp.order
+                if comp.trace is None and (not comp.traced or order is None):  # the first call, or first of its key
+                    comp.trace = []
+                    if not comp.traced:
+                        self._start_activation_measure(comp)
             head = self.inflight[0] if self.inflight else None
-            if head is None or head.component != comp.name:
+            if head is None or head.component != comp.name or (switched and not self._follows_order(comp)):
                 self._restart_prefetch(comp)
         if counted:  # the component's hooks count with its blocks': their checks run here, once per call
             comp.stats.hook_ns += time.perf_counter_ns() - self.transfer_ns - start
@@ -353,11 +382,16 @@ class HookManager:
         if comp.trace is not None and comp.active == 0:
             self._finish_activation_measure(comp)
             traced, comp.trace = comp.trace, None
-            comp.traced = bool(traced)
-            if not traced and any(g.tier in ("fp8", "stream") for g in comp.blocks):
+            first = not comp.traced
+            comp.traced = comp.traced or bool(traced)
+            if first and not traced and any(g.tier in ("fp8", "stream") for g in comp.blocks):
                 # resident blocks hold their weights from the phase's entry: only those moving through slots need
                 # their hooks (a forward that calls none is traced again, so a re-plan that streams them is seen)
                 raise _blocks_never_called(comp)
+            if traced:
+                if len(comp.orders) >= MAX_ORDERS:  # a key changing at every call: keep the latest
+                    del comp.orders[next(iter(comp.orders))]
+                comp.orders[comp.call_key] = traced
             if traced and traced != comp.order:
                 comp.order = traced
                 if self.cursor is not None and self.cursor[0] == comp.name:
@@ -647,6 +681,22 @@ class HookManager:
         self._invalidate()
         self.cursor = (comp.name, -1)
         self._top_up(block=True)
+
+    def _follows_order(self, comp: ComponentRuntime) -> bool:
+        """Whether the groups in flight are the first ones ``comp``'s order loads (prefetched from another order
+        that starts alike); if so the cursor moves to the last of them in this order."""
+        position, expected = -1, []
+        for step in range(len(comp.order)):
+            group = comp.blocks[comp.order[step]]
+            if group.tier in ("fp8", "stream") and group not in expected:
+                expected.append(group)
+                position = step
+                if len(expected) == len(self.inflight):
+                    break
+        if expected != list(self.inflight):
+            return False
+        self.cursor = (comp.name, position)
+        return True
 
     def _invalidate(self) -> None:
         while self.inflight:

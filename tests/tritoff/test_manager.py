@@ -320,6 +320,41 @@ def test_blocks_the_traced_call_skipped_join_the_order_where_they_run():
     assert engine.stats["components"]["model"]["sync_onloads"] == synchronous  # prefetched from then on
 
 
+class _Arguments(Stack):
+    """A Stack whose calls say which blocks to skip and in which direction to run (skip layer guidance, a loop over
+    its inputs)."""
+
+    def forward(self, x, skip=(), reverse=False):
+        self.skip, self.reverse = set(skip), reverse
+        return super().forward(x)
+
+
+def test_calls_whose_arguments_change_the_block_order_each_prefetch_their_own_traced_order():
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    reference = dequantize_in_place(realistic_init(_Arguments()).to(torch.bfloat16).eval())
+    torch.manual_seed(0)
+    model = realistic_init(_Arguments()).to(torch.bfloat16).eval()
+    engine = _enable(model, _minimum(_stack()))
+    assert engine.plan.tier_counts("model")["stream"] == 5
+    kinds = [dict(), dict(skip=[1, 2, 3]), dict(reverse=True), dict(skip=[0], reverse=True)]
+    with torch.no_grad():
+        for kind in kinds:  # the first call of each kind traces its order
+            assert torch.equal(model(x, **kind), reference(x, **kind))
+        stats = dict(engine.stats["components"]["model"])
+        for kind in kinds * 2 + kinds[::-1]:  # each later call prefetches the order its kind ran
+            assert torch.equal(model(x, **kind), reference(x, **kind))
+        after = dict(engine.stats["components"]["model"])
+        assert stats["trace_sync_onloads"] > 0 and after["sync_onloads"] == stats["sync_onloads"] == 0
+        assert after["trace_sync_onloads"] == stats["trace_sync_onloads"]
+        for kind in kinds:  # calls of one kind in a row move each of their blocks once (a switch may drop a prefetch)
+            model(x, **kind)
+            before = engine.stats["components"]["model"]["onloads"]
+            for _ in range(3):
+                model(x, **kind)
+            assert engine.stats["components"]["model"]["onloads"] - before == 3 * (5 - len(kind.get("skip", ())))
+
+
 def test_prefetch_runs_depth_groups_ahead_and_wraps_around():
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     model = _stack()
