@@ -7,8 +7,9 @@ are accelerate ``ModelHook``s (put under diffusers' own hooks, and taken off, by
 everything, nothing depends on the order features were enabled in.
 
 Prefetch: the order of a component's groups starts as their module order and is replaced by the order traced during
-its first forward, and by the order traced during the first forward with other input shapes or flags when called with
-those again (a call skipping blocks by an argument, a model looping over its inputs, run another order). After a
+its first forward; a call whose key (input shapes, flags, keyword names: ``_call_key``) came before follows the order
+its first call with that key traced (a call skipping blocks by an argument, a model looping over its inputs, run
+another order), any other call the first forward's. After a
 group's forward starts, the next ``depth`` groups in that order (wrapping to the first block of the next forward) are
 already being written into ring slots on the side stream. A group that runs out of that order is loaded synchronously
 and counted; one the traced forward skipped then joins the order where it ran.
@@ -80,7 +81,7 @@ class ComponentStats:
     bytes_h2d: int = 0
     onloads: int = 0
     sync_onloads: int = 0  # groups that ran out of the traced order
-    trace_sync_onloads: int = 0  # calls tracing their order (the first, and the first of each other call key)
+    trace_sync_onloads: int = 0  # the first forward, while its order was being traced
     pool_loads: int = 0  # phase entries that uploaded it
     entry_bytes: int = 0  # host bytes those entries moved
     evictions: int = 0
@@ -105,6 +106,7 @@ class ComponentRuntime:
     reads_disk: bool = False  # some streamed block is served from disk
     order: list[int] = field(default_factory=list)  # module order until the first forward is traced
     orders: dict = field(default_factory=dict)  # _call_key -> the order traced on the first call with that key
+    default_order: list[int] = field(default_factory=list)  # the first call's: for keys without an order of their own
     call_key: tuple | None = None  # the outermost running call's
     trace: list[int] | None = None
     traced: bool = False
@@ -176,15 +178,20 @@ def planned_method(manager: HookManager, comp: ComponentRuntime, method: str):
 
 def _call_key(args, kwargs) -> tuple:
     """What picks a call's block order: its tensors' shapes and dtypes, and its flags, names and counts (``bool``,
-    ``int``, ``str``, ``None``: ``skip_layers=[2]``, ``kv_cache_mode="cached"``); other values by their type only."""
-    return tuple(
-        (tuple(t.shape), t.dtype)
-        if isinstance(t, torch.Tensor)
-        else (type(t).__name__, t)
-        if t is None or isinstance(t, (bool, int, str))
-        else type(t).__name__
-        for t in tree_leaves((args, kwargs))
-    )
+    ``int``, ``str``, ``None``: ``skip_layers=[2]``, ``kv_cache_mode="cached"``), each keyword argument by its name;
+    other values (and nested tensors, whose sizes vary within) by their type only."""
+
+    def leaves(tree) -> tuple:
+        return tuple(
+            (tuple(t.shape), t.dtype)
+            if isinstance(t, torch.Tensor) and not t.is_nested
+            else (type(t).__name__, t)
+            if t is None or isinstance(t, (bool, int, str))
+            else type(t).__name__
+            for t in tree_leaves(tree)
+        )
+
+    return leaves(args), tuple((name, leaves(value)) for name, value in sorted(kwargs.items()))
 
 
 def _shapes(args, kwargs) -> tuple:
@@ -358,18 +365,20 @@ class HookManager:
         if comp.blocks:
             if not comp.order:
                 comp.order = list(range(len(comp.blocks)))
-            switched = False
             if outermost:
                 comp.call_key = _call_key(args, kwargs)
-                order = comp.orders.get(comp.call_key)
-                switched = order is not None and order != comp.order
-                comp.order = order if order is not None else comp.order
-                if comp.trace is None and (not comp.traced or order is None):  # the first call, or first of its key
+                own = comp.orders.pop(comp.call_key, None)
+                if own is not None:
+                    comp.orders[comp.call_key] = own  # the most recently used last: the oldest is dropped first
+                comp.order = own or comp.default_order or comp.order
+                if comp.trace is None and (not comp.traced or own is None):  # the first call, or first of its key
                     comp.trace = []
                     if not comp.traced:
                         self._start_activation_measure(comp)
             head = self.inflight[0] if self.inflight else None
-            if head is None or head.component != comp.name or (switched and not self._follows_order(comp)):
+            # a call's first blocks in flight, prefetched at the end of the last call: kept where they are the ones
+            # this call's order starts with (another kind of call may have left others)
+            if head is None or head.component != comp.name or (outermost and not self._follows_order(comp)):
                 self._restart_prefetch(comp)
         if counted:  # the component's hooks count with its blocks': their checks run here, once per call
             comp.stats.hook_ns += time.perf_counter_ns() - self.transfer_ns - start
@@ -389,12 +398,16 @@ class HookManager:
                 # their hooks (a forward that calls none is traced again, so a re-plan that streams them is seen)
                 raise _blocks_never_called(comp)
             if traced:
-                if len(comp.orders) >= MAX_ORDERS:  # a key changing at every call: keep the latest
+                if len(comp.orders) >= MAX_ORDERS:  # a key changing at every call: keep the latest used
                     del comp.orders[next(iter(comp.orders))]
-                comp.orders[comp.call_key] = traced
-            if traced and traced != comp.order:
-                comp.order = traced
-                if self.cursor is not None and self.cursor[0] == comp.name:
+                # its own copy: calls of keys without an order follow the first call's, and blocks they run out of it
+                # join that one, not this key's
+                comp.orders[comp.call_key] = list(traced)
+            # a later key's order waits for its next call: a key that never comes back (a step counter) leaves the
+            # prefetch on the first call's order, as if it were not traced
+            if first and traced:
+                comp.default_order, comp.order, before = traced, traced, comp.order
+                if traced != before and self.cursor is not None and self.cursor[0] == comp.name:
                     # prefetch was following the module order: restart it on the traced one
                     self._restart_prefetch(comp)
         self._check_slots(comp)
@@ -625,13 +638,15 @@ class HookManager:
                 self.inflight.popleft()
             else:
                 self._invalidate()
-                if comp.trace is None:
-                    comp.stats.sync_onloads += 1
-                else:
+                # the first call traces the order: its misses are the warm-up's (a later key's count as misses)
+                warm_up = comp.trace is not None and not comp.traced
+                if warm_up:
                     comp.stats.trace_sync_onloads += 1
+                else:
+                    comp.stats.sync_onloads += 1
                 self._issue(group)
                 index = self.index[id(group)]
-                if index not in comp.order and comp.trace is None:
+                if index not in comp.order and not warm_up:
                     # a block the traced call skipped (a condition): it goes after the block that ran before it in
                     # this call, so later calls prefetch it
                     after = comp.order.index(comp.last_ran) if comp.last_ran in comp.order else -1
@@ -683,8 +698,8 @@ class HookManager:
         self._top_up(block=True)
 
     def _follows_order(self, comp: ComponentRuntime) -> bool:
-        """Whether the groups in flight are the first ones ``comp``'s order loads (prefetched from another order
-        that starts alike); if so the cursor moves to the last of them in this order."""
+        """Whether the groups in flight are the first ones ``comp``'s order loads; if so the cursor moves to the last
+        of them in this order."""
         position, expected = -1, []
         for step in range(len(comp.order)):
             group = comp.blocks[comp.order[step]]
