@@ -159,3 +159,114 @@ def in_threads(work, threads: int) -> list[BaseException]:
     for thread in running:
         thread.join()
     return errors
+
+
+ROPE = dict(attention_head_dim=16, num_attention_heads=2)
+# tiny transformers of families beyond tritoff.tiny's pipelines: (diffusers class, config)
+TINY_TRANSFORMERS = {
+    "qwen-image": (
+        "QwenImageTransformer2DModel",
+        dict(
+            ROPE,
+            patch_size=2,
+            in_channels=16,
+            out_channels=4,
+            num_layers=2,
+            joint_attention_dim=32,
+            axes_dims_rope=(4, 6, 6),
+        ),
+    ),
+    "chroma": (
+        "ChromaTransformer2DModel",
+        dict(
+            ROPE,
+            patch_size=1,
+            in_channels=8,
+            num_layers=1,
+            num_single_layers=2,
+            joint_attention_dim=32,
+            axes_dims_rope=(4, 6, 6),
+            approximator_num_channels=16,
+            approximator_hidden_dim=32,
+            approximator_layers=2,
+        ),
+    ),
+    "skyreels-v2": (
+        "SkyReelsV2Transformer3DModel",
+        dict(
+            ROPE,
+            patch_size=(1, 2, 2),
+            in_channels=4,
+            out_channels=4,
+            text_dim=32,
+            freq_dim=32,
+            ffn_dim=64,
+            num_layers=2,
+            rope_max_seq_len=32,
+            inject_sample_info=True,
+        ),
+    ),
+    "hunyuan-video-1.5": (
+        "HunyuanVideo15Transformer3DModel",
+        dict(
+            ROPE,
+            in_channels=4,
+            out_channels=4,
+            num_layers=2,
+            num_refiner_layers=1,
+            text_embed_dim=32,
+            text_embed_2_dim=32,
+            image_embed_dim=32,
+            rope_axes_dim=(4, 6, 6),
+        ),
+    ),
+    "sd3": (
+        "SD3Transformer2DModel",
+        dict(
+            ROPE,
+            sample_size=16,
+            patch_size=2,
+            in_channels=4,
+            num_layers=3,
+            joint_attention_dim=32,
+            caption_projection_dim=32,
+            pooled_projection_dim=16,
+            out_channels=4,
+            pos_embed_max_size=16,
+            dual_attention_layers=(0,),
+            qk_norm="rms_norm",
+        ),
+    ),
+    "ltx-2": (
+        "LTX2VideoTransformer3DModel",
+        dict(
+            in_channels=8,
+            out_channels=8,
+            num_attention_heads=2,
+            attention_head_dim=16,
+            cross_attention_dim=32,
+            audio_in_channels=8,
+            audio_out_channels=8,
+            audio_num_attention_heads=2,
+            audio_attention_head_dim=8,
+            audio_cross_attention_dim=16,
+            num_layers=2,
+            caption_channels=32,
+        ),
+    ),
+}
+
+
+def tiny_transformer(family: str) -> torch.nn.Module:
+    """A tiny bf16 transformer of ``family`` (``TINY_TRANSFORMERS``) with realistic random weights."""
+    import warnings
+
+    import diffusers
+
+    from tritoff.tiny import realistic_init
+
+    cls, config = TINY_TRANSFORMERS[family]
+    torch.manual_seed(0)
+    with warnings.catch_warnings():  # deprecations, "modules that should be kept in float32: []"
+        warnings.simplefilter("ignore")
+        return realistic_init(getattr(diffusers, cls)(**config)).to(torch.bfloat16).eval()

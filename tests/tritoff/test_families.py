@@ -17,7 +17,7 @@ import tritoff
 from tritoff import tiny
 from tritoff.planner import BudgetError
 
-from .helpers import dequantize_in_place, dequantized_pipeline, lora_state_dict
+from .helpers import dequantize_in_place, dequantized_pipeline, lora_state_dict, tiny_transformer
 
 pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
 
@@ -196,119 +196,34 @@ def _sd3(g, size, skip_layers):
     )
 
 
-ROPE = dict(attention_head_dim=16, num_attention_heads=2)
-# transformer families beyond the pipelines above: (class, config, two calls of other shapes or options)
-TRANSFORMERS = {
+# transformer families beyond the pipelines above (helpers.TINY_TRANSFORMERS): two calls of other shapes or options
+TRANSFORMER_CALLS = {
     # modulation (img_mod, txt_mod) kept in bf16 beside each block's fp8 linears
-    "qwen-image": (
-        "QwenImageTransformer2DModel",
-        dict(
-            ROPE,
-            patch_size=2,
-            in_channels=16,
-            out_channels=4,
-            num_layers=2,
-            joint_attention_dim=32,
-            axes_dims_rope=(4, 6, 6),
-        ),
-        lambda g: [_qwen_image(g, 4, 4, 8), _qwen_image(g, 6, 4, 10)],
-    ),
+    "qwen-image": lambda g: [_qwen_image(g, 4, 4, 8), _qwen_image(g, 6, 4, 10)],
     # a guidance network outside the blocks makes every block's modulation: kept in bf16
-    "chroma": (
-        "ChromaTransformer2DModel",
-        dict(
-            ROPE,
-            patch_size=1,
-            in_channels=8,
-            num_layers=1,
-            num_single_layers=2,
-            joint_attention_dim=32,
-            axes_dims_rope=(4, 6, 6),
-            approximator_num_channels=16,
-            approximator_hidden_dim=32,
-            approximator_layers=2,
-        ),
-        lambda g: [_chroma(g, 4, 4, 8), _chroma(g, 6, 4, 10)],
-    ),
+    "chroma": lambda g: [_chroma(g, 4, 4, 8), _chroma(g, 6, 4, 10)],
     # the fps projection into the timestep's modulation, and diffusion forcing (a timestep per frame)
-    "skyreels-v2": (
-        "SkyReelsV2Transformer3DModel",
-        dict(
-            ROPE,
-            patch_size=(1, 2, 2),
-            in_channels=4,
-            out_channels=4,
-            text_dim=32,
-            freq_dim=32,
-            ffn_dim=64,
-            num_layers=2,
-            rope_max_seq_len=32,
-            inject_sample_info=True,
-        ),
-        lambda g: [_skyreels(g, 2, 4, False), _skyreels(g, 3, 4, True)],
-    ),
+    "skyreels-v2": lambda g: [_skyreels(g, 2, 4, False), _skyreels(g, 3, 4, True)],
     # one layer of its second text embedder outweighs every block: kept resident in leaf mode
-    "hunyuan-video-1.5": (
-        "HunyuanVideo15Transformer3DModel",
-        dict(
-            ROPE,
-            in_channels=4,
-            out_channels=4,
-            num_layers=2,
-            num_refiner_layers=1,
-            text_embed_dim=32,
-            text_embed_2_dim=32,
-            image_embed_dim=32,
-            rope_axes_dim=(4, 6, 6),
-        ),
-        lambda g: [_hunyuan_video_15(g, 2, 4, 8), _hunyuan_video_15(g, 3, 4, 10)],
-    ),
+    "hunyuan-video-1.5": lambda g: [_hunyuan_video_15(g, 2, 4, 8), _hunyuan_video_15(g, 3, 4, 10)],
     # blocks of three sizes (dual attention, a last one without context output), and a call skipping a streamed one
     # (skip layer guidance): its slot is reused
-    "sd3": (
-        "SD3Transformer2DModel",
-        dict(
-            ROPE,
-            sample_size=16,
-            patch_size=2,
-            in_channels=4,
-            num_layers=3,
-            joint_attention_dim=32,
-            caption_projection_dim=32,
-            pooled_projection_dim=16,
-            out_channels=4,
-            pos_embed_max_size=16,
-            dual_attention_layers=(0,),
-            qk_norm="rms_norm",
-        ),
-        lambda g: [_sd3(g, 8, None), _sd3(g, 8, [0, 2])],
-    ),
+    "sd3": lambda g: [_sd3(g, 8, None), _sd3(g, 8, [0, 2])],
 }
 
 
-def _tiny_transformer(family):
-    import diffusers
-
-    cls, config, _ = TRANSFORMERS[family]
-    torch.manual_seed(0)
-    with warnings.catch_warnings():  # deprecations, "modules that should be kept in float32: []"
-        warnings.simplefilter("ignore")
-        model = getattr(diffusers, cls)(**config)
-        return tiny.realistic_init(model).to(torch.bfloat16).eval()
-
-
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-@pytest.mark.parametrize("family", list(TRANSFORMERS))
+@pytest.mark.parametrize("family", list(TRANSFORMER_CALLS))
 def test_transformer_family_equals_its_dequantized_twin_at_the_smallest_budgets(family):
     """In group and leaf mode at their smallest budgets (blocks streamed; in a tiny model whose blocks differ in size
     the largest may be kept resident), the transformer computes what its dequantized twin does, for two calls of other
     shapes or options."""
-    calls = TRANSFORMERS[family][2](torch.Generator().manual_seed(0))
+    calls = TRANSFORMER_CALLS[family](torch.Generator().manual_seed(0))
     with torch.no_grad():
-        reference = dequantize_in_place(_tiny_transformer(family))
+        reference = dequantize_in_place(tiny_transformer(family))
         expected = [reference(**call).sample for call in calls]
-        assert not torch.equal(expected[0], _tiny_transformer(family)(**calls[0]).sample)  # fp8 changes the result
-    model = _tiny_transformer(family)
+        assert not torch.equal(expected[0], tiny_transformer(family)(**calls[0]).sample)  # fp8 changes the result
+    model = tiny_transformer(family)
     for mode in ("group", "leaf"):
         engine = tritoff.enable(model, mode=mode, budget=_minimum(model, mode), reserve=1000, progress=False)
         blocks = engine.manager.components["model"].blocks

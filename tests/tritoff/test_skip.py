@@ -6,6 +6,8 @@ import torch
 from tritoff.skip import SkipRules
 from tritoff.tiny import tiny_cogvideox_transformer, tiny_wan_transformer
 
+from .helpers import tiny_transformer
+
 ATTN = ("to_q", "to_k", "to_v", "to_out.0")
 
 
@@ -107,8 +109,8 @@ def test_integer_bool_and_fp8_weights_keep_their_dtype():
     assert quantized == _expected("blocks", 2, "ffn") - {f"{name}.weight" for name in weights}
 
 
-def _kept_and_quantized(cls, **config):
-    model = cls(**config).to(torch.bfloat16)
+def _kept_and_quantized(family):
+    model = tiny_transformer(family)
     quantized = SkipRules.for_model(model).quantized_names(model)
     linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     return linears - quantized, quantized
@@ -116,58 +118,19 @@ def _kept_and_quantized(cls, **config):
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_modulation_guidance_and_embedders_of_other_families_stay():
-    from diffusers import ChromaTransformer2DModel, LTX2VideoTransformer3DModel, QwenImageTransformer2DModel
-
     # QwenImage's per-block modulation (img_mod, txt_mod: a sixth of each block's weights) by name
-    kept, quantized = _kept_and_quantized(
-        QwenImageTransformer2DModel,
-        patch_size=2,
-        in_channels=16,
-        out_channels=4,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        axes_dims_rope=(4, 6, 6),
-    )
+    kept, quantized = _kept_and_quantized("qwen-image")
     assert {f"transformer_blocks.{i}.{m}_mod.1.weight" for i in range(2) for m in ("img", "txt")} <= kept
     assert "transformer_blocks.0.img_mlp.net.0.proj.weight" in quantized
     assert "transformer_blocks.0.attn.to_q.weight" in quantized
     # Chroma's distilled guidance layer makes every block's modulation; its input projections are embedders
-    kept, quantized = _kept_and_quantized(
-        ChromaTransformer2DModel,
-        patch_size=1,
-        in_channels=8,
-        num_layers=1,
-        num_single_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        axes_dims_rope=(4, 6, 6),
-        approximator_num_channels=16,
-        approximator_hidden_dim=32,
-        approximator_layers=2,
-    )
+    kept, quantized = _kept_and_quantized("chroma")
     guidance = {n for n in kept | quantized if n.startswith("distilled_guidance_layer.")}
     assert len(guidance) == 6 and guidance <= kept
     assert {"x_embedder.weight", "context_embedder.weight"} <= kept
     assert "single_transformer_blocks.0.proj_mlp.weight" in quantized
     # LTX-2's cross-attention gates are adaptive norms named *_gate: kept by their class
-    kept, quantized = _kept_and_quantized(
-        LTX2VideoTransformer3DModel,
-        in_channels=8,
-        out_channels=8,
-        num_attention_heads=2,
-        attention_head_dim=16,
-        cross_attention_dim=32,
-        audio_in_channels=8,
-        audio_out_channels=8,
-        audio_num_attention_heads=2,
-        audio_attention_head_dim=8,
-        audio_cross_attention_dim=16,
-        num_layers=2,
-        caption_channels=32,
-    )
+    kept, quantized = _kept_and_quantized("ltx-2")
     for name in ("av_cross_attn_video_a2v_gate", "av_cross_attn_audio_v2a_gate", "av_cross_attn_video_scale_shift"):
         assert f"{name}.linear.weight" in kept, name
     assert {"audio_proj_in.weight", "audio_proj_out.weight"} <= kept
