@@ -55,6 +55,11 @@ class ComponentSize:
     looped: bool  # called many times per pipeline call (a denoiser): favour its blocks
 
     @property
+    def groups(self) -> list[GroupSize]:
+        """Its block groups and its unit."""
+        return [*self.blocks, *([self.rest] if self.rest else [])]
+
+    @property
     def unit_bytes(self) -> int:
         """Bytes of its unit (the whole component when not split)."""
         return self.rest.unpacked if self.rest else 0
@@ -234,7 +239,7 @@ def ring_for(component: ComponentSize, depth: int, staged: bool = True) -> Ring:
     among small ones: a time projection in leaf mode). Streamed blocks move in two chunks, so the DMA of one overlaps
     the upcast of the other at the cost of one pack of staging (a third chunk would hold the next pack's DMA back); a
     block kept resident loads in more. ``depth`` ring slots come after the running block's."""
-    floor = max(g.min_chunk for g in [*component.blocks, *([component.rest] if component.rest else [])])
+    floor = max(g.min_chunk for g in component.groups)
     by_size = sorted(component.blocks, key=lambda g: g.unpacked, reverse=True)
     halves = [g.half_chunk or -(-g.packed // 2) for g in by_size]
     for i in range(len(halves) - 2, -1, -1):  # the largest half chunk of the blocks from i on
@@ -253,7 +258,7 @@ def chunk_capacity(component: ComponentSize, depth: int, staged: bool = True) ->
     """Bytes of one staging half for ``component``: for a split one its ring's (:func:`ring_for`), for one moving
     whole its largest pack, at most ``UNIT_STAGING``. Depends on the sizes and ``depth`` alone, never on the
     budget."""
-    groups = [*component.blocks, *([component.rest] if component.rest else [])]
+    groups = component.groups
     if not staged or not groups:
         return 0
     if component.blocks:
