@@ -527,8 +527,8 @@ def _cmd_plan(args) -> int:
     parse_host_budget(args.host_budget, what="--host-budget")
     # the model and its dimensions from configs alone, before torch and diffusers are imported (seconds)
     if args.model in PRESETS:
-        family, _, transformer, _ = PRESETS[args.model]
-        _check_dimensions(args, VAE_SHAPES[family], transformer)
+        preset = PRESETS[args.model]
+        _check_dimensions(args, VAE_SHAPES[preset.family], preset.transformer)
     elif Path(args.model).is_dir():
         if not (Path(args.model) / "model_index.json").is_file():
             raise CliError(
@@ -686,13 +686,15 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--overwrite", action="store_true", help="replace the store already in OUT_DIR")
     convert.set_defaults(func=_cmd_convert)
 
+    from tritoff.presets import PRESETS  # configs only: no torch
+
     preview = sub.add_parser(
         "plan", help="what a pipeline needs at a budget and video shape, from its configs alone (nothing read)", **kw
     )
     preview.add_argument(
         "model",
         type=_path,
-        help="a local diffusers pipeline directory, or wan2.1-t2v-14b, wan2.2-t2v-a14b, cogvideox-5b",
+        help=f"a local diffusers pipeline directory, or {', '.join(PRESETS)}",
     )
     preview.add_argument("--budget", default="12GB", help="GPU memory budget")
     preview.add_argument(

@@ -22,6 +22,7 @@ from tritoff.arena import HostArena
 from tritoff.atomic import interrupts_held
 from tritoff.budget import format_bytes
 from tritoff.disk import DiskRing, spill_files
+from tritoff.experts import expert_shares
 from tritoff.formats import get_format
 from tritoff.groups import Group, group_label, is_block, is_host
 from tritoff.host_lookup import HostLookupHook, HostTable, host_views
@@ -512,7 +513,8 @@ def enable(
     operations.check_compiled_wrappers(preflight.wrapped_components(target))
     the_plan, chunks = plan_for(sizes, group_lists, layouts, components, options, fixed_groups=store is not None)
     loops = {name: looped(name) for name in components}
-    in_ram = None if reuse else hold_plan(group_lists, layouts, the_plan, loops, options.host_budget)
+    shares = expert_shares(target)
+    in_ram = None if reuse else hold_plan(group_lists, layouts, the_plan, loops, options.host_budget, shares)
     if store is not None:
         # the packs the host budget holds are read (and checked) now, before anything changes; the rest stay on disk
         for name, packed_model in stored.items():

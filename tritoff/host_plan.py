@@ -3,8 +3,9 @@
 Packs are held in the order of how often they are read: first the blocks a denoiser streams (read every step), then
 blocks other components stream (read every call: a text encoder once per prompt), then what the GPU plan keeps
 resident in a denoiser's phase (read when its phase is entered), then everything else, and last the lookup tables
-kept on the host (served from disk, a lookup reads only the rows it gathers). Within a rank, components come in
-pipeline order, so Wan 2.2's first expert (``transformer``, the high-noise steps) is held before the second. Where
+kept on the host (served from disk, a lookup reads only the rows it gathers). Within a rank, the expert that takes
+more of the steps comes first (Wan 2.2, ``tritoff/experts.py``: the high-noise ``transformer`` under T2V-A14B's
+defaults, ``transformer_2`` under I2V-A14B's), then components in pipeline order. Where
 only some of a component's streamed blocks fit, the held ones are spread evenly through its blocks, so each block
 read from disk has the compute of held blocks around it to hide behind.
 """
@@ -37,20 +38,28 @@ def _spread(count: int, total: int) -> list[int]:
 
 
 def hold_plan(
-    group_lists: dict, layouts: dict, the_plan: PhasedPlan, looped: dict[str, bool], budget: int | None
+    group_lists: dict,
+    layouts: dict,
+    the_plan: PhasedPlan,
+    looped: dict[str, bool],
+    budget: int | None,
+    shares: dict[str, float] | None = None,
 ) -> dict[str, set[str]] | None:
-    """Each component's groups whose packs the host ``budget`` (bytes) holds; None when there is no budget (all)."""
+    """Each component's groups whose packs the host ``budget`` (bytes) holds; None when there is no budget (all).
+    ``shares``: the share of the steps each of two experts takes (:func:`tritoff.experts.expert_shares`)."""
     if budget is None:
         return None
-    classes: dict[tuple[int, int], list[tuple[str, int]]] = {}
+    shares = shares or {}
+    classes: dict[tuple[int, float, int], list[tuple[str, int]]] = {}
     for order, (name, groups) in enumerate(group_lists.items()):
         for group, layout in zip(groups, layouts[name], strict=True):
             rank = _rank(name, group, the_plan, looped[name])
-            classes.setdefault((rank, order), []).append((group.name, align(layout.nbytes, PAGE)))
+            key = (rank, -shares.get(name, 0.0), order)
+            classes.setdefault(key, []).append((group.name, align(layout.nbytes, PAGE)))
     held = {name: set() for name in group_lists}
     left = budget
     names = list(group_lists)
-    for (rank, order), members in sorted(classes.items()):
+    for (rank, _, order), members in sorted(classes.items()):
         name = names[order]
         fit, used = 0, 0
         for _, nbytes in members:  # how many fit in module order

@@ -5,6 +5,8 @@ The shapes are those of the published checkpoints (transformer, text encoder and
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 WAN_14B = dict(
     patch_size=(1, 2, 2),
     num_attention_heads=40,
@@ -20,6 +22,11 @@ WAN_14B = dict(
     eps=1e-6,
     rope_max_seq_len=1024,
 )
+# Wan 2.1 I2V-14B (480P and 720P: one architecture): the image and the mask concatenated to the latents (36 channels
+# in), and a CLIP image embedding attended to in every block
+WAN_14B_I2V = dict(WAN_14B, in_channels=36, image_dim=1280, added_kv_proj_dim=5120)
+# Wan 2.2 I2V-A14B: the concatenated channels, no image embedding
+WAN_A14B_I2V = dict(WAN_14B, in_channels=36)
 COGVIDEOX_5B = dict(
     num_attention_heads=48,
     attention_head_dim=64,
@@ -58,6 +65,18 @@ T5_XXL = dict(
     feed_forward_proj="gated-gelu",
     dropout_rate=0.0,
 )
+# laion/CLIP-ViT-H-14-laion2B-s32B-b79K's vision tower: Wan 2.1 I2V's image encoder
+CLIP_VIT_H14 = dict(
+    hidden_size=1280,
+    intermediate_size=5120,
+    num_hidden_layers=32,
+    num_attention_heads=16,
+    patch_size=14,
+    image_size=224,
+    projection_dim=1024,
+    hidden_act="gelu",
+    layer_norm_eps=1e-5,
+)
 
 # what the command line checks a preset's frames, height and width against before torch is imported: the keys of each
 # family's VAE config that fix them (the diffusers classes' defaults, the published configs; a test compares them)
@@ -66,12 +85,39 @@ VAE_SHAPES = {
     "cogvideox": dict(block_out_channels=(128, 256, 256, 512), temporal_compression_ratio=4),
 }
 
-# name -> (pipeline family, denoiser components, transformer config, text encoder config); the VAEs are the
-# diffusers classes' default configs, which are the published ones
+
+class Preset(NamedTuple):
+    """A published pipeline: its family, denoiser components and configs, and how it calls them."""
+
+    family: str
+    denoisers: tuple[str, ...]
+    transformer: dict
+    text_encoder: dict
+    image_encoder: dict | None = None  # a CLIP vision config: the pipeline embeds the image (Wan 2.1 I2V)
+    image_to_video: bool = False  # the pipeline encodes the conditioning image with the VAE
+    # the two experts of Wan 2.2: the share of the train timesteps the first takes, and the scheduler's flow shift
+    # (the Wan team's defaults: 0.875 and 12 for T2V-A14B, 0.9 and 5 for I2V-A14B) that places the steps on them
+    boundary_ratio: float | None = None
+    flow_shift: float | None = None
+
+
+# the VAEs are the diffusers classes' default configs, which are the published ones
 PRESETS = {
-    "wan2.1-t2v-14b": ("wan", ("transformer",), WAN_14B, UMT5_XXL),
-    "wan2.2-t2v-a14b": ("wan", ("transformer", "transformer_2"), WAN_14B, UMT5_XXL),
-    "cogvideox-5b": ("cogvideox", ("transformer",), COGVIDEOX_5B, T5_XXL),
+    "wan2.1-t2v-14b": Preset("wan", ("transformer",), WAN_14B, UMT5_XXL),
+    "wan2.2-t2v-a14b": Preset(
+        "wan", ("transformer", "transformer_2"), WAN_14B, UMT5_XXL, boundary_ratio=0.875, flow_shift=12.0
+    ),
+    "wan2.1-i2v-14b": Preset("wan", ("transformer",), WAN_14B_I2V, UMT5_XXL, CLIP_VIT_H14, image_to_video=True),
+    "wan2.2-i2v-a14b": Preset(
+        "wan",
+        ("transformer", "transformer_2"),
+        WAN_A14B_I2V,
+        UMT5_XXL,
+        image_to_video=True,
+        boundary_ratio=0.9,
+        flow_shift=5.0,
+    ),
+    "cogvideox-5b": Preset("cogvideox", ("transformer",), COGVIDEOX_5B, T5_XXL),
 }
 
 
@@ -123,22 +169,32 @@ def build_preset(name: str) -> tuple[str, dict]:
 
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}: give a local diffusers directory or one of {', '.join(PRESETS)}")
-    family, denoisers, transformer, encoder = PRESETS[name]
+    preset = PRESETS[name]
+    family = preset.family
     # imported before the meta device is made the default: a first import of torch._dynamo (diffusers imports it)
     # under it fails on torch 2.6
     from diffusers import AutoencoderKLCogVideoX, AutoencoderKLWan, CogVideoXTransformer3DModel, WanTransformer3DModel
-    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+    from transformers import (
+        CLIPVisionConfig,
+        CLIPVisionModelWithProjection,
+        T5Config,
+        T5EncoderModel,
+        UMT5Config,
+        UMT5EncoderModel,
+    )
 
     with torch.device("meta"):
         if family == "wan":
-            components = {"text_encoder": UMT5EncoderModel(UMT5Config(**encoder))}
-            for denoiser in denoisers:
-                components[denoiser] = WanTransformer3DModel(**transformer)
+            components = {"text_encoder": UMT5EncoderModel(UMT5Config(**preset.text_encoder))}
+            if preset.image_encoder is not None:
+                components["image_encoder"] = CLIPVisionModelWithProjection(CLIPVisionConfig(**preset.image_encoder))
+            for denoiser in preset.denoisers:
+                components[denoiser] = WanTransformer3DModel(**preset.transformer)
             components["vae"] = AutoencoderKLWan()
         else:
             components = {
-                "text_encoder": T5EncoderModel(T5Config(**encoder)),
-                "transformer": CogVideoXTransformer3DModel(**transformer),
+                "text_encoder": T5EncoderModel(T5Config(**preset.text_encoder)),
+                "transformer": CogVideoXTransformer3DModel(**preset.transformer),
                 "vae": AutoencoderKLCogVideoX(),
             }
     return family, {n: as_loaded(m, torch.bfloat16) for n, m in components.items()}

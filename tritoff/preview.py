@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 from tritoff.activations import meta_twin, reserve_bytes
 from tritoff.advice import alternatives, clauses
 from tritoff.budget import format_bytes, parse_host_budget, parse_size
+from tritoff.experts import expert_steps
 from tritoff.groups import is_host
 from tritoff.planner import BudgetError, fit_together, mode_label
 from tritoff.planner import plan as phase_plan
@@ -32,7 +34,35 @@ FAMILIES = {
     "wan": dict(tokens=512, cfg_batch=1, channels_first=True, temporal=4, spatial=8),
     "cogvideox": dict(tokens=226, cfg_batch=2, channels_first=False, temporal=4, spatial=8),
 }
-PIPELINE_FAMILIES = {"WanPipeline": "wan", "CogVideoXPipeline": "cogvideox"}
+PIPELINE_FAMILIES = {
+    "WanPipeline": "wan",
+    "WanImageToVideoPipeline": "wan",
+    "CogVideoXPipeline": "cogvideox",
+    "CogVideoXImageToVideoPipeline": "cogvideox",
+}
+# the pipelines that encode a conditioning image with the VAE before denoising
+IMAGE_TO_VIDEO = {"WanImageToVideoPipeline", "CogVideoXImageToVideoPipeline"}
+# the image tokens Wan 2.1 I2V's transformer attends to when the pipeline has no image encoder to size them: CLIP
+# ViT-H/14's 16 x 16 patches and its class token
+IMAGE_TOKENS = 257
+
+
+class PipelineCalls(NamedTuple):
+    """How a pipeline calls its components, beyond what their configs say."""
+
+    expand_timesteps: bool = False  # a timestep per token (Wan 2.2 TI2V)
+    image_to_video: bool = False  # the VAE encodes the conditioning image (or video) first
+    # Wan 2.2: the first expert takes the steps whose timestep is at least this share of the train timesteps
+    boundary_ratio: float | None = None
+    scheduler: object | None = None  # the pipeline's scheduler (diffusers), to place the steps on the experts
+
+
+class Call(NamedTuple):
+    """One call a pipeline makes of a component: ``getattr(module, method)(*args, **kwargs)``."""
+
+    method: str
+    args: tuple
+    kwargs: dict
 
 
 @dataclass
@@ -152,9 +182,9 @@ class Preview:
         return "\n".join(lines)
 
 
-def _load_directory(path: Path) -> tuple[str, dict[str, nn.Module], str, bool]:
-    """(family, meta components, pipeline class, whether it expands timesteps per token) of a local diffusers
-    pipeline directory, from its configs."""
+def _load_directory(path: Path) -> tuple[str, dict[str, nn.Module], str, PipelineCalls]:
+    """(family, meta components, pipeline class, how it calls them) of a local diffusers pipeline directory, from its
+    configs."""
     from tritoff.presets import as_loaded
 
     index_file = path / "model_index.json"
@@ -205,16 +235,39 @@ def _load_directory(path: Path) -> tuple[str, dict[str, nn.Module], str, bool]:
                 built = cls(AutoConfig.from_pretrained(path / name))
         if isinstance(built, nn.Module):
             components[name] = as_loaded(built, torch.bfloat16)  # as ``tritoff run`` loads it
-    return family, components, pipeline, index.get("expand_timesteps") is True
+    boundary = index.get("boundary_ratio")
+    calls = PipelineCalls(
+        expand_timesteps=index.get("expand_timesteps") is True,
+        image_to_video=pipeline in IMAGE_TO_VIDEO,
+        boundary_ratio=float(boundary) if isinstance(boundary, (int, float)) and 0 < boundary < 1 else None,
+        scheduler=_scheduler(path, index.get("scheduler")),
+    )
+    return family, components, pipeline, calls
 
 
-def _geometry(family: str, components: dict[str, nn.Module], expand_timesteps: bool = False) -> dict:
+def _scheduler(path: Path, spec):
+    """The pipeline's diffusers scheduler, from its config; None where it cannot be built (its steps on Wan 2.2's
+    experts are then placed as by a flow-matching scheduler without shift)."""
+    import diffusers
+
+    if not (isinstance(spec, list) and len(spec) == 2 and spec[0] == "diffusers" and isinstance(spec[1], str)):
+        return None
+    cls = getattr(diffusers, spec[1], None)
+    try:
+        return cls.from_config(cls.load_config(path / "scheduler"))
+    except Exception:  # a scheduler diffusers does not have, a config missing or broken: only the split is lost
+        return None
+
+
+def _geometry(family: str, components: dict[str, nn.Module], calls: PipelineCalls | None = None) -> dict:
     """What the pipeline's calls take, from the VAE's and the denoiser's configs (the family's where they say nothing):
     the prompt's tokens, the VAE's time and space compression, the channels its decode takes and those the denoiser
     takes (more where conditioning latents are concatenated), the denoiser's patch in frames (CogVideoX 1.5's 2: the
-    pipeline pads the latent frames to it) and space, and whether each token gets its own timestep
-    (``expand_timesteps``: Wan 2.2 TI2V)."""
+    pipeline pads the latent frames to it) and space, the image encoder's input size and the tokens it gives, and
+    from ``calls`` whether each token gets its own timestep (Wan 2.2 TI2V) and whether the VAE encodes an image
+    first."""
     f = FAMILIES[family]
+    calls = calls or PipelineCalls()
     vae = dict(components["vae"].config) if "vae" in components else {}
     denoiser = components.get("transformer")
     config = dict(denoiser.config) if denoiser is not None else {}
@@ -224,6 +277,8 @@ def _geometry(family: str, components: dict[str, nn.Module], expand_timesteps: b
         patch = (1, 1, 1, *patch)[-3:]
     else:
         patch = (config.get("patch_size_t") or 1, patch, patch)
+    image = getattr(components.get("image_encoder"), "config", None)  # a transformers config (CLIP vision)
+    image_size, image_patch = (positive_int(getattr(image, key, None)) for key in ("image_size", "patch_size"))
     return dict(
         tokens=positive_int(config.get("max_text_seq_length")) or f["tokens"],  # CogVideoX's: 226
         temporal=temporal_multiple(vae) or f["temporal"],
@@ -231,7 +286,11 @@ def _geometry(family: str, components: dict[str, nn.Module], expand_timesteps: b
         vae_channels=channels,
         denoiser_channels=positive_int(config.get("in_channels")) or channels,
         patch=tuple(positive_int(n) or 1 for n in patch),
-        expand_timesteps=expand_timesteps,
+        expand_timesteps=calls.expand_timesteps,
+        image_to_video=calls.image_to_video,
+        image_size=image_size or 224,
+        # the hidden states the pipeline takes from the image encoder: a token per patch and the class token
+        image_tokens=(image_size // image_patch) ** 2 + 1 if image_size and image_patch else IMAGE_TOKENS,
     )
 
 
@@ -248,8 +307,11 @@ def _shapes(tree) -> str:
     return repr(tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t, tree))
 
 
-def _call(family: str, geometry: dict, name: str, module: nn.Module, frames: int, height: int, width: int):
-    """(method, args, kwargs, calls per step or per pipeline call, whether it is called every step) of a component."""
+def _calls(
+    family: str, geometry: dict, name: str, module: nn.Module, frames: int, height: int, width: int
+) -> tuple[list[Call], int, bool]:
+    """(the calls the pipeline makes of a component, how many per step or per pipeline call, whether it is called
+    every step)."""
     f = FAMILIES[family]
     counts: dict[torch.dtype, int] = {}
     for p in module.parameters():  # the compute dtype: most of the weights (a few modules may be kept in fp32)
@@ -257,12 +319,24 @@ def _call(family: str, geometry: dict, name: str, module: nn.Module, frames: int
     dtype = max(counts, key=counts.get)
     if name.startswith("text_encoder"):
         ids = torch.zeros(1, geometry["tokens"], dtype=torch.long, device="meta")
-        return "forward", (), dict(input_ids=ids, attention_mask=torch.ones_like(ids)), 2, False
+        return [Call("forward", (), dict(input_ids=ids, attention_mask=torch.ones_like(ids)))], 2, False
+    if name.startswith("image_encoder"):
+        # the image processor's pixels (fp32: the encoder casts them), the hidden states of every layer asked for
+        size = geometry["image_size"]
+        pixels = torch.empty(1, 3, size, size, dtype=torch.float32, device="meta")
+        return [Call("forward", (), dict(pixel_values=pixels, output_hidden_states=True))], 1, False
     latent_frames = (frames - 1) // geometry["temporal"] + 1
     if name.startswith("vae"):
         # decode takes channels first in both families
         latent = _latent(geometry, geometry["vae_channels"], True, latent_frames, height, width, 1, dtype)
-        return "decode", (latent,), dict(return_dict=False), 1, False
+        decode = Call("decode", (latent,), dict(return_dict=False))
+        if not geometry["image_to_video"]:
+            return [decode], 1, False
+        # image to video: the RGB image encoded first, as one frame (CogVideoX, Wan 2.2 TI2V) or as the first of a
+        # video of zeros (Wan)
+        one_frame = family == "cogvideox" or geometry["expand_timesteps"]
+        video = torch.empty(1, 3, 1 if one_frame else frames, height, width, dtype=dtype, device="meta")
+        return [Call("encode", (video,), {}), decode], 2, False
     batch = f["cfg_batch"]
     pt, ph, pw = geometry["patch"]
     latent_frames += -latent_frames % pt  # CogVideoX 1.5's pipeline pads them to its frame patch (and drops them after)
@@ -286,7 +360,14 @@ def _call(family: str, geometry: dict, name: str, module: nn.Module, frames: int
         # CogVideoX's pipeline passes the rotary table (cos, sin: fp32, a row per video token); the attention's rotation
         # of q and k makes fp32 temporaries of their size (187 MiB more peak for CogVideoX-5B at 49x480x720)
         kwargs["image_rotary_emb"] = tuple(torch.empty(patches, head, dtype=torch.float32, device="meta") for _ in "cs")
-    return "forward", (), kwargs, 2 // batch, True
+    image_dim = positive_int(module.config.get("image_dim"))
+    if image_dim:  # Wan 2.1 I2V: the image encoder's hidden states, attended to in every block
+        kwargs["encoder_hidden_states_image"] = torch.empty(
+            batch, geometry["image_tokens"], image_dim, dtype=dtype, device="meta"
+        )
+    if module.config.get("ofs_embed_dim"):  # CogVideoX 1.5 I2V: the pipeline's frame offset embedding input
+        kwargs["ofs"] = torch.empty(1, dtype=dtype, device="meta")
+    return [Call("forward", (), kwargs)], 2 // batch, True
 
 
 def plan(
@@ -341,14 +422,24 @@ def plan(
     if str(target) in PRESETS:
         model = str(target)
         family, components = build_preset(model)
-        expand_timesteps = False
+        preset = PRESETS[model]
+        scheduler = None
+        if preset.flow_shift is not None:  # the Wan 2.2 pipelines' scheduler
+            from diffusers import UniPCMultistepScheduler
+
+            scheduler = UniPCMultistepScheduler(
+                prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=preset.flow_shift
+            )
+        pipeline_calls = PipelineCalls(
+            image_to_video=preset.image_to_video, boundary_ratio=preset.boundary_ratio, scheduler=scheduler
+        )
     else:
         path = Path(target)
         if path.is_file():
             raise ValueError(f"{target} is a file: give the diffusers pipeline directory that holds model_index.json")
         if not path.is_dir():
             raise ValueError(f"{target} is neither a local pipeline directory nor a preset ({', '.join(PRESETS)})")
-        family, components, model, expand_timesteps = _load_directory(path)
+        family, components, model, pipeline_calls = _load_directory(path)
         model = f"{path.name} ({model})"
     vae = components.get("vae")
     denoiser = components.get("transformer")
@@ -367,26 +458,34 @@ def plan(
         layouts[name] = plan_layouts(group_lists[name], quantized, get_format(formats[name]), "row", name)
     sizes = sizes_of(components, group_lists, layouts, mode)
     chunks, fixed = shared_bytes(sizes, group_lists, layouts, components, True, False, prefetch)
-    reserves, calls, loops, untraced = {}, {}, {}, {}
+    reserves, calls, loops, untraced, failed = {}, {}, {}, {}, {}
     traced = {}  # (architecture, method, input shapes) -> (reserve, error): Wan 2.2's two experts are traced once
-    geometry = _geometry(family, components, expand_timesteps)
+    geometry = _geometry(family, components, pipeline_calls)
     with tqdm(components, desc="tracing activations", unit="component", disable=not progress, leave=False) as bar:
         for name in bar:
             bar.set_postfix_str(name)
             module = components[name]
-            method, args, kwargs, per_call, looped = _call(family, geometry, name, module, frames, height, width)
-            key = (fingerprint(module), method, _shapes((args, kwargs)))
-            if key not in traced:
-                twin = module if next(module.parameters()).is_meta else meta_twin(module)
-                traced[key] = _reserve(twin, args, kwargs, method)
-            reserves[name], error = traced[key]
-            if error is not None:
-                untraced[name] = error
+            made, per_call, looped = _calls(family, geometry, name, module, frames, height, width)
+            twin = None
+            reserves[name] = 0
+            for call in made:  # a component called more ways (a VAE's encode and decode) reserves for the largest
+                key = (fingerprint(module), call.method, _shapes((call.args, call.kwargs)))
+                if key not in traced:
+                    if twin is None:
+                        twin = module if next(module.parameters()).is_meta else meta_twin(module)
+                    traced[key] = _reserve(twin, call.args, call.kwargs, call.method)
+                reserve, error = traced[key]
+                reserves[name] = max(reserves[name], reserve)
+                if error is not None and name not in untraced:
+                    untraced[name], failed[name] = error, call.method
             calls[name] = per_call * (steps if looped else 1)
             loops[name] = looped
-    if "transformer_2" in components:  # Wan 2.2: the high-noise expert takes the first 87.5% of the steps
-        high = round(steps * 0.875)
-        calls["transformer"], calls["transformer_2"] = 2 * high, 2 * (steps - high)
+    shares = None
+    if "transformer_2" in components:  # Wan 2.2: the steps are placed on the experts by their timestep
+        high = expert_steps(steps, pipeline_calls.boundary_ratio, pipeline_calls.scheduler)
+        per_step = calls["transformer_2"] // steps
+        calls["transformer"], calls["transformer_2"] = per_step * high, per_step * (steps - high)
+        shares = {"transformer": high / steps, "transformer_2": 1 - high / steps}
     host = sum(pack_offsets(lays)[1] for lays in layouts.values())
     shape = dict(frames=frames, height=height, width=width, steps=steps, vae_tiling=vae_tiling)
     preview = Preview(model, budget_bytes, False, 0, host, host_bytes_budget, link_rate, shape, untraced=untraced)
@@ -409,12 +508,12 @@ def plan(
     if host_bytes_budget is not None:
         preview.disk_bytes_per_s = disk_rate
         if not too_small:
-            _disk_reads(preview, group_lists, layouts, phases, loops)
+            _disk_reads(preview, group_lists, layouts, phases, loops, shares)
     if too_small:
         preview.alternatives = _alternatives(components, group_lists, layouts, reserves, mode, prefetch, preview)
     unknown = [
-        f"{name}'s {'decode' if name.startswith('vae') else 'call'} could not be traced on the meta device at this "
-        f"shape ({error}), so its activations are unknown"
+        f"{name}'s {'call' if failed[name] == 'forward' else failed[name]} could not be traced on the meta device at "
+        f"this shape ({error}), so its activations are unknown"
         for name, error in untraced.items()
     ]
     preview.reason = "; ".join([*unknown, *too_small])
@@ -443,7 +542,7 @@ def _alternatives(components, group_lists, layouts, reserves, mode: str, prefetc
     return alternatives(preview.minimum_budget, mode, prefetch, preview.budget, minimum)
 
 
-def _disk_reads(preview: Preview, group_lists, layouts, phases, looped) -> None:
+def _disk_reads(preview: Preview, group_lists, layouts, phases, looped, shares) -> None:
     """Which packs the host budget holds (as ``enable`` places them) and what each phase then reads from disk."""
     from types import SimpleNamespace
 
@@ -451,7 +550,7 @@ def _disk_reads(preview: Preview, group_lists, layouts, phases, looped) -> None:
     from tritoff.host_plan import hold_plan
     from tritoff.pack import align
 
-    held = hold_plan(group_lists, layouts, SimpleNamespace(phases=phases), looped, preview.host_budget)
+    held = hold_plan(group_lists, layouts, SimpleNamespace(phases=phases), looped, preview.host_budget, shares)
     preview.host_held_bytes = sum(
         align(lay.nbytes, PAGE)
         for name, lays in layouts.items()

@@ -14,6 +14,9 @@ from tritoff.tiny import tiny_umt5, tiny_wan_transformer
 # fp32); CogVideoX-5B DiT (11.1 GB in bf16), T5-v1.1-XXL encoder (9.5 GB), CogVideoX VAE (431 MB in bf16)
 WAN_DIT, UMT5_XXL, WAN_VAE = 14_288_491_584, 5_680_910_336, 126_892_531
 COG_DIT, T5_XXL, COG_VAE = 5_570_283_072, 4_762_310_656, 215_583_907
+# Wan 2.1 I2V-14B's DiT (32.8 GB in bf16: the image embedder and each block's added key/value projections), CLIP
+# ViT-H/14's vision tower with its projection (632M); Wan 2.2 I2V-A14B's experts: the T2V DiT with 36 channels in
+WAN_I2V_DIT, CLIP_H14, WAN22_I2V_DIT = 16_394_878_784, 632_076_800, 14_288_901_184
 
 EXPECTED = {
     "wan2.1-t2v-14b": (
@@ -27,6 +30,24 @@ EXPECTED = {
             "text_encoder": ("UMT5EncoderModel", UMT5_XXL),
             "transformer": ("WanTransformer3DModel", WAN_DIT),
             "transformer_2": ("WanTransformer3DModel", WAN_DIT),
+        },
+        ("AutoencoderKLWan", WAN_VAE),
+    ),
+    "wan2.1-i2v-14b": (
+        "wan",
+        {
+            "text_encoder": ("UMT5EncoderModel", UMT5_XXL),
+            "image_encoder": ("CLIPVisionModelWithProjection", CLIP_H14),
+            "transformer": ("WanTransformer3DModel", WAN_I2V_DIT),
+        },
+        ("AutoencoderKLWan", WAN_VAE),
+    ),
+    "wan2.2-i2v-a14b": (
+        "wan",
+        {
+            "text_encoder": ("UMT5EncoderModel", UMT5_XXL),
+            "transformer": ("WanTransformer3DModel", WAN22_I2V_DIT),
+            "transformer_2": ("WanTransformer3DModel", WAN22_I2V_DIT),
         },
         ("AutoencoderKLWan", WAN_VAE),
     ),
@@ -53,7 +74,7 @@ def _numel(module) -> int:
 def test_an_unknown_model_is_refused_with_the_preset_names():
     message = (
         "unknown model 'wan2.1-t2v-1.3b': give a local diffusers directory or one of "
-        "wan2.1-t2v-14b, wan2.2-t2v-a14b, cogvideox-5b"
+        "wan2.1-t2v-14b, wan2.2-t2v-a14b, wan2.1-i2v-14b, wan2.2-i2v-a14b, cogvideox-5b"
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         build_preset("wan2.1-t2v-1.3b")
@@ -86,15 +107,18 @@ def test_a_preset_is_bf16_except_the_modules_diffusers_keeps_in_fp32(preset):
         assert other == {torch.bfloat16}, component
         if component.startswith("transformer") and name.startswith("wan"):
             # the time embedder's 2 Linear layers, the output's scale_shift_table, and in each of the 40 blocks its
-            # scale_shift_table and the cross-attention norm (norm2, an affine LayerNorm)
-            assert len(fp32) == 4 + 1 + 40 * 3, component
+            # scale_shift_table and the cross-attention norm (norm2, an affine LayerNorm); Wan 2.1 I2V's image
+            # embedder also keeps its two affine LayerNorms
+            image = 4 if name == "wan2.1-i2v-14b" else 0
+            assert len(fp32) == 4 + 1 + 40 * 3 + image, component
             assert all(
                 n.startswith("condition_embedder.time_embedder.")
+                or (image and re.fullmatch(r"condition_embedder\.image_embedder\.norm[12]\.(weight|bias)", n))
                 or n.endswith("scale_shift_table")
                 or re.fullmatch(r"blocks\.\d+\.norm2\.(weight|bias)", n)
                 for n in fp32
             ), component
-        else:  # the T5 encoders keep 'wo' in fp32 only for fp16; the VAEs and CogVideoX keep nothing
+        else:  # the T5 encoders keep 'wo' in fp32 only for fp16; CLIP, the VAEs and CogVideoX keep nothing
             assert fp32 == set(), component
 
 
@@ -119,11 +143,29 @@ def test_the_published_shapes(preset):
     assert len(text.encoder.block) == 24
 
 
-def test_wan22_has_two_distinct_experts():
-    _, components = _build("wan2.2-t2v-a14b")
+@pytest.mark.parametrize("name", ["wan2.2-t2v-a14b", "wan2.2-i2v-a14b"])
+def test_wan22_has_two_distinct_experts(name):
+    _, components = _build(name)
     first, second = components["transformer"], components["transformer_2"]
     assert first is not second
     assert not {id(p) for p in first.parameters()} & {id(p) for p in second.parameters()}
+
+
+@pytest.mark.parametrize("name", ["wan2.1-i2v-14b", "wan2.2-i2v-a14b"])
+def test_the_image_to_video_shapes(name):
+    # the latents, the mask and the image's latents concatenated: 16 + 4 + 16 channels in, 16 out; Wan 2.1 also
+    # attends to CLIP ViT-H/14's 1280-wide hidden states through each block's added key/value projections
+    _, components = _build(name)
+    dit = components["transformer"]
+    assert dit.patch_embedding.weight.shape == (5120, 36, 1, 2, 2) and dit.proj_out.weight.shape == (64, 5120)
+    if name == "wan2.1-i2v-14b":
+        attention = dit.blocks[0].attn2
+        assert attention.add_k_proj.weight.shape == attention.add_v_proj.weight.shape == (5120, 5120)
+        assert dit.condition_embedder.image_embedder.ff.net[0].proj.weight.shape == (1280, 1280)
+        vision = components["image_encoder"].vision_model
+        assert len(vision.encoder.layers) == 32 and vision.embeddings.position_embedding.weight.shape == (257, 1280)
+    else:
+        assert dit.blocks[0].attn2.add_k_proj is None and "image_encoder" not in components
 
 
 # -- as_loaded on real (tiny) modules -----------------------------------------------------------------------------

@@ -277,8 +277,9 @@ def test_a_timestep_per_token_is_traced_as_the_pipeline_passes_it(tmp_path):
         plan = tritoff.plan(str(tmp_path / str(expand)), "1GB", **shape)
         reserves[expand] = next(p.activation_bytes for p in plan.phases if p.components == ["transformer"])
     transformer = _ti2v().transformer
-    geometry = preview._geometry("wan", {"transformer": transformer, "vae": _ti2v().vae}, expand_timesteps=True)
-    method, args, kwargs, _, _ = preview._call("wan", geometry, "transformer", transformer, 9, 64, 64)
+    calls = preview.PipelineCalls(expand_timesteps=True)
+    geometry = preview._geometry("wan", {"transformer": transformer, "vae": _ti2v().vae}, calls)
+    [(method, args, kwargs)], _, _ = preview._calls("wan", geometry, "transformer", transformer, 9, 64, 64)
     assert tuple(kwargs["timestep"].shape) == (1, 3 * 2 * 2)  # 3 latent frames of 4x4, in 2x2 patches
     assert reserves[True] == reserve_bytes(meta_twin(transformer), args, kwargs, method) > reserves[False]
 
@@ -299,7 +300,8 @@ def test_the_denoiser_is_traced_with_the_rotary_table_the_pipeline_passes(tmp_pa
     pipe(**{**COG_CALL, "num_frames": 13, "height": 32, "width": 48, "num_inference_steps": 1})
     args, kwargs = calls[0]
     geometry = preview._geometry("cogvideox", {"transformer": pipe.transformer, "vae": pipe.vae})
-    planned = preview._call("cogvideox", geometry, "transformer", pipe.transformer, 13, 32, 48)[2]["image_rotary_emb"]
+    [call], _, _ = preview._calls("cogvideox", geometry, "transformer", pipe.transformer, 13, 32, 48)
+    planned = call.kwargs["image_rotary_emb"]
     assert [(t.shape, t.dtype) for t in planned] == [(t.shape, t.dtype) for t in kwargs["image_rotary_emb"]]
     pipe.save_pretrained(tmp_path / "pipe")
     plan = tritoff.plan(str(tmp_path / "pipe"), "1GB", frames=13, height=32, width=48, progress=False)
@@ -349,3 +351,128 @@ def test_a_plan_that_does_not_fit_names_what_lowers_its_minimum_and_that_works(t
         assert not tritoff.plan(str(tmp_path / "pipe"), minimum - 1, **options, **shape).feasible
     fits = tritoff.plan(str(tmp_path / "pipe"), too_small.minimum_budget, prefetch=3, **shape)
     assert fits.feasible and fits.alternatives == {}
+
+
+def _recorded_calls(pipe, names):
+    """Run ``pipe``'s components named in ``names`` with their calls recorded: {name: [(method, args, kwargs)]}."""
+    calls = {name: [] for name in names}
+    for name in names:
+        module = getattr(pipe, name)
+        if name.startswith("vae"):
+            for method in ("encode", "decode"):
+                original = getattr(module, method)
+
+                def record(*args, _name=name, _method=method, _original=original, **kwargs):
+                    calls[_name].append((_method, args, kwargs))
+                    return _original(*args, **kwargs)
+
+                setattr(module, method, record)
+        else:
+            module.register_forward_pre_hook(
+                lambda m, args, kwargs, _name=name: calls[_name].append(("forward", args, kwargs)), with_kwargs=True
+            )
+    return calls
+
+
+def _tensor_shapes(args, kwargs):
+    """The shape of each tensor of a call, and its dtype but for the timestep's (a scheduler's float, planned as an
+    integer: its embedding casts it either way)."""
+    shapes = [(i, tuple(a.shape), a.dtype) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    for key, value in sorted(kwargs.items()):
+        if isinstance(value, torch.Tensor):
+            shapes.append((key, tuple(value.shape), None if key == "timestep" else value.dtype))
+    return shapes
+
+
+@pytest.mark.parametrize("pipeline", ["wan21-i2v", "wan22-ti2v", "cogvideox-i2v"])
+def test_an_image_to_video_pipeline_is_planned_with_the_calls_it_makes(tmp_path, pipeline):
+    # the image encoder's call (Wan 2.1), the VAE's encode of the image (as the first frame of a video of zeros for
+    # Wan 2.1, one frame for Wan 2.2 TI2V and CogVideoX) beside its decode, the denoiser with the image latents
+    # concatenated and the image's hidden states: each as the pipeline calls it, and the plan reserves the largest
+    # of a component's calls
+    from PIL import Image
+
+    from tritoff import preview
+    from tritoff.activations import meta_twin, reserve_bytes
+    from tritoff.tiny import tiny_cogvideox_i2v_pipeline, tiny_wan22_ti2v_pipeline, tiny_wan_i2v_pipeline
+
+    factory, frames, size = {
+        "wan21-i2v": (tiny_wan_i2v_pipeline, 5, 16),
+        "wan22-ti2v": (tiny_wan22_ti2v_pipeline, 5, 32),
+        "cogvideox-i2v": (tiny_cogvideox_i2v_pipeline, 9, 64),
+    }[pipeline]
+    from diffusers import DiffusionPipeline
+
+    factory().save_pretrained(tmp_path / "pipe")
+    pipe = DiffusionPipeline.from_pretrained(tmp_path / "pipe", torch_dtype=torch.bfloat16)  # as `tritoff run` loads
+    names = [n for n in ("image_encoder", "transformer", "vae") if getattr(pipe, n, None) is not None]
+    recorded = _recorded_calls(pipe, names)
+    image = Image.new("RGB", (size, size), (90, 140, 200))
+    pipe(
+        prompt="a cat",
+        negative_prompt="blurry",
+        image=image,
+        num_frames=frames,
+        height=size,
+        width=size,
+        num_inference_steps=1,
+        # the prompt's tokens the plan takes: Wan's 512, the CogVideoX transformer's own
+        max_sequence_length=pipe.transformer.config.get("max_text_seq_length", 512),
+        output_type="pt",
+    )
+    family, components, _, calls = preview._load_directory(tmp_path / "pipe")
+    assert calls.image_to_video
+    plan = tritoff.plan(str(tmp_path / "pipe"), "1GB", frames=frames, height=size, width=size, progress=False)
+    assert plan.feasible and plan.untraced == {}, plan.text()
+    reserved = {p.components[0]: p.activation_bytes for p in plan.phases}
+    assert set(names) < set(reserved)
+    geometry = preview._geometry(family, components, calls)
+    for name in names:
+        planned, _, _ = preview._calls(family, geometry, name, components[name], frames, size, size)
+        made = recorded[name][: len(planned)]  # the denoiser's first call: the others repeat it
+        assert [(c.method, _tensor_shapes(c.args, c.kwargs)) for c in planned] == [
+            (method, _tensor_shapes(args, kwargs)) for method, args, kwargs in made
+        ], name
+        module = getattr(pipe, name)
+        largest = max(reserve_bytes(meta_twin(module), args, kwargs, method) for method, args, kwargs in made)
+        assert reserved[name] == largest > 0, name
+    if pipeline == "wan21-i2v":  # the whole video of the first frame and zeros: more than the one frame
+        encode, decode = recorded["vae"][0], recorded["vae"][-1]
+        assert encode[0] == "encode" and encode[1][0].shape[2] == frames and decode[0] == "decode"
+
+
+@pytest.mark.parametrize("steps", [1, 4, 7])
+def test_wan22s_steps_are_placed_on_its_experts_as_the_pipeline_places_them(tmp_path, steps):
+    # the tiny Wan 2.2's boundary (0.5 of the train timesteps) under its scheduler's shift of 7: the high-noise expert
+    # takes more than half of the steps, as the real pipeline's does
+    from tritoff.tiny import tiny_wan_pipeline
+
+    pipe = tiny_wan_pipeline(two_experts=True)
+    counts = {"transformer": 0, "transformer_2": 0}
+    for name in counts:
+        getattr(pipe, name).register_forward_pre_hook(lambda *_, _n=name: counts.__setitem__(_n, counts[_n] + 1))
+    pipe(
+        prompt="a cat",
+        negative_prompt="blurry",
+        num_frames=5,
+        height=16,
+        width=16,
+        num_inference_steps=steps,
+        max_sequence_length=16,
+        output_type="latent",
+    )
+    pipe.save_pretrained(tmp_path / "pipe")
+    plan = tritoff.plan(str(tmp_path / "pipe"), "1GB", frames=5, height=16, width=16, steps=steps, progress=False)
+    planned = {p.components[0]: p.calls_per_run for p in plan.phases if p.components[0] in counts}
+    assert planned == counts and sum(counts.values()) == 2 * steps
+    if steps == 7:
+        assert counts["transformer"] > counts["transformer_2"] > 0
+
+
+def test_the_wan22_i2v_preset_places_its_steps_by_the_wan_teams_shift_and_boundary():
+    # I2V-A14B: boundary 0.9 under a flow shift of 5, 15 of 40 steps on the first expert
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = tritoff.plan("wan2.2-i2v-a14b", "12GB", frames=81, height=480, width=832, steps=40)
+    calls = {p.components[0]: p.calls_per_run for p in plan.phases}
+    assert calls["transformer"] == 2 * 15 and calls["transformer_2"] == 2 * 25

@@ -1,0 +1,47 @@
+"""Wan 2.2's two experts: which of a run's steps each takes, as the pipeline picks them.
+
+The pipeline calls its first expert (``transformer``, the high-noise one) at the steps whose timestep is at least
+``boundary_ratio`` of the scheduler's train timesteps, and the second (``transformer_2``) at the others. How many
+steps that gives each depends on the scheduler's shift as much as on the ratio: under the Wan team's defaults for
+T2V-A14B (0.875, flow shift 12) the first expert takes 32 of 50 steps, under those for I2V-A14B (0.9, shift 5) 18 of
+50. ``tritoff plan`` counts each expert's calls with it; the host budget holds the packs of the expert called most
+first.
+"""
+
+from __future__ import annotations
+
+import copy
+
+# the steps a share is computed at, where the run's own are not known yet (enable): the pipelines' default
+NOMINAL_STEPS = 50
+
+
+def expert_steps(steps: int, boundary_ratio: float | None, scheduler=None) -> int:
+    """The steps of ``steps`` that the first expert takes: those whose timestep is at least ``boundary_ratio`` of the
+    scheduler's train timesteps (all of them without a boundary: the pipeline then never calls the second).
+    ``scheduler``: the pipeline's, left as it was (default: flow matching without shift)."""
+    if boundary_ratio is None:
+        return steps
+    if scheduler is None:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        scheduler = FlowMatchEulerDiscreteScheduler()
+    scheduler = copy.deepcopy(scheduler)  # set_timesteps changes its state: the pipeline's own is not touched
+    scheduler.set_timesteps(steps, device="cpu")
+    boundary = boundary_ratio * scheduler.config.num_train_timesteps
+    return int((scheduler.timesteps[:steps] >= boundary).sum())
+
+
+def expert_shares(pipe) -> dict[str, float] | None:
+    """{expert: the share of a run's steps it takes} of a pipeline with two experts and a boundary (Wan 2.2), as its
+    scheduler places the default 50 steps; None for any other target, or where its scheduler cannot say."""
+    config = getattr(pipe, "config", None)
+    boundary = getattr(config, "get", lambda key: None)("boundary_ratio")
+    experts = [getattr(pipe, name, None) for name in ("transformer", "transformer_2")]
+    if not isinstance(boundary, (int, float)) or any(e is None for e in experts):
+        return None
+    try:
+        first = expert_steps(NOMINAL_STEPS, float(boundary), getattr(pipe, "scheduler", None))
+    except Exception:  # a scheduler that cannot set its timesteps on its own: the packs keep the pipeline order
+        return None
+    return {"transformer": first / NOMINAL_STEPS, "transformer_2": 1 - first / NOMINAL_STEPS}
