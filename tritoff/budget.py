@@ -27,10 +27,14 @@ MAX_BYTES = 2**63  # sizes from this up are refused
 _PATTERN = re.compile(r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*|%)\s*$")  # 12GB, 1.5e9
 
 
-def parse_size(value: int | float | str, *, what: str = "budget", total: int | None = None) -> int:
-    """Bytes from ``value``: an int, ``"12GB"`` (10^9), ``"12GiB"`` (2^30), ``"12 GB"``, or ``"80%"`` of ``total``."""
+def parse_size(
+    value: int | float | str, *, what: str = "budget", total: int | None = None, percent: bool = True
+) -> int:
+    """Bytes from ``value``: an int, ``"12GB"`` (10^9), ``"12GiB"`` (2^30), ``"12 GB"``, or ``"80%"`` of ``total``
+    (``percent`` False: where a percentage is not taken, its errors suggest none)."""
+    examples = "'12GB', '12GiB' or '80%'" if percent else "'12GB' or '12GiB'"
     if isinstance(value, bool):
-        raise ValueError(f"invalid {what} {value!r}: give bytes, e.g. '12GB', '12GiB' or '80%'")
+        raise ValueError(f"invalid {what} {value!r}: give bytes, e.g. {examples}")
     if isinstance(value, (int, float)):
         if isinstance(value, float) and not math.isfinite(value):  # an int is finite, if too large for a float
             raise ValueError(f"invalid {what} {value!r}: give a finite number of bytes, e.g. '12GB'")
@@ -40,7 +44,7 @@ def parse_size(value: int | float | str, *, what: str = "budget", total: int | N
     match = _PATTERN.match(str(value))
     unit = match.group(2).upper() if match else None
     if not match or (unit not in _UNITS and unit != "%"):
-        raise ValueError(f"invalid {what} {value!r}: give bytes, e.g. '12GB', '12GiB' or '80%'")
+        raise ValueError(f"invalid {what} {value!r}: give bytes, e.g. {examples}")
     number = float(match.group(1))
     if not math.isfinite(number * _UNITS.get(unit, 1)):  # 1e999
         raise ValueError(f"invalid {what} {value!r}: give a finite number of bytes, e.g. '12GB'")
@@ -66,7 +70,7 @@ def _whole_bytes(size: float, value, what: str) -> int:
     return int(size)
 
 
-def parse_host_budget(value, what: str = "host_budget") -> int | None:
+def parse_host_budget(value, what: str = "host_budget", percent: bool = True) -> int | None:
     """A host budget in bytes: a size as :func:`parse_size` takes it (a percentage is of :func:`host_memory`), or zero
     in any spelling (every pack served from disk); None stays None (every pack held)."""
     if value is None:
@@ -78,7 +82,7 @@ def parse_host_budget(value, what: str = "host_budget") -> int | None:
         return 0
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
         raise ValueError(f"invalid {what} {value!r}: give bytes, e.g. '8GB', or 0 to read every pack from disk")
-    return parse_size(value, what=what, total=host_memory())
+    return parse_size(value, what=what, total=host_memory(), percent=percent)
 
 
 def host_memory() -> int | None:

@@ -37,8 +37,8 @@ TRANSPORTS = ("auto", "staged", "zero_copy")
 STORAGES = ("fp8_e4m3", "fp8_e5m2", "bf16", "fp16")
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype: torch's names
 STORAGE_HELP = (
-    "a format (fp8_e4m3, fp8_e5m2, bf16 or fp16) for the text encoders and denoisers, VAEs keeping their own dtype; "
-    "or component=format pairs, e.g. vae=fp8_e4m3"
+    "a format (fp8_e4m3, fp8_e5m2; bf16 or fp16: no quantization, every tensor kept in its own dtype) for the text "
+    "encoders and denoisers, VAEs keeping their own dtype; or component=format pairs, e.g. vae=fp8_e4m3"
 )
 
 
@@ -109,11 +109,11 @@ def _check_device(device: str | None) -> None:
         raise CliError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
-def _check_budget(budget: str | None, what: str = "budget") -> None:
+def _check_budget(budget: str | None, what: str = "budget", percent: bool = True) -> None:
     from tritoff.budget import parse_size
 
-    if budget is not None:
-        parse_size(budget, what=what, total=2**50)  # syntax only: a percentage is resolved on the device later
+    if budget is not None:  # syntax only: a percentage is resolved on the device later
+        parse_size(budget, what=what, total=2**50, percent=percent)
 
 
 def _check_reserve(reserve: str | None) -> None:
@@ -221,9 +221,10 @@ def _cmd_demo(args) -> int:
     from tritoff.planner import BudgetError
     from tritoff.video import write_video
 
-    print("tritoff demo: a Wan pipeline built locally (random weights), weights in fp8 packs, blocks streamed")
+    storage = _check_storage(args.storage)
+    packs = _packs_of(storage, args.storage)
+    print(f"tritoff demo: a Wan pipeline built locally (random weights), {packs}, blocks streamed")
     try:
-        storage = _check_storage(args.storage)
         frames, engine, psnr = run_demo(storage, args.budget, args.steps, args.device, frames=args.frames)
     except BudgetError as err:
         raise _budget_error(err) from None
@@ -232,6 +233,13 @@ def _cmd_demo(args) -> int:
     print(f"\n  frames PSNR against the plain bf16 pipeline: {psnr:.1f} dB")
     print(f"  video: {path}")
     return 0
+
+
+def _packs_of(storage: str | dict, given: str) -> str:
+    """How the demo's first line names what ``--storage given`` (checked: ``storage``) packs."""
+    if isinstance(storage, dict):
+        return f"weights in packs ({given})"
+    return "weights in their own dtype" if storage in ("bf16", "fp16") else f"weights in {storage} packs"
 
 
 def _check_model(model: str) -> Path:
@@ -243,6 +251,11 @@ def _check_model(model: str) -> Path:
         raise CliError(f"{model} is not a diffusers pipeline directory (no model_index.json)")
     if not local.exists() and (model.startswith((".", "/", "~")) or model.count("/") != 1):
         raise CliError(f"model {model!r} not found: give a local pipeline directory or a hub id like org/name")
+    if local.is_dir():  # its configs read here, so one that cannot be read is named (the libraries' errors do not)
+        for name in _json(local / "model_index.json"):
+            for config in ("config.json", "scheduler_config.json"):
+                if (local / name / config).is_file():
+                    _json(local / name / config)
     return local
 
 
@@ -520,11 +533,11 @@ def _cmd_plan(args) -> int:
                 example = "25GB" if what == "link" else "2GB"
                 raise CliError(f"--{what} {value}: give bytes per second, e.g. {example}") from None
         elif what != "host_budget":
-            _check_budget(value, what.replace("_", " "))
+            _check_budget(value, what.replace("_", " "), percent=False)
     from tritoff.budget import parse_host_budget
     from tritoff.presets import PRESETS, VAE_SHAPES
 
-    parse_host_budget(args.host_budget, what="--host-budget")
+    parse_host_budget(args.host_budget, what="--host-budget", percent=False)
     # the model and its dimensions from configs alone, before torch and diffusers are imported (seconds)
     if args.model in PRESETS:
         preset = PRESETS[args.model]
@@ -715,7 +728,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="run a benchmark of bench/ (kernels, e2e, quality)", **kw)
     bench.add_argument("which", choices=("kernels", "e2e", "quality"), help="which benchmark")
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the script (e.g. --smoke)")
+    rest = bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the script (e.g. --smoke)")
+    rest.required = False  # none is fine: argparse would name it among the missing ones
     bench.set_defaults(func=_cmd_bench)
 
     info = sub.add_parser("info", help="versions, device, and which kernel path and transport will be used", **kw)
@@ -922,7 +936,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, ValueError, OSError) as err:
         if _interrupted:
             return _interrupted_exit()
-        if os.environ.get("TRITOFF_TRACEBACK") and not isinstance(err, CliError):
+        if os.environ.get("TRITOFF_TRACEBACK") and not (isinstance(err, CliError) or _raised_by_tritoff(err)):
             raise
         _say(f"tritoff: error: {_one_line(err)}")
         # an OSError a library raised about the input (diffusers: a model directory without its weights) carries no
@@ -947,6 +961,15 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(output, _Output):  # through the wrappers: a reader gone leaves nothing for the exit's flush
                 output.close()
         sys.stdout, sys.stderr, warnings.formatwarning = stdout, stderr, format_warning
+
+
+def _raised_by_tritoff(err: BaseException) -> bool:
+    """Whether ``err`` was raised in tritoff's own code (one of its checks), not in a library it called."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    package = str(Path(__file__).resolve().parent)
+    return tb is not None and str(Path(tb.tb_frame.f_code.co_filename).resolve()).startswith(package + os.sep)
 
 
 def _flush_outputs() -> None:

@@ -176,7 +176,11 @@ BAD = [
     (["convert", "{pipe}/model_index.json", "{tmp}/s"], "model_index.json is a file: give the diffusers pipeline"),
     (["convert", "{pipe}", "{tmp}/s", "--storage", "vae=bf16,vae=fp8_e4m3"], "names vae twice"),
     (["plan", "wan2.1-t2v-14b", "--height", "481"], "height 481 is not a multiple of 16 (the VAE's"),
+    # plan takes no percentage: its syntax errors suggest none
+    (["plan", "wan2.1-t2v-14b", "--budget", "-1GB"], "invalid budget '-1GB': give bytes, e.g. '12GB' or '12GiB'"),
+    (["plan", "wan2.1-t2v-14b", "--budget", "80%"], "--budget: give bytes (e.g. 12GB), not a percentage"),
     ([], "the following arguments are required: command"),
+    (["bench"], "the following arguments are required: which ("),  # not the script's arguments: they are optional
 ]
 
 
@@ -413,6 +417,31 @@ def test_an_error_no_check_foresaw_is_one_line_unless_its_traceback_is_asked_for
         cli.main(["info"])
     monkeypatch.setattr(cli, "_cmd_info", lambda args: (_ for _ in ()).throw(cli.CliError("--steps is wrong")))
     assert cli.main(["info"]) == 2 and capsys.readouterr().err == "tritoff: error: --steps is wrong\n"
+    # a ValueError raised by one of tritoff's own checks (not a CliError) stays one line, with its exit code
+    assert cli.main(["plan", "wan2.1-t2v-14b", "--frames", "10"]) == 2
+    assert capsys.readouterr().err.startswith("tritoff: error: --frames 10 is not one more than a multiple of 4")
+
+
+def test_the_demos_first_line_names_the_storage_asked_for():
+    from tritoff import cli
+
+    assert cli._packs_of("fp8_e4m3", "fp8_e4m3") == "weights in fp8_e4m3 packs"
+    assert cli._packs_of("bf16", "bf16") == cli._packs_of("fp16", "fp16") == "weights in their own dtype"
+    assert cli._packs_of({"vae": "fp8_e5m2"}, "vae=fp8_e5m2") == "weights in packs (vae=fp8_e5m2)"
+
+
+@pytest.mark.parametrize("command", ["run", "convert"])
+@pytest.mark.parametrize("broken", ["model_index.json", "transformer/config.json"])
+def test_a_config_that_cannot_be_read_is_named(work, tmp_path, command, broken):
+    import shutil
+
+    shutil.copytree(work[0] / "pipe", tmp_path / "pipe")
+    (tmp_path / "pipe" / broken).write_text('{"a":')
+    argv = ["run", str(tmp_path / "pipe"), "--prompt", "x"] if command == "run" else ["convert", str(tmp_path / "pipe")]
+    if command == "convert":
+        argv.append(str(tmp_path / "store"))
+    assert_one_line_error(*tritoff(*argv), f"cannot read {tmp_path / 'pipe' / broken}: Expecting value")
+    assert not (tmp_path / "store").exists()
 
 
 @pytest.mark.parametrize("when", ["placing", "generating"])

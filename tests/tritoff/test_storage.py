@@ -115,7 +115,9 @@ def test_the_reports_storage_names_the_majority_or_says_mixed():
     assert describe_storage({"text_encoder": "fp8_e4m3", "transformer": "fp8_e4m3", "vae": "bf16"}) == (
         "fp8_e4m3 (vae: own dtype)"
     )
-    assert describe_storage({"text_encoder": "bf16", "transformer": "bf16"}) == "bf16"
+    # bf16 and fp16 keep each tensor's own dtype: "fp16" on a bf16 model would name a cast that never happens
+    assert describe_storage({"text_encoder": "bf16", "transformer": "bf16"}) == "own dtype"
+    assert describe_storage({"text_encoder": "fp16", "transformer": "fp16", "vae": "bf16"}) == "own dtype"
     # one component each: none of them is the pipeline's storage
     assert describe_storage({"text_encoder": "fp8_e4m3", "transformer": "bf16", "vae": "fp8_e5m2"}) == (
         "mixed (text_encoder: fp8_e4m3, transformer: own dtype, vae: fp8_e5m2)"
