@@ -16,20 +16,30 @@ import copy
 NOMINAL_STEPS = 50
 
 
-def expert_steps(steps: int, boundary_ratio: float | None, scheduler=None) -> int:
-    """The steps of ``steps`` that the first expert takes: those whose timestep is at least ``boundary_ratio`` of the
-    scheduler's train timesteps (all of them without a boundary: the pipeline then never calls the second).
-    ``scheduler``: the pipeline's, left as it was (default: flow matching without shift)."""
-    if boundary_ratio is None:
-        return steps
-    if scheduler is None:
-        from diffusers import FlowMatchEulerDiscreteScheduler
+def expert_steps(steps: int, boundary_ratio: float | None, scheduler=None) -> tuple[int, int]:
+    """(the first expert's, the second's) denoiser calls in a run of ``steps`` steps: one per timestep of the scheduler
+    (two per step for a second-order one), the first's those at least ``boundary_ratio`` of its train timesteps (all
+    without a boundary: the pipeline then never calls the second). ``scheduler``: the pipeline's, left as it was;
+    flow matching without shift where it is None or cannot set its timesteps alone (a dynamic shift needs the
+    image's size)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
+    timesteps = None
+    if scheduler is not None:
+        scheduler = copy.deepcopy(scheduler)  # set_timesteps changes its state: the pipeline's own is not touched
+        try:
+            scheduler.set_timesteps(steps, device="cpu")
+            timesteps = scheduler.timesteps
+        except Exception:
+            timesteps = None
+    if timesteps is None:
         scheduler = FlowMatchEulerDiscreteScheduler()
-    scheduler = copy.deepcopy(scheduler)  # set_timesteps changes its state: the pipeline's own is not touched
-    scheduler.set_timesteps(steps, device="cpu")
-    boundary = boundary_ratio * scheduler.config.num_train_timesteps
-    return int((scheduler.timesteps[:steps] >= boundary).sum())
+        scheduler.set_timesteps(steps, device="cpu")
+        timesteps = scheduler.timesteps
+    if boundary_ratio is None:
+        return len(timesteps), 0
+    first = int((timesteps >= boundary_ratio * scheduler.config.num_train_timesteps).sum())
+    return first, len(timesteps) - first
 
 
 def expert_shares(pipe) -> dict[str, float] | None:
@@ -41,7 +51,7 @@ def expert_shares(pipe) -> dict[str, float] | None:
     if not isinstance(boundary, (int, float)) or any(e is None for e in experts):
         return None
     try:
-        first = expert_steps(NOMINAL_STEPS, float(boundary), getattr(pipe, "scheduler", None))
-    except Exception:  # a scheduler that cannot set its timesteps on its own: the packs keep the pipeline order
+        first, second = expert_steps(NOMINAL_STEPS, float(boundary), getattr(pipe, "scheduler", None))
+    except Exception:  # what no scheduler should do: the packs then keep the pipeline order
         return None
-    return {"transformer": first / NOMINAL_STEPS, "transformer_2": 1 - first / NOMINAL_STEPS}
+    return {"transformer": first / (first + second), "transformer_2": second / (first + second)}

@@ -42,6 +42,8 @@ PIPELINE_FAMILIES = {
 }
 # the pipelines that encode a conditioning image with the VAE before denoising
 IMAGE_TO_VIDEO = {"WanImageToVideoPipeline", "CogVideoXImageToVideoPipeline"}
+# what model_index.json holds beside the components: the pipeline's own options
+PIPELINE_OPTIONS = ("boundary_ratio", "expand_timesteps")
 # the image tokens Wan 2.1 I2V's transformer attends to when the pipeline has no image encoder to size them: CLIP
 # ViT-H/14's 16 x 16 patches and its class token
 IMAGE_TOKENS = 257
@@ -204,8 +206,10 @@ def _load_directory(path: Path) -> tuple[str, dict[str, nn.Module], str, Pipelin
         )
     components = {}
     for name, spec in index.items():
-        if name.startswith("_") or not isinstance(spec, list) or spec == [None, None]:
+        if name.startswith("_") or name in PIPELINE_OPTIONS or not isinstance(spec, list) or spec == [None, None]:
             continue  # a pipeline option (boundary_ratio), or an optional component left out
+        if name == "scheduler":  # no weights: read for Wan 2.2's experts only, where it can be (_scheduler)
+            continue
         if len(spec) != 2 or not all(isinstance(part, str) and part for part in spec):
             raise ValueError(
                 f"{index_file}: {name} is {spec!r}, not [library, class]: give a diffusers pipeline directory"
@@ -236,10 +240,13 @@ def _load_directory(path: Path) -> tuple[str, dict[str, nn.Module], str, Pipelin
         if isinstance(built, nn.Module):
             components[name] = as_loaded(built, torch.bfloat16)  # as ``tritoff run`` loads it
     boundary = index.get("boundary_ratio")
+    if boundary is not None and not isinstance(boundary, (int, float)):  # the pipeline multiplies it: 1000 * "0.5"
+        raise ValueError(f"{index_file}: boundary_ratio is {boundary!r}, not a number: the pipeline cannot run with it")
     calls = PipelineCalls(
         expand_timesteps=index.get("expand_timesteps") is True,
         image_to_video=pipeline in IMAGE_TO_VIDEO,
-        boundary_ratio=float(boundary) if isinstance(boundary, (int, float)) and 0 < boundary < 1 else None,
+        # as the pipeline compares it: any number, even one no timestep reaches (1.5: every step on the second)
+        boundary_ratio=None if boundary is None else float(boundary),
         scheduler=_scheduler(path, index.get("scheduler")),
     )
     return family, components, pipeline, calls
@@ -289,6 +296,7 @@ def _geometry(family: str, components: dict[str, nn.Module], calls: PipelineCall
         expand_timesteps=calls.expand_timesteps,
         image_to_video=calls.image_to_video,
         image_size=image_size or 224,
+        image_embeds=bool(positive_int(config.get("image_dim"))),
         # the hidden states the pipeline takes from the image encoder: a token per patch and the class token
         image_tokens=(image_size // image_patch) ** 2 + 1 if image_size and image_patch else IMAGE_TOKENS,
     )
@@ -321,6 +329,8 @@ def _calls(
         ids = torch.zeros(1, geometry["tokens"], dtype=torch.long, device="meta")
         return [Call("forward", (), dict(input_ids=ids, attention_mask=torch.ones_like(ids)))], 2, False
     if name.startswith("image_encoder"):
+        if not geometry["image_embeds"]:  # the pipeline embeds the image only for a denoiser that takes it (Wan 2.1)
+            return [], 0, False
         # the image processor's pixels (fp32: the encoder casts them), the hidden states of every layer asked for
         size = geometry["image_size"]
         pixels = torch.empty(1, 3, size, size, dtype=torch.float32, device="meta")
@@ -482,10 +492,10 @@ def plan(
             loops[name] = looped
     shares = None
     if "transformer_2" in components:  # Wan 2.2: the steps are placed on the experts by their timestep
-        high = expert_steps(steps, pipeline_calls.boundary_ratio, pipeline_calls.scheduler)
+        first, second = expert_steps(steps, pipeline_calls.boundary_ratio, pipeline_calls.scheduler)
         per_step = calls["transformer_2"] // steps
-        calls["transformer"], calls["transformer_2"] = per_step * high, per_step * (steps - high)
-        shares = {"transformer": high / steps, "transformer_2": 1 - high / steps}
+        calls["transformer"], calls["transformer_2"] = per_step * first, per_step * second
+        shares = {"transformer": first / (first + second), "transformer_2": second / (first + second)}
     host = sum(pack_offsets(lays)[1] for lays in layouts.values())
     shape = dict(frames=frames, height=height, width=width, steps=steps, vae_tiling=vae_tiling)
     preview = Preview(model, budget_bytes, False, 0, host, host_bytes_budget, link_rate, shape, untraced=untraced)

@@ -476,3 +476,51 @@ def test_the_wan22_i2v_preset_places_its_steps_by_the_wan_teams_shift_and_bounda
         plan = tritoff.plan("wan2.2-i2v-a14b", "12GB", frames=81, height=480, width=832, steps=40)
     calls = {p.components[0]: p.calls_per_run for p in plan.phases}
     assert calls["transformer"] == 2 * 15 and calls["transformer_2"] == 2 * 25
+
+
+def test_a_scheduler_the_plan_cannot_build_leaves_the_split_to_plain_flow_matching(tmp_path):
+    # a scheduler class this diffusers lacks, or one needing the image's `mu`: the experts' split is an estimate
+    # (flow matching without shift), the plan itself goes on
+    from tritoff.experts import expert_steps
+    from tritoff.tiny import tiny_wan_pipeline
+
+    tiny_wan_pipeline(two_experts=True).save_pretrained(tmp_path / "pipe")
+    index_file = tmp_path / "pipe" / "model_index.json"
+    index = json.loads(index_file.read_text())
+    shape = dict(frames=5, height=16, width=16, steps=10, progress=False)
+    first, second = expert_steps(10, 0.5)
+    cases = ((["diffusers", "NoSuchScheduler"], None), (index["scheduler"], {"use_dynamic_shifting": True}))
+    for spec, config in cases:
+        index_file.write_text(json.dumps({**index, "scheduler": spec}))
+        if config is not None:
+            path = tmp_path / "pipe" / "scheduler" / "scheduler_config.json"
+            path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+        plan = tritoff.plan(str(tmp_path / "pipe"), "1GB", **shape)
+        calls = {p.components[0]: p.calls_per_run for p in plan.phases}
+        assert plan.feasible and (calls["transformer"], calls["transformer_2"]) == (2 * first, 2 * second)
+
+
+def test_a_boundary_that_is_not_a_number_is_refused_in_one_line(tmp_path):
+    from tritoff.tiny import tiny_wan_pipeline
+
+    tiny_wan_pipeline(two_experts=True).save_pretrained(tmp_path / "pipe")
+    index_file = tmp_path / "pipe" / "model_index.json"
+    index = json.loads(index_file.read_text())
+    for boundary in ("0.5", [0.5]):
+        index_file.write_text(json.dumps({**index, "boundary_ratio": boundary}))
+        with pytest.raises(ValueError, match=r"boundary_ratio is .*, not a number: the pipeline cannot run with it$"):
+            tritoff.plan(str(tmp_path / "pipe"), "1GB", frames=5, height=16, width=16, progress=False)
+
+
+def test_an_image_encoder_the_denoiser_takes_nothing_from_is_never_called(tmp_path):
+    # Wan 2.2 I2V's transformer has no image embedding: its pipeline calls an image encoder left in it never
+    from diffusers import WanImageToVideoPipeline
+
+    from tritoff.tiny import tiny_wan_i2v_pipeline, tiny_wan_transformer
+
+    parts = tiny_wan_i2v_pipeline().components
+    parts["transformer"] = tiny_wan_transformer(in_channels=36).eval()
+    WanImageToVideoPipeline(**parts).save_pretrained(tmp_path / "pipe")
+    plan = tritoff.plan(str(tmp_path / "pipe"), "1GB", frames=5, height=16, width=16, progress=False)
+    phase = next(p for p in plan.phases if p.components == ["image_encoder"])
+    assert plan.feasible and phase.calls_per_run == 0 and phase.activation_bytes == 0
