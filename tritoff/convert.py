@@ -25,7 +25,7 @@ from tritoff.formats import get_format
 from tritoff.groups import Group
 from tritoff.packer import PackedModel, pack_model, plan_layouts
 from tritoff.partial import finished, partial_store
-from tritoff.skip import SkipRules
+from tritoff.skip import SkipRules, warn_unmatched
 from tritoff.storage import resolve_storage
 from tritoff.store import (
     check_target,
@@ -202,6 +202,7 @@ def convert_pipeline(
     source = describe_source(source_dir, components) if source_dir is not None else None
     fingerprints = {n: fingerprint(m) for n, m in components.items()}
     plans = {}
+    warn_unmatched(skip, components)
     for name, module in components.items():
         groups = groups_for(module, grouping if grouping == "leaf" else "group")
         quantized = SkipRules.for_model(module, skip).quantized_names(module)

@@ -63,7 +63,7 @@ from tritoff.planner import ComponentSize, PhasedPlan, Plan, plan
 from tritoff.preflight import ENGINE_ATTR, ENGINES
 from tritoff.report import Report
 from tritoff.sizing import check_callable, groups_for, hooked_modules, looped, plan_for, sizes_of
-from tritoff.skip import SkipRules, skip_patterns
+from tritoff.skip import SkipRules, skip_patterns, warn_unmatched
 from tritoff.snr import LOST_DB
 from tritoff.storage import describe_storage, resolve_storage
 from tritoff.warn import warn
@@ -499,6 +499,8 @@ def enable(
     else:
         group_lists = {n: groups_for(m, options.mode) for n, m in components.items()}
         layouts = {}
+        if previous is None:
+            warn_unmatched(options.skip, components)
         for name, module in components.items():
             quantized = SkipRules.for_model(module, options.skip).quantized_names(module)
             if previous is None:  # else placeholders: the weights come back from packs that hold finite values

@@ -111,3 +111,23 @@ def skip_patterns(skip: str | Iterable[str] | None) -> tuple[str, ...]:
         if not pattern.strip():  # it would match every module: nothing would be quantized
             raise ValueError("skip has an empty pattern, which matches every module: leave it out (skip=() skips none)")
     return patterns
+
+
+def warn_unmatched(skip, components: dict[str, nn.Module]) -> None:
+    """Warn, for each of the user's ``skip`` patterns that no module name of ``components`` matches, that it keeps
+    nothing unquantized: a misspelt pattern would otherwise quantize what it meant to keep without a word."""
+    from tritoff.adapters import named_modules
+    from tritoff.warn import warn
+
+    patterns = skip_patterns(skip)
+    if not patterns or not components:
+        return
+    names = [name for module in components.values() for name, _ in named_modules(module) if name]
+    largest = max(components.values(), key=lambda m: sum(p.numel() for p in m.parameters()))
+    example = next((n for n, m in named_modules(largest) if isinstance(m, QUANTIZABLE_LAYERS)), "")
+    for pattern in patterns:
+        if not any(re.search(pattern, name, flags=re.IGNORECASE) for name in names):
+            warn(
+                f"skip pattern {pattern!r} matches no module of {', '.join(components)}, so it keeps nothing "
+                f"unquantized: patterns are searched in module names such as {example!r}"
+            )

@@ -135,3 +135,32 @@ def test_modulation_guidance_and_embedders_of_other_families_stay():
         assert f"{name}.linear.weight" in kept, name
     assert {"audio_proj_in.weight", "audio_proj_out.weight"} <= kept
     assert "transformer_blocks.0.attn1.to_q.weight" in quantized
+
+
+def test_a_skip_pattern_that_matches_no_module_is_warned_about(tmp_path):
+    # a misspelt pattern ("atn1") keeps nothing unquantized: enable and convert say so, naming it; one that matches
+    # ("ffn", case-insensitively "FFN") says nothing
+    import warnings
+
+    import tritoff
+    from tritoff.convert import convert_pipeline
+    from tritoff.tiny import tiny_wan_pipeline
+    from tritoff.warn import TritoffWarning
+
+    def warned(action) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            action()
+        return [str(w.message) for w in caught if issubclass(w.category, TritoffWarning) and "skip" in str(w.message)]
+
+    pipe = tiny_wan_pipeline()
+    enable = dict(budget="1GB", progress=False, kernels="reference")
+    [message] = warned(lambda: tritoff.enable(pipe, skip=["atn1", "FFN"], **enable))
+    assert message.startswith("skip pattern 'atn1' matches no module of vae, text_encoder, transformer, so it keeps")
+    assert warned(lambda: tritoff.enable(pipe, **enable)) == []  # enabling again: the same patterns, said once
+    tritoff.disable(pipe)
+    assert warned(lambda: tritoff.enable(pipe.transformer, skip="ffn", **enable)) == []
+    tritoff.disable(pipe.transformer)
+    pipe.save_pretrained(tmp_path / "pipe")
+    [message] = warned(lambda: convert_pipeline(str(tmp_path / "pipe"), str(tmp_path / "store"), skip=("atn1",)))
+    assert message.startswith("skip pattern 'atn1' matches no module")
