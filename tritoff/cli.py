@@ -11,6 +11,7 @@ import _thread
 import argparse
 import atexit
 import glob
+import inspect
 import json
 import math
 import os
@@ -235,6 +236,39 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _read_image(path: str):
+    """``--image``: the RGB image at ``path``, or a one-line error."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (OSError, UnidentifiedImageError, ValueError) as err:
+        raise CliError(f"--image {path}: cannot read it as an image ({_one_line(err)})") from None
+
+
+def _check_image(args, local: Path) -> None:
+    """An image-to-video pipeline is given ``--image``, and only such a pipeline (read from ``local``'s
+    model_index.json, before anything is loaded)."""
+    import diffusers
+    from transformers.utils import logging as transformers_logging
+
+    name = _json(local / "model_index.json").get("_class_name")
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # importing the class: its processors' notices come with the load
+    try:
+        cls = getattr(diffusers, name, None) if isinstance(name, str) else None
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    if cls is None:
+        return  # a pipeline diffusers lacks: loading it says so
+    image = inspect.signature(cls.__call__).parameters.get("image")
+    if args.image is None and image is not None and image.default is inspect.Parameter.empty:
+        raise CliError(f"{name} makes a video from an image: give --image PATH (its first frame)")
+    if args.image is not None and image is None:
+        raise CliError(f"{name} takes no image: leave --image out, or give an image-to-video pipeline")
+
+
 def _packs_of(storage: str | dict, given: str) -> str:
     """How the demo's first line names what ``--storage given`` (checked: ``storage``) packs."""
     if isinstance(storage, dict):
@@ -379,16 +413,20 @@ def _cmd_run(args) -> int:
     check_writable(args.out)
     local = _check_model(args.model)
     _check_storage(args.storage, local)
+    image = _read_image(args.image) if args.image is not None else None
     if local.is_dir():
         _check_dimensions(args, *_local_configs(local))
     index = _check_store(args, local) if args.store else None
     _check_device(args.device)
     _check_percentage(args.budget, args.device)
     _prepare_backend(args.device)
+    if local.is_dir():  # it imports diffusers, which imports triton: after the backend is chosen
+        _check_image(args, local)
     if not local.is_dir():  # a hub id: everything below reads its snapshot, as it reads a local directory
         local = _fetch(args.model)
         _check_storage(args.storage, local)
         _check_dimensions(args, *_local_configs(local))
+        _check_image(args, local)
         if index is not None:
             from tritoff.store import check_source
 
@@ -443,6 +481,11 @@ def _cmd_run(args) -> int:
     for key in ("num_frames", "height", "width"):
         if getattr(args, key.replace("num_", "")) is not None:
             call[key] = getattr(args, key.replace("num_", ""))
+    if image is not None:
+        call["image"] = image
+    tokens = getattr(getattr(pipe, "transformer", None), "config", {}).get("max_text_seq_length")
+    if tokens and "max_sequence_length" in inspect.signature(pipe.__call__).parameters:
+        call["max_sequence_length"] = tokens  # CogVideoX: the prompt its transformer is made for (226 as published)
     pipe.set_progress_bar_config(desc="denoising")
     try:
         frames = pipe(**call).frames
@@ -635,6 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("model", type=_path, help="a local diffusers pipeline directory or a hub id")
     run.add_argument("--prompt", required=True, help="what to generate")
     run.add_argument("--negative-prompt", default=None, help="what to steer away from (default: none)")
+    run.add_argument("--image", type=_path, default=None, help="the first frame, for an image-to-video pipeline")
     run.add_argument(
         "--budget",
         default=None,

@@ -829,3 +829,45 @@ def test_the_demos_frame_check_reads_the_demos_vae():
     from tritoff.tiny import WAN_VAE_TINY
 
     assert cli.DEMO_VAE["temperal_downsample"] == WAN_VAE_TINY["temperal_downsample"]
+
+
+def test_an_image_to_video_pipeline_runs_from_the_image_given(tmp_path):
+    # --image is the first frame of a WanImageToVideoPipeline; without it, or given to a text-to-video pipeline, the
+    # command stops in one line before anything is loaded
+    from PIL import Image
+
+    from tritoff.tiny import tiny_wan_i2v_pipeline, tiny_wan_pipeline
+
+    tiny_wan_i2v_pipeline().save_pretrained(tmp_path / "i2v")
+    tiny_wan_pipeline().save_pretrained(tmp_path / "t2v")
+    Image.new("RGB", (24, 24), (200, 60, 30)).save(tmp_path / "first.png")
+    (tmp_path / "text.png").write_text("not an image")
+    video = ["--frames", "5", "--height", "16", "--width", "16", "--steps", "1", "--device", "cpu"]
+    code, out, err = tritoff(
+        "run", tmp_path / "i2v", "--prompt", "a fox", "--image", tmp_path / "first.png", *video,
+        "--out", tmp_path / "v.gif",
+    )  # fmt: skip
+    assert code == 0 and (tmp_path / "v.gif").stat().st_size > 0, err
+    assert "image_encoder" in out  # its own phase, in the report
+    bad = {
+        ("i2v", None): "WanImageToVideoPipeline makes a video from an image: give --image PATH",
+        ("t2v", "first.png"): "WanPipeline takes no image: leave --image out",
+        ("i2v", "text.png"): f"--image {tmp_path / 'text.png'}: cannot read it as an image (",
+        ("i2v", "nothing.png"): f"--image {tmp_path / 'nothing.png'}: cannot read it as an image (",
+    }
+    for (pipe, image), message in bad.items():
+        given = ["--image", tmp_path / image] if image else []
+        argv = ["run", tmp_path / pipe, "--prompt", "x", *given, *video, "--out", tmp_path / "w.gif"]
+        assert_one_line_error(*tritoff(*argv), message)
+    assert not (tmp_path / "w.gif").exists()
+
+
+def test_a_cogvideox_pipeline_runs_with_the_prompt_length_its_transformer_takes(tmp_path):
+    # the tiny transformer's position table takes 16 prompt tokens, not the pipeline's default 226 (as plan traces
+    # it); and its packs upcast through the Triton interpreter, chosen before anything imports triton
+    from tritoff.tiny import tiny_cogvideox_pipeline
+
+    tiny_cogvideox_pipeline().save_pretrained(tmp_path / "cog")
+    video = ["--frames", "9", "--height", "16", "--width", "16", "--steps", "1", "--device", "cpu"]
+    code, out, err = tritoff("run", tmp_path / "cog", "--prompt", "a fox", *video, "--out", tmp_path / "v.gif")
+    assert code == 0 and (tmp_path / "v.gif").stat().st_size > 0, err
