@@ -237,13 +237,20 @@ def _cmd_demo(args) -> int:
 
 
 def _read_image(path: str):
-    """``--image``: the RGB image at ``path``, or a one-line error."""
-    from PIL import Image, UnidentifiedImageError
+    """``--image``: the RGB image at ``path`` as it is displayed (turned as its EXIF orientation says; 16-bit and
+    float pixels scaled to 8 bits rather than clipped), or a one-line error."""
+    import numpy as np
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
-        with Image.open(path) as image:
+        with Image.open(path) as opened:
+            image = ImageOps.exif_transpose(opened)
+            if image.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):  # RGB would clip them to white
+                values = np.asarray(image, dtype=np.float64)
+                top = 1.0 if image.mode == "F" and values.max(initial=0) <= 1 else 255.0 if image.mode == "F" else 65535
+                image = Image.fromarray(np.clip(values / top * 255 + 0.5, 0, 255).astype(np.uint8), mode="L")
             return image.convert("RGB")
-    except (OSError, UnidentifiedImageError, ValueError) as err:
+    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as err:
         raise CliError(f"--image {path}: cannot read it as an image ({_one_line(err)})") from None
 
 
@@ -260,7 +267,7 @@ def _check_image(args, local: Path) -> None:
         cls = getattr(diffusers, name, None) if isinstance(name, str) else None
     finally:
         transformers_logging.set_verbosity(verbosity)
-    if cls is None:
+    if not isinstance(cls, type):
         return  # a pipeline diffusers lacks: loading it says so
     image = inspect.signature(cls.__call__).parameters.get("image")
     if args.image is None and image is not None and image.default is inspect.Parameter.empty:
@@ -505,6 +512,7 @@ def _cmd_run(args) -> int:
 
 def _cmd_convert(args) -> int:
     from tritoff.partial import left_behind, real_target
+    from tritoff.skip import skip_patterns
     from tritoff.store import check_target
 
     local = _check_model(args.model)
@@ -512,8 +520,11 @@ def _cmd_convert(args) -> int:
     for pattern in args.skip:
         try:
             re.compile(pattern)
+            skip_patterns(pattern)  # an empty one, which would match every module
         except re.error as err:
             raise CliError(f"--skip {pattern!r} is not a valid regular expression: {err}") from None
+        except ValueError as err:
+            raise CliError(f"--skip {pattern!r}: {err}") from None
     target = check_target(args.out_dir, args.overwrite, model=local)  # after the arguments: none needs another try
     real = real_target(target)
     parent = real.parent if str(real.parent) else Path(".")
@@ -980,7 +991,8 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, ValueError, OSError) as err:
         if _interrupted:
             return _interrupted_exit()
-        if os.environ.get("TRITOFF_TRACEBACK") and not (isinstance(err, CliError) or _raised_by_tritoff(err)):
+        if os.environ.get("TRITOFF_TRACEBACK") and not _own_check(err):
+            err.__suppress_context__ = False  # the library's error a one-line message stood for, shown too
             raise
         _say(f"tritoff: error: {_one_line(err)}")
         # an OSError a library raised about the input (diffusers: a model directory without its weights) carries no
@@ -1007,13 +1019,16 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout, sys.stderr, warnings.formatwarning = stdout, stderr, format_warning
 
 
-def _raised_by_tritoff(err: BaseException) -> bool:
-    """Whether ``err`` was raised in tritoff's own code (one of its checks), not in a library it called."""
+def _own_check(err: BaseException) -> bool:
+    """Whether ``err`` is one of tritoff's own checks: a CliError or an error raised in tritoff's code, standing for
+    no error a library raised (a library's error put in one line is not)."""
     tb = err.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     package = str(Path(__file__).resolve().parent)
-    return tb is not None and str(Path(tb.tb_frame.f_code.co_filename).resolve()).startswith(package + os.sep)
+    raised_here = tb is not None and str(Path(tb.tb_frame.f_code.co_filename).resolve()).startswith(package + os.sep)
+    inner = err.__cause__ or err.__context__
+    return (isinstance(err, CliError) or raised_here) and (inner is None or _own_check(inner))
 
 
 def _flush_outputs() -> None:

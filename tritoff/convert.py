@@ -202,7 +202,7 @@ def convert_pipeline(
     source = describe_source(source_dir, components) if source_dir is not None else None
     fingerprints = {n: fingerprint(m) for n, m in components.items()}
     plans = {}
-    warn_unmatched(skip, components)
+    warn_unmatched(skip, {n: m for n, m in components.items() if get_format(storages[n]).is_fp8})
     for name, module in components.items():
         groups = groups_for(module, grouping if grouping == "leaf" else "group")
         quantized = SkipRules.for_model(module, skip).quantized_names(module)

@@ -500,7 +500,7 @@ def enable(
         group_lists = {n: groups_for(m, options.mode) for n, m in components.items()}
         layouts = {}
         if previous is None:
-            warn_unmatched(options.skip, components)
+            warn_unmatched(options.skip, {n: m for n, m in components.items() if fmts[n].is_fp8})
         for name, module in components.items():
             quantized = SkipRules.for_model(module, options.skip).quantized_names(module)
             if previous is None:  # else placeholders: the weights come back from packs that hold finite values

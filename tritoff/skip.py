@@ -114,20 +114,21 @@ def skip_patterns(skip: str | Iterable[str] | None) -> tuple[str, ...]:
 
 
 def warn_unmatched(skip, components: dict[str, nn.Module]) -> None:
-    """Warn, for each of the user's ``skip`` patterns that no module name of ``components`` matches, that it keeps
-    nothing unquantized: a misspelt pattern would otherwise quantize what it meant to keep without a word."""
-    from tritoff.adapters import named_modules
+    """Warn, for each of the user's ``skip`` patterns that keeps no weight of ``components`` (those stored in fp8)
+    unquantized that the defaults quantize, that it changes nothing: a misspelt pattern, or one naming a module above
+    the layers (``attn1$``), would otherwise quantize what it meant to keep without a word."""
     from tritoff.warn import warn
 
     patterns = skip_patterns(skip)
     if not patterns or not components:
         return
-    names = [name for module in components.values() for name, _ in named_modules(module) if name]
-    largest = max(components.values(), key=lambda m: sum(p.numel() for p in m.parameters()))
-    example = next((n for n, m in named_modules(largest) if isinstance(m, QUANTIZABLE_LAYERS)), "")
+    quantized = {name: SkipRules.for_model(m, ()).quantized_names(m) for name, m in components.items()}
+    largest = max(quantized, key=lambda name: len(quantized[name]))
+    first = min(quantized[largest], default="weight")  # "weight": the module is the layer itself
+    example = f"names such as {first.removesuffix('.weight')!r}" if "." in first else "the module itself, named ''"
     for pattern in patterns:
-        if not any(re.search(pattern, name, flags=re.IGNORECASE) for name in names):
+        if all(SkipRules.for_model(m, (pattern,)).quantized_names(m) == quantized[n] for n, m in components.items()):
             warn(
-                f"skip pattern {pattern!r} matches no module of {', '.join(components)}, so it keeps nothing "
-                f"unquantized: patterns are searched in module names such as {example!r}"
+                f"skip pattern {pattern!r} keeps nothing unquantized: it matches none of the quantized layers of "
+                f"{', '.join(components)} ({example})"
             )

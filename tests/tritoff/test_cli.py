@@ -421,6 +421,17 @@ def test_an_error_no_check_foresaw_is_one_line_unless_its_traceback_is_asked_for
     assert cli.main(["plan", "wan2.1-t2v-14b", "--frames", "10"]) == 2
     assert capsys.readouterr().err.startswith("tritoff: error: --frames 10 is not one more than a multiple of 4")
 
+    def wrapped(args):  # a library's error that a one-line CliError stands for (a pipeline that cannot load)
+        try:
+            int("two")
+        except ValueError as err:
+            raise cli.CliError(f"cannot load x: {err}") from None
+
+    monkeypatch.setattr(cli, "_cmd_info", wrapped)
+    with pytest.raises(cli.CliError, match="cannot load x") as raised:
+        cli.main(["info"])
+    assert isinstance(raised.value.__context__, ValueError) and not raised.value.__suppress_context__
+
 
 def test_the_demos_first_line_names_the_storage_asked_for():
     from tritoff import cli
@@ -871,3 +882,39 @@ def test_a_cogvideox_pipeline_runs_with_the_prompt_length_its_transformer_takes(
     video = ["--frames", "9", "--height", "16", "--width", "16", "--steps", "1", "--device", "cpu"]
     code, out, err = tritoff("run", tmp_path / "cog", "--prompt", "a fox", *video, "--out", tmp_path / "v.gif")
     assert code == 0 and (tmp_path / "v.gif").stat().st_size > 0, err
+
+
+def test_an_image_is_read_as_it_is_displayed(tmp_path):
+    # a photo's EXIF orientation turns it (a portrait taken sideways), 16-bit pixels are scaled to 8 bits, not clipped
+    # to white, and what cannot be read (a decompression bomb, a text) is one line
+    import numpy as np
+    from PIL import Image
+
+    from tritoff import cli
+
+    wide = Image.new("RGB", (64, 32), (10, 200, 30))
+    exif = wide.getexif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees to display
+    wide.save(tmp_path / "turned.jpg", exif=exif)
+    assert cli._read_image(str(tmp_path / "turned.jpg")).size == (32, 64)
+    ramp = (np.arange(256 * 8, dtype=np.uint32).reshape(8, 256) * 32).astype(np.uint16)  # 0 .. 65504
+    Image.fromarray(ramp).save(tmp_path / "deep.png")
+    read = np.asarray(cli._read_image(str(tmp_path / "deep.png")))[..., 0].astype(int)
+    assert read.min() == 0 and read.max() == 255 and np.abs(read - np.round(ramp / 65535 * 255)).max() <= 1
+    Image.new("L", (4, 4)).save(tmp_path / "small.png")
+    limit = Image.MAX_IMAGE_PIXELS
+    try:
+        Image.MAX_IMAGE_PIXELS = 4  # 16 pixels: more than twice the limit, a bomb
+        with pytest.raises(cli.CliError, match=r"^--image .*small\.png: cannot read it as an image \("):
+            cli._read_image(str(tmp_path / "small.png"))
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
+
+
+def test_a_pipeline_class_that_is_no_class_is_left_to_loading(tmp_path):
+    import argparse
+
+    from tritoff import cli
+
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "logging"}))  # a diffusers module
+    cli._check_image(argparse.Namespace(image="x.png"), tmp_path)  # no AttributeError: loading says what is wrong

@@ -137,9 +137,10 @@ def test_modulation_guidance_and_embedders_of_other_families_stay():
     assert "transformer_blocks.0.attn1.to_q.weight" in quantized
 
 
-def test_a_skip_pattern_that_matches_no_module_is_warned_about(tmp_path):
-    # a misspelt pattern ("atn1") keeps nothing unquantized: enable and convert say so, naming it; one that matches
-    # ("ffn", case-insensitively "FFN") says nothing
+def test_a_skip_pattern_that_keeps_nothing_unquantized_is_warned_about(tmp_path):
+    # a misspelt pattern ("atn1"), one naming the module above the layers ("attn1$") or one matching only a component
+    # kept in its own dtype ("decoder": the VAE) keeps nothing unquantized: enable and convert say so, naming it; one
+    # that keeps layers ("FFN", case-insensitively; ".*" on a lone layer) says nothing
     import warnings
 
     import tritoff
@@ -155,12 +156,23 @@ def test_a_skip_pattern_that_matches_no_module_is_warned_about(tmp_path):
 
     pipe = tiny_wan_pipeline()
     enable = dict(budget="1GB", progress=False, kernels="reference")
-    [message] = warned(lambda: tritoff.enable(pipe, skip=["atn1", "FFN"], **enable))
-    assert message.startswith("skip pattern 'atn1' matches no module of vae, text_encoder, transformer, so it keeps")
+    messages = warned(lambda: tritoff.enable(pipe, skip=["atn1", "FFN", "attn1$", "decoder"], **enable))
+    assert [m.split(" keeps")[0] for m in messages] == [
+        "skip pattern 'atn1'",
+        "skip pattern 'attn1$'",
+        "skip pattern 'decoder'",
+    ]
+    assert messages[0] == (
+        "skip pattern 'atn1' keeps nothing unquantized: it matches none of the quantized layers of text_encoder, "
+        "transformer (names such as 'blocks.0.attn1.to_k')"
+    )
     assert warned(lambda: tritoff.enable(pipe, **enable)) == []  # enabling again: the same patterns, said once
     tritoff.disable(pipe)
     assert warned(lambda: tritoff.enable(pipe.transformer, skip="ffn", **enable)) == []
     tritoff.disable(pipe.transformer)
+    layer = torch.nn.Linear(16, 16).to(torch.bfloat16)
+    assert warned(lambda: tritoff.enable(layer, skip=".*", **enable)) == []
+    tritoff.disable(layer)
     pipe.save_pretrained(tmp_path / "pipe")
     [message] = warned(lambda: convert_pipeline(str(tmp_path / "pipe"), str(tmp_path / "store"), skip=("atn1",)))
-    assert message.startswith("skip pattern 'atn1' matches no module")
+    assert message.startswith("skip pattern 'atn1' keeps nothing unquantized")
