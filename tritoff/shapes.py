@@ -71,3 +71,20 @@ def check_dimensions(
                 f"{prefix}{key} {value} is not a multiple of {multiple} (the VAE's downscale times the patch size); "
                 f"use {lower} or {lower + multiple}"
             )
+    learned_size(vae, denoiser, prefix, **dims)
+
+
+def learned_size(vae: dict, denoiser: dict, prefix: str = "", **dims: int | None) -> None:
+    """Refuse a height or width other than the sample size of a denoiser with learned positional embeddings
+    (CogVideoX-5B I2V: its table holds one size of latents, 480x720; the pipeline stops at its first step)."""
+    scale = spatial_scale(vae)
+    if denoiser.get("use_learned_positional_embeddings") is not True or not scale:
+        return
+    sizes = {key: positive_int(denoiser.get(f"sample_{key}")) for key in ("height", "width")}
+    for key, value in dims.items():
+        wanted = sizes.get(key) and sizes[key] * scale
+        if wanted and value is not None and value != wanted:
+            raise ValueError(
+                f"{prefix}{key} {value}: this transformer's learned positional embeddings take one size of video, "
+                f"{sizes['height'] * scale}x{sizes['width'] * scale}; use {prefix}{key} {wanted}"
+            )

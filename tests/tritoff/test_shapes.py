@@ -41,3 +41,15 @@ def test_a_wan_vae_that_states_its_scale_factors_is_read_as_its_pipeline_reads_i
     with pytest.raises(ValueError, match="height 48 is not a multiple of 32 .*; use 32 or 64"):
         check_dimensions(ti2v, WAN_DIT, height=48)
     assert spatial_multiple({**WAN_VAE, "scale_factor_spatial": 8}, WAN_DIT) == 16  # Wan 2.1: as from its stages
+
+
+def test_learned_positional_embeddings_take_their_sample_size_only():
+    # CogVideoX-5B I2V: a table of 60x90 latents, 480x720 pixels through the VAE's 8x; the pipeline refuses any other
+    # size at its first step, after loading and packing: refused before
+    vae = dict(block_out_channels=(128, 256, 256, 512), temporal_compression_ratio=4)
+    learned = dict(patch_size=2, use_learned_positional_embeddings=True, sample_height=60, sample_width=90)
+    check_dimensions(vae, learned, "--", frames=49, height=480, width=720)
+    check_dimensions(vae, learned, "--", frames=49, height=None, width=None)  # the pipeline's defaults
+    with pytest.raises(ValueError, match=r"^--width 736: .* take one size of video, 480x720; use --width 720$"):
+        check_dimensions(vae, learned, "--", frames=49, height=480, width=736)
+    check_dimensions(vae, {**learned, "use_learned_positional_embeddings": False}, height=496, width=736)
