@@ -150,14 +150,16 @@ def _check_percentage(budget: str | None, device: str | None) -> None:
             raise CliError(f"--budget {budget} is a share of GPU memory, but there is no GPU; give bytes, e.g. 4GB")
 
 
-def _check_storage(storage: str | None, local: Path | None = None):
+def _check_storage(storage: str | None, local: Path | None = None, models: tuple[str, ...] = ()):
     """``--storage``: a format (the same names and spellings ``tritoff.formats.get_format`` accepts) or
-    ``component=format`` pairs, whose names the local pipeline directory ``local`` must have; returns what
-    ``tritoff.enable`` takes."""
+    ``component=format`` pairs, whose names the local pipeline directory ``local`` (or the ``models`` named) must
+    have; returns what ``tritoff.enable`` takes."""
     from tritoff.storage import parse_storage, resolve_storage
 
     try:
         parsed = parse_storage(storage)
+        if isinstance(parsed, dict) and models:
+            resolve_storage(parsed, dict.fromkeys(models))
         if isinstance(parsed, dict) and local is not None and (local / "model_index.json").is_file():
             index = _json(local / "model_index.json")
             # models have a config.json; a scheduler or a tokenizer holds no weights to store
@@ -204,6 +206,7 @@ def _print_rows(rows: dict) -> None:
 
 
 DEMO_VAE = {"temperal_downsample": [False, True, True]}  # the demo's VAE (tritoff.tiny), read before torch is imported
+DEMO_MODELS = ("text_encoder", "transformer", "vae")  # the demo pipeline's components (tritoff.tiny.tiny_wan_pipeline)
 
 
 def _cmd_demo(args) -> int:
@@ -212,7 +215,7 @@ def _cmd_demo(args) -> int:
 
     _check_budget(args.budget)
     check_writable(args.out)
-    _check_storage(args.storage)
+    _check_storage(args.storage, models=DEMO_MODELS)
     check_dimensions(DEMO_VAE, {}, "--", frames=args.frames)
     _check_device(args.device)
     _check_percentage(args.budget, args.device)

@@ -181,6 +181,7 @@ BAD = [
     (["plan", "wan2.1-t2v-14b", "--budget", "80%"], "--budget: give bytes (e.g. 12GB), not a percentage"),
     ([], "the following arguments are required: command"),
     (["bench"], "the following arguments are required: which ("),  # not the script's arguments: they are optional
+    (["demo", "--storage", "foo=bf16"], "--storage foo=bf16: storage names 'foo', which is not a component"),
 ]
 
 
@@ -434,7 +435,14 @@ def test_an_error_no_check_foresaw_is_one_line_unless_its_traceback_is_asked_for
 
 
 def test_the_demos_first_line_names_the_storage_asked_for():
+    import torch
+
     from tritoff import cli
+    from tritoff.demo import demo_pipeline
+
+    # the components --storage may name, checked before the pipeline is built, are the demo pipeline's models
+    built = demo_pipeline().components
+    assert cli.DEMO_MODELS == tuple(sorted(n for n, m in built.items() if isinstance(m, torch.nn.Module)))
 
     assert cli._packs_of("fp8_e4m3", "fp8_e4m3") == "weights in fp8_e4m3 packs"
     assert cli._packs_of("bf16", "bf16") == cli._packs_of("fp16", "fp16") == "weights in their own dtype"
