@@ -924,15 +924,18 @@ _python_format_warning = warnings.formatwarning
 
 # options whose value may start with a dash: argparse reads "--budget -1GB" or "--negative-prompt '-blurry, dark'" as
 # an option missing its value ("expected one argument") where the value is what was meant
-_DASH_VALUES = ("--budget", "--host-budget", "--reserve", "--link", "--disk", "--prompt", "--negative-prompt")
+_DASH_VALUES = (
+    *("--budget", "--host-budget", "--reserve", "--link", "--disk", "--prompt", "--negative-prompt"),
+    *("--image", "--out", "--store", "--spill-dir"),  # paths: a file may be named -x.png
+)
 
 
 def attach_dash_values(argv: list[str], parser: argparse.ArgumentParser | None = None) -> list[str]:
     """``argv`` with each value starting with a dash that follows one of the options that take it written as
     ``--option=value``, which argparse reads as that option's value: a negative size (refused by its own check, which
-    says what to give) or a prompt starting with a dash. The option may be abbreviated as argparse allows (``--neg``:
-    the one option of its command starting so). A value that is an option (``-h``, ``--steps``) or ``--`` stays what
-    it is, and so does what follows ``--`` and what ``tritoff bench`` hands to its script."""
+    says what to give), a prompt or a path starting with a dash. The option may be abbreviated as argparse allows
+    (``--neg``: the one option of its command starting so). A value that is an option (``-h``, ``--steps``) or ``--``
+    stays what it is, and so does what follows ``--`` and what ``tritoff bench`` hands to its script."""
     command = next((token for token in argv if not token.startswith("-")), None)
     if command == "bench":
         return list(argv)

@@ -208,6 +208,11 @@ def test_values_starting_with_a_dash_are_read_as_values_and_options_stay_options
     )
     assert (args.prompt, args.negative_prompt, args.steps) == ("-x", "-blurry, dark", 3)
     assert cli.attach_dash_values(["plan", "m", "--budget", "-1GB"]) == ["plan", "m", "--budget=-1GB"]
+    # a path starting with a dash
+    args = parser.parse_args(
+        cli.attach_dash_values(["run", "m", "--prompt", "x", "--image", "-a.png", "--out", "-v.gif"])
+    )
+    assert (args.image, args.out) == ("-a.png", "-v.gif")
     # abbreviated as argparse allows: the one option of the command starting so
     args = parser.parse_args(cli.attach_dash_values(["run", "m", "--prom", "-x", "--neg", "-blurry"], parser))
     assert (args.prompt, args.negative_prompt) == ("-x", "-blurry")
