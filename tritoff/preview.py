@@ -471,6 +471,9 @@ def plan(
     reserves, calls, loops, untraced, failed = {}, {}, {}, {}, {}
     traced = {}  # (architecture, method, input shapes) -> (reserve, error): Wan 2.2's two experts are traced once
     geometry = _geometry(family, components, pipeline_calls)
+    # the denoiser is called at each of the scheduler's timesteps (2n - 1 for a second-order one), split between Wan
+    # 2.2's experts by their timestep
+    first, second = expert_steps(steps, pipeline_calls.boundary_ratio, pipeline_calls.scheduler)
     with tqdm(components, desc="tracing activations", unit="component", disable=not progress, leave=False) as bar:
         for name in bar:
             bar.set_postfix_str(name)
@@ -488,12 +491,11 @@ def plan(
                 reserves[name] = max(reserves[name], reserve)
                 if error is not None and name not in untraced:
                     untraced[name], failed[name] = error, call.method
-            calls[name] = per_call * (steps if looped else 1)
+            calls[name] = per_call * (first + second if looped else 1)
             loops[name] = looped
     shares = None
     if "transformer_2" in components:  # Wan 2.2: the steps are placed on the experts by their timestep
-        first, second = expert_steps(steps, pipeline_calls.boundary_ratio, pipeline_calls.scheduler)
-        per_step = calls["transformer_2"] // steps
+        per_step = calls["transformer_2"] // (first + second)
         calls["transformer"], calls["transformer_2"] = per_step * first, per_step * second
         shares = {"transformer": first / (first + second), "transformer_2": second / (first + second)}
     host = sum(pack_offsets(lays)[1] for lays in layouts.values())

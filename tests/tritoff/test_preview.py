@@ -524,3 +524,21 @@ def test_an_image_encoder_the_denoiser_takes_nothing_from_is_never_called(tmp_pa
     plan = tritoff.plan(str(tmp_path / "pipe"), "1GB", frames=5, height=16, width=16, progress=False)
     phase = next(p for p in plan.phases if p.components == ["image_encoder"])
     assert plan.feasible and phase.calls_per_run == 0 and phase.activation_bytes == 0
+
+
+def test_a_second_order_scheduler_calls_the_denoiser_at_each_of_its_timesteps(tmp_path):
+    # Heun: two calls per step but the last (2n - 1), each with CFG's two
+    from diffusers import FlowMatchHeunDiscreteScheduler
+
+    from tritoff.tiny import tiny_wan_pipeline
+
+    pipe = tiny_wan_pipeline()
+    pipe.scheduler = FlowMatchHeunDiscreteScheduler(shift=7.0)
+    made = []
+    pipe.transformer.register_forward_pre_hook(lambda *_: made.append(1))
+    call = dict(prompt="a", negative_prompt="b", num_frames=5, height=16, width=16, max_sequence_length=16)
+    pipe(**call, num_inference_steps=3, output_type="latent")
+    pipe.save_pretrained(tmp_path / "pipe")
+    plan = tritoff.plan(str(tmp_path / "pipe"), "1GB", frames=5, height=16, width=16, steps=3, progress=False)
+    planned = next(p.calls_per_run for p in plan.phases if p.components == ["transformer"])
+    assert planned == len(made) == 2 * (2 * 3 - 1)
