@@ -515,7 +515,7 @@ def enable(
     operations.check_compiled_wrappers(preflight.wrapped_components(target))
     the_plan, chunks = plan_for(sizes, group_lists, layouts, components, options, fixed_groups=store is not None)
     loops = {name: looped(name) for name in components}
-    shares = expert_shares(target)
+    shares = expert_shares(target) if options.host_budget is not None and not reuse else None
     in_ram = None if reuse else hold_plan(group_lists, layouts, the_plan, loops, options.host_budget, shares)
     if store is not None:
         # the packs the host budget holds are read (and checked) now, before anything changes; the rest stay on disk

@@ -30,8 +30,8 @@ def expert_steps(steps: int, boundary_ratio: float | None, scheduler=None) -> tu
         try:
             scheduler.set_timesteps(steps, device="cpu")
             timesteps = scheduler.timesteps
-        except Exception:
-            timesteps = None
+        except Exception:  # a dynamic shift needs the image's size; a scheduler's own argument checks
+            pass
     if timesteps is None:
         scheduler = FlowMatchEulerDiscreteScheduler()
         scheduler.set_timesteps(steps, device="cpu")
