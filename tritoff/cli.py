@@ -215,7 +215,7 @@ def _cmd_demo(args) -> int:
 
     _check_budget(args.budget)
     check_writable(args.out)
-    _check_storage(args.storage, models=DEMO_MODELS)
+    storage = _check_storage(args.storage, models=DEMO_MODELS)
     check_dimensions(DEMO_VAE, {}, "--", frames=args.frames)
     _check_device(args.device)
     _check_percentage(args.budget, args.device)
@@ -225,7 +225,6 @@ def _cmd_demo(args) -> int:
     from tritoff.planner import BudgetError
     from tritoff.video import write_video
 
-    storage = _check_storage(args.storage)
     packs = _packs_of(storage, args.storage)
     print(f"tritoff demo: a Wan pipeline built locally (random weights), {packs}, blocks streamed")
     try:
@@ -430,17 +429,15 @@ def _cmd_run(args) -> int:
     _check_device(args.device)
     _check_percentage(args.budget, args.device)
     _prepare_backend(args.device)
-    if local.is_dir():  # it imports diffusers, which imports triton: after the backend is chosen
-        _check_image(args, local)
     if not local.is_dir():  # a hub id: everything below reads its snapshot, as it reads a local directory
         local = _fetch(args.model)
         _check_storage(args.storage, local)
         _check_dimensions(args, *_local_configs(local))
-        _check_image(args, local)
         if index is not None:
             from tritoff.store import check_source
 
             check_source(args.store, local, index)
+    _check_image(args, local)  # it imports diffusers, which imports triton: after the backend is chosen
 
     import torch
 
