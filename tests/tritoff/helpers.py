@@ -27,6 +27,23 @@ def run(pipe, call=WAN_CALL, **overrides):
     return pipe(**{**call, **overrides}, generator=torch.Generator().manual_seed(0)).frames
 
 
+def denoiser_calls(pipe, steps: int) -> dict[str, int]:
+    """The forward calls a tiny Wan pipeline makes of each of its denoisers (``transformer``, and ``transformer_2``
+    where it has one) in a run of ``steps`` steps, with CFG: two per timestep."""
+    counts = {name: 0 for name in ("transformer", "transformer_2") if getattr(pipe, name, None) is not None}
+    handles = [
+        getattr(pipe, name).register_forward_pre_hook(lambda *_, _n=name: counts.__setitem__(_n, counts[_n] + 1))
+        for name in counts
+    ]
+    call = dict(prompt="a cat", negative_prompt="blurry", num_frames=5, height=16, width=16, max_sequence_length=16)
+    try:
+        pipe(**call, num_inference_steps=steps, output_type="latent")
+    finally:
+        for handle in handles:
+            handle.remove()
+    return counts
+
+
 def dequantize_in_place(module: torch.nn.Module, storage: str = "fp8_e4m3", skip=()) -> torch.nn.Module:
     """Replace every weight by what tritoff would compute with: its pack, dequantized by the reference."""
     packed = pack_model(module, storage, skip=skip, progress=False)

@@ -8,19 +8,17 @@ from diffusers import FlowMatchEulerDiscreteScheduler, FlowMatchHeunDiscreteSche
 from tritoff.experts import expert_shares, expert_steps
 from tritoff.tiny import tiny_wan_pipeline
 
+from .helpers import denoiser_calls
+
 
 def _flow(shift: float):
     return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift)
 
 
 def _calls(pipe, steps: int) -> tuple[int, int]:
-    """The calls the pipeline makes of each expert in a run of ``steps`` steps (CFG: two per timestep)."""
-    counts = {"transformer": 0, "transformer_2": 0}
-    for name in counts:
-        getattr(pipe, name).register_forward_pre_hook(lambda *_, _n=name: counts.__setitem__(_n, counts[_n] + 1))
-    call = dict(prompt="a", negative_prompt="b", num_frames=5, height=16, width=16, max_sequence_length=16)
-    pipe(**call, num_inference_steps=steps, output_type="latent")
-    return counts["transformer"] // 2, counts["transformer_2"] // 2
+    """The timesteps at which the pipeline calls each expert in a run of ``steps`` steps."""
+    counts = denoiser_calls(pipe, steps)
+    return counts["transformer"] // 2, counts["transformer_2"] // 2  # CFG: two calls per timestep
 
 
 def test_the_wan_teams_defaults_place_the_steps_by_the_shift_not_the_ratio_alone():

@@ -11,7 +11,7 @@ import torch
 import tritoff
 from tritoff.budget import parse_size
 
-from .helpers import COG_CALL, wan
+from .helpers import COG_CALL, denoiser_calls, wan
 
 GiB = 2**30
 
@@ -448,19 +448,7 @@ def test_wan22s_steps_are_placed_on_its_experts_as_the_pipeline_places_them(tmp_
     from tritoff.tiny import tiny_wan_pipeline
 
     pipe = tiny_wan_pipeline(two_experts=True)
-    counts = {"transformer": 0, "transformer_2": 0}
-    for name in counts:
-        getattr(pipe, name).register_forward_pre_hook(lambda *_, _n=name: counts.__setitem__(_n, counts[_n] + 1))
-    pipe(
-        prompt="a cat",
-        negative_prompt="blurry",
-        num_frames=5,
-        height=16,
-        width=16,
-        num_inference_steps=steps,
-        max_sequence_length=16,
-        output_type="latent",
-    )
+    counts = denoiser_calls(pipe, steps)
     pipe.save_pretrained(tmp_path / "pipe")
     plan = tritoff.plan(str(tmp_path / "pipe"), "1GB", frames=5, height=16, width=16, steps=steps, progress=False)
     planned = {p.components[0]: p.calls_per_run for p in plan.phases if p.components[0] in counts}
@@ -534,11 +522,8 @@ def test_a_second_order_scheduler_calls_the_denoiser_at_each_of_its_timesteps(tm
 
     pipe = tiny_wan_pipeline()
     pipe.scheduler = FlowMatchHeunDiscreteScheduler(shift=7.0)
-    made = []
-    pipe.transformer.register_forward_pre_hook(lambda *_: made.append(1))
-    call = dict(prompt="a", negative_prompt="b", num_frames=5, height=16, width=16, max_sequence_length=16)
-    pipe(**call, num_inference_steps=3, output_type="latent")
+    made = denoiser_calls(pipe, 3)["transformer"]
     pipe.save_pretrained(tmp_path / "pipe")
     plan = tritoff.plan(str(tmp_path / "pipe"), "1GB", frames=5, height=16, width=16, steps=3, progress=False)
     planned = next(p.calls_per_run for p in plan.phases if p.components == ["transformer"])
-    assert planned == len(made) == 2 * (2 * 3 - 1)
+    assert planned == made == 2 * (2 * 3 - 1)
