@@ -188,7 +188,8 @@ class Engine:
                 if g in comp.blocks:
                     self._hook(modules[group.modules[0][0]], GroupHook(self.manager, g))
             for table in comp.host:
-                self._hook(modules[table.group.modules[0][0]], HostLookupHook(device))
+                for reader, _ in table.group.modules:
+                    self._hook(modules[reader], HostLookupHook(device))
             self._hook(comp.module, ComponentHook(self.manager, comp))
 
     def _disk_ring(self) -> DiskRing | None:

@@ -73,7 +73,9 @@ def host_embeddings(model: nn.Module) -> list[tuple[str, nn.Embedding]]:
 def _host_groups(model: nn.Module, owner: dict[int, str]) -> list[Group]:
     groups = []
     for name, module in host_embeddings(model):
-        group = Group(f"{HOST}{name}", [(name, module)], [(f"{name}.weight", module.weight)])
+        # every module looking the table up runs on the host: T5's ``shared`` and its encoder's ``embed_tokens`` (tied)
+        readers = [(n, m) for n, m in named_modules(model) if m._parameters.get("weight") is module.weight]
+        group = Group(f"{HOST}{name}", readers, [(f"{name}.weight", module.weight)])
         owner[id(module.weight)] = group.name
         groups.append(group)
     return groups

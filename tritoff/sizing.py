@@ -209,8 +209,9 @@ def hooked_modules(components: dict[str, nn.Module], group_lists: dict, sizes: l
     hooked = {}
     for name, module in components.items():
         outer = outer_modules(module)
-        groups = [g for g in group_lists[name] if is_host(g) or (name in split and is_block(g))]
-        hooked[name] = [module, *(outer[g.modules[0][0]] for g in groups)]
+        blocks = [g for g in group_lists[name] if name in split and is_block(g)]
+        readers = [reader for g in group_lists[name] if is_host(g) for reader, _ in g.modules]
+        hooked[name] = [module, *(outer[g.modules[0][0]] for g in blocks), *(outer[r] for r in readers)]
     return hooked
 
 

@@ -27,6 +27,19 @@ def test_pipeline_on_gpu_matches_the_dequantized_pipeline():
         assert engine.stats["total"]["pageable_host_bytes"] == 0  # every arena page-locked
 
 
+def test_a_pipeline_whose_text_encoder_table_stays_on_the_host_matches_on_the_gpu(monkeypatch):
+    # the UMT5 encoder looks its table up through `encoder.embed_tokens`, tied to `shared`: both must run on the host
+    from tritoff import groups
+
+    reference = dequantized_pipeline(wan).to("cuda")
+    expected = run(reference)
+    monkeypatch.setattr(groups, "HOST_EMBEDDING_BYTES", 8 * 1024)  # the tiny UMT5's 16 KiB table stays on the host
+    pipe = wan()
+    engine = tritoff.enable(pipe, mode="group", budget="4MB", progress=False)
+    assert engine.stats["components"]["text_encoder"]["host_lookup_bytes"] == 256 * 32 * 2
+    assert torch.equal(run(pipe), expected)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_an_engine_on_the_second_gpu_quantizes_and_streams_there_while_the_first_is_current():
     # Triton launches on the current device whatever its tensors' device: each launch makes theirs current

@@ -78,6 +78,30 @@ def test_the_pipeline_with_a_host_table_equals_the_dequantized_pipeline(small_th
     assert grew == 256 * 32 * 2
 
 
+def test_every_module_holding_a_host_table_looks_it_up_on_the_host(small_threshold, monkeypatch):
+    # UMT5's ``shared`` and its encoder's ``embed_tokens`` are two modules holding one table, and the encoder looks up
+    # through the second: on a GPU, a lookup left unhooked reads a host table with ids on the device and fails
+    from tritoff.host_lookup import HostLookupHook
+
+    pipe = wan()
+    encoder = pipe.text_encoder
+    assert (
+        encoder.shared is not encoder.encoder.embed_tokens
+        and encoder.shared.weight is encoder.encoder.embed_tokens.weight
+    )
+    looked_up, pre_forward = [], HostLookupHook.pre_forward
+    monkeypatch.setattr(
+        HostLookupHook,
+        "pre_forward",
+        lambda self, module, *a, **k: looked_up.append(module) or pre_forward(self, module, *a, **k),
+    )
+    tritoff.enable(pipe, mode="group", progress=False, kernels="reference")
+    run(pipe)
+    assert any(m is encoder.encoder.embed_tokens for m in looked_up)
+    tritoff.disable(pipe)
+    assert not hasattr(encoder.encoder.embed_tokens, "_hf_hook") and not hasattr(encoder.shared, "_hf_hook")
+
+
 def test_a_host_table_survives_a_store_round_trip(small_threshold, tmp_path):
     pipe = wan()
     engine = tritoff.enable(pipe, mode="group", progress=False, kernels="reference")
