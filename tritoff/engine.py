@@ -187,9 +187,9 @@ class Engine:
             for group, g in zip(groups, comp.groups, strict=True):
                 if g in comp.blocks:
                     self._hook(modules[group.modules[0][0]], GroupHook(self.manager, g))
-            for table in comp.host:
-                for reader, _ in table.group.modules:
-                    self._hook(modules[reader], HostLookupHook(device))
+            for table in comp.host:  # on the layer itself: an adapter around it looks its own table up on the device
+                for reader in {id(m): m for _, m in table.group.modules}.values():
+                    self._hook(reader, HostLookupHook(device))
             self._hook(comp.module, ComponentHook(self.manager, comp))
 
     def _disk_ring(self) -> DiskRing | None:

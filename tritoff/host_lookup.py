@@ -26,6 +26,7 @@ class HostTable:
         self.params = params
         self.names = [name for name, _ in group.params]
         self.homes = [(owner, key, p) for p, places in zip(params, homes, strict=True) for owner, key in places]
+        self.home_names = {id(module._parameters): name for name, module in group.modules}  # the layers' own names
         self.pointers = [p.data_ptr() for p in params]
         self.versions = [p._version for p in params]
 
@@ -36,9 +37,8 @@ class HostTable:
     def check(self) -> None:
         """Refuse, in one line, a table changed since enable."""
         for owner, key, param in self.homes:
-            if owner.get(key) is not param:
-                name = self.names[next(i for i, p in enumerate(self.params) if p is param)]
-                raise replaced_or_deleted(f"{self.component}.{name}")
+            if owner.get(key) is not param:  # named where it changed: a tied table has several names
+                raise replaced_or_deleted(f"{self.component}.{self.home_names[id(owner)]}.{key}")
         for name, param, pointer, version in zip(self.names, self.params, self.pointers, self.versions, strict=True):
             if param.data_ptr() != pointer:
                 raise given_new_data(f"{self.component}.{name}", "after tritoff.enable")

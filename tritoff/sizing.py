@@ -204,14 +204,14 @@ def _plan_phases(sizes, group_lists, layouts, components, options: Options):
 
 def hooked_modules(components: dict[str, nn.Module], group_lists: dict, sizes: list[ComponentSize]) -> dict:
     """The modules :meth:`Engine._build_runtime` hooks, per component: its root, the first module of each block of a
-    split component, and of each lookup table kept on the host."""
+    split component, and every layer looking up a table kept on the host."""
     split = {size.name for size in sizes if size.blocks}
     hooked = {}
     for name, module in components.items():
         outer = outer_modules(module)
         blocks = [g for g in group_lists[name] if name in split and is_block(g)]
-        readers = [reader for g in group_lists[name] if is_host(g) for reader, _ in g.modules]
-        hooked[name] = [module, *(outer[g.modules[0][0]] for g in blocks), *(outer[r] for r in readers)]
+        readers = [reader for g in group_lists[name] if is_host(g) for _, reader in g.modules]
+        hooked[name] = [module, *(outer[g.modules[0][0]] for g in blocks), *readers]
     return hooked
 
 

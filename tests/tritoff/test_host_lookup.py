@@ -102,6 +102,51 @@ def test_every_module_holding_a_host_table_looks_it_up_on_the_host(small_thresho
     assert not hasattr(encoder.encoder.embed_tokens, "_hf_hook") and not hasattr(encoder.shared, "_hf_hook")
 
 
+def test_an_adapted_table_is_looked_up_on_the_host_by_its_base_layer_under_every_name(small_threshold, monkeypatch):
+    # LoRA wraps the layer under one of its two names: the hook sits on the base layer, which both names reach, and
+    # not around the adapter, whose own table lives on the compute device
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from tritoff.host_lookup import HostLookupHook
+
+    class Aliased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared = nn.Embedding(512, 16)
+            self.encoder = nn.Module()
+            self.encoder.embed_tokens = self.shared  # one layer, two names (as older T5 had)
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+        def forward(self, ids):
+            x = self.encoder.embed_tokens(ids)
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    model = Aliased().to(torch.bfloat16).eval()
+    base = model.shared
+    inject_adapter_in_model(LoraConfig(r=2, target_modules=["shared"]), model)
+    assert model.shared is not base and model.encoder.embed_tokens is base
+    looked_up, pre_forward = [], HostLookupHook.pre_forward
+    monkeypatch.setattr(
+        HostLookupHook, "pre_forward", lambda self, m, *a, **k: looked_up.append(m) or pre_forward(self, m, *a, **k)
+    )
+    tritoff.enable(model, mode="group", progress=False, kernels="reference")
+    assert isinstance(base._hf_hook, HostLookupHook) and not hasattr(model.shared, "_hf_hook")
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+    assert looked_up == [base]
+
+
+def test_a_replaced_tied_table_is_named_where_it_was_replaced(small_threshold):
+    pipe = wan()
+    tritoff.enable(pipe, mode="group", progress=False, kernels="reference")
+    encoder = pipe.text_encoder
+    encoder.encoder.embed_tokens.weight = nn.Parameter(torch.zeros_like(encoder.shared.weight), requires_grad=False)
+    with pytest.raises(RuntimeError, match=r"^text_encoder\.encoder\.embed_tokens\.weight was replaced or deleted"):
+        run(pipe)
+
+
 def test_a_host_table_survives_a_store_round_trip(small_threshold, tmp_path):
     pipe = wan()
     engine = tritoff.enable(pipe, mode="group", progress=False, kernels="reference")
