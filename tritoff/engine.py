@@ -753,9 +753,12 @@ def _install(engine: Engine) -> None:
     ENGINES.add(engine)
     lora.attach(engine)  # fuse_lora / unfuse_lora write into the packs
     blocks = [m for m in engine._hooked if isinstance(getattr(m, "_hf_hook", None), GroupHook)]
+    lookups = [m for m in engine._hooked if isinstance(getattr(m, "_hf_hook", None), HostLookupHook)]
     # .to(), offloading, qkv fusion, compile, save_pretrained
     leaf = engine.options.mode == "leaf"
-    operations.install(engine.target, engine.components, engine.options.device, blocks, engine.managed_ids, leaf)
+    operations.install(
+        engine.target, engine.components, engine.options.device, blocks, engine.managed_ids, leaf, lookups
+    )
     for comp in engine._runtimes:  # a VAE's encode and decode plan their activations as forwards do
         for method in PLANNED_METHODS:
             if callable(getattr(type(comp.module), method, None)) and method not in vars(comp.module):

@@ -92,14 +92,21 @@ def refuse(objects, refusals: dict[str, str]) -> None:
 
 
 def install(
-    target, components: dict, device: torch.device, blocks=(), managed: frozenset | set = frozenset(), leaf=False
+    target,
+    components: dict,
+    device: torch.device,
+    blocks=(),
+    managed: frozenset | set = frozenset(),
+    leaf=False,
+    lookups=(),
 ) -> None:
     """Intercept the operations above on ``target`` (a pipeline or module), on each of its ``components`` and on the
-    hooked ``blocks`` (layers when ``leaf``); ``managed``: the ids of the parameters tritoff holds the weights of."""
+    hooked ``blocks`` (layers when ``leaf``); ``managed``: the ids of the parameters tritoff holds the weights of;
+    ``lookups``: the layers looking up tables kept in host memory."""
     for block in blocks:
         install_block(block)
     refuse((target, *components.values()), REFUSED)
-    hooked = {id(b) for b in blocks}
+    hooked, looked_up = {id(b) for b in blocks}, {id(m) for m in lookups}
     for name, module in components.items():
         for sub_name, sub in module.named_modules():  # any submodule may be moved, cast or loaded on its own
             where = f"{name}.{sub_name}" if sub_name else name
@@ -112,10 +119,14 @@ def install(
         # a module holding hooked ones compiled with fullgraph=True: the hooks are graph breaks inside it (the
         # component; in leaf mode, also each block and attention holding hooked layers)
         for sub_name, sub in module.named_modules():
-            if "compile" in sub.__dict__ or id(sub) in hooked:
+            if "compile" in sub.__dict__ or id(sub) in hooked or id(sub) in looked_up:
                 continue
-            if any(id(m) in hooked for m in sub.modules()):
-                sub.compile = _compile_around_hooks(sub, f"{name}.{sub_name}" if sub_name else name, name, leaf)
+            inside = {id(m) for m in sub.modules()}
+            where = f"{name}.{sub_name}" if sub_name else name
+            if inside & hooked:
+                sub.compile = _compile_around_hooks(sub, where, name, leaf)
+            elif inside & looked_up:
+                sub.compile = _compile_around_lookups(sub, where)
     if not isinstance(target, torch.nn.Module) and callable(getattr(target, "to", None)) and "to" not in vars(target):
         target.to = _guarded_to(target, components, device)
 
@@ -214,17 +225,22 @@ def check_compiled(hooked: dict[str, list[torch.nn.Module]], components: dict[st
             how = compiled_with(module)
             if how is None:
                 how = compiled_inside_hooks(module)
-            if how is None:
+            # a submodule given as torch.compile(layer, fullgraph=True): its graph holds the layer's hooks too
+            wrapped_whole = type(module).__name__ == "OptimizedModule" and _fullgraph(
+                getattr(module, "dynamo_ctx", None)
+            )
+            if how is None and not wrapped_whole:
                 continue
             where = f"{name}.{sub_name}" if sub_name else name
             holds = any(id(m) in inside for m in module.modules() if m is not module)
             if how is False and (holds or id(module) in inside):
                 unread.append(where)
-            if how and how.fullgraph and holds:
+            if holds and (wrapped_whole or (how and how.fullgraph)):
                 raise ValueError(
                     f"{where} is compiled with fullgraph=True, and tritoff's hooks on modules inside it (blocks; "
-                    "layers in leaf mode) would be graph breaks; compile it again without fullgraph, or, in group "
-                    f"mode, compile each block ({name}.compile_repeated_blocks(fullgraph=True))"
+                    "layers in leaf mode; lookups of embedding tables kept in host memory) would be graph breaks; "
+                    "compile it again without fullgraph, or, in group mode, compile each block "
+                    f"({name}.compile_repeated_blocks(fullgraph=True))"
                 )
     if unread:
         from tritoff.warn import warn
@@ -328,6 +344,22 @@ def _compile_around_hooks(module: torch.nn.Module, where: str, component: str, l
                 f"{where}.compile(fullgraph=True): tritoff's hooks on its blocks (resident ones too: a re-plan may "
                 f"stream them) are graph breaks inside it; use {component}.compile_repeated_blocks(fullgraph=True) "
                 "(each block's own forward compiles as one graph), or drop fullgraph"
+            )
+        return original(*args, **kwargs)
+
+    compile._tritoff = True
+    return compile
+
+
+def _compile_around_lookups(module: torch.nn.Module, where: str):
+    original = module.compile
+
+    @functools.wraps(original)
+    def compile(*args, **kwargs):
+        if kwargs.get("fullgraph"):
+            raise RuntimeError(
+                f"{where}.compile(fullgraph=True): an embedding table it looks up stays in host memory, and "
+                "tritoff's lookup there is a graph break inside it; drop fullgraph (the lookup runs between graphs)"
             )
         return original(*args, **kwargs)
 

@@ -147,6 +147,30 @@ def test_a_replaced_tied_table_is_named_where_it_was_replaced(small_threshold):
         run(pipe)
 
 
+@pytest.mark.parametrize("when", ["before enable", "wrapper before enable", "after enable"])
+def test_a_fullgraph_compile_around_a_host_lookup_is_refused_in_one_line(small_threshold, when):
+    # the lookup is a graph break: without the refusal, dynamo's own error at the first call
+    pipe = wan()
+    encoder = pipe.text_encoder.encoder
+    if when == "before enable":
+        encoder.compile(fullgraph=True, backend="eager")
+    elif when == "wrapper before enable":
+        encoder.embed_tokens = torch.compile(encoder.embed_tokens, fullgraph=True, backend="eager")
+    if when != "after enable":
+        with pytest.raises(ValueError, match=r"compiled with fullgraph=True.*embedding tables kept in host memory"):
+            tritoff.enable(pipe, mode="model", progress=False, kernels="reference")
+        assert not hasattr(pipe, "_tritoff_engine")
+        return
+    tritoff.enable(pipe, mode="model", progress=False, kernels="reference")
+    with pytest.raises(
+        RuntimeError, match=r"^text_encoder\.encoder\.compile\(fullgraph=True\): an embedding table"
+    ) as info:
+        encoder.compile(fullgraph=True, backend="eager")
+    assert "\n" not in str(info.value)
+    encoder.compile(backend="eager")  # without fullgraph the lookup runs between graphs
+    assert torch.equal(run(pipe), run(dequantized_pipeline(wan)))
+
+
 def test_a_host_table_survives_a_store_round_trip(small_threshold, tmp_path):
     pipe = wan()
     engine = tritoff.enable(pipe, mode="group", progress=False, kernels="reference")
