@@ -59,6 +59,7 @@ if SMOKE and not torch.cuda.is_available():
 import psutil  # noqa: E402
 from common import markdown_table, out_directory, share_or_size, size, tag, write_result  # noqa: E402
 from models import COGVIDEOX_5B, COGVIDEOX_SMOKE, UMT5_XXL, WAN_14B, WAN_SMOKE, build  # noqa: E402
+from rows import COMPILE_ROWS, PIPELINE_ROWS, TRANSFORMER_ROWS  # noqa: E402
 
 import tritoff  # noqa: E402
 from tritoff.arguments import OneLineParser, at_least  # noqa: E402
@@ -79,18 +80,6 @@ HOST_FRACTION = 0.3
 # the allocator's limit over the budget: a row past its budget is then measured and shown past it, not failed
 CAP_HEADROOM = 1.03
 
-TRANSFORMER_ROWS = (
-    "resident",
-    "tritoff-group",
-    "tritoff-auto",
-    "tritoff-auto-bounded",  # 1-frame tables only: one row per --upcast-grid share
-    "diffusers-bf16-group",
-    "diffusers-fp8-group",
-    "diffusers-model-offload",
-    "tritoff-disk",  # last: the comparison with diffusers comes first when the part's time runs short
-)
-COMPILE_ROWS = ("resident-compile", "tritoff-group-compile")
-PIPELINE_ROWS = ("resident", "tritoff", "diffusers-bf16-group", "diffusers-fp8-group", "diffusers-model-offload")
 LABELS = {
     "resident": "all-resident bf16 (no cap)",
     "resident-compile": "all-resident bf16 + regional compile (no cap)",

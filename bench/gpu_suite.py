@@ -15,18 +15,19 @@ Parts (issue 8):
   4  bench/e2e.py --compile, Wan-14B at 480x832x81 under 12 GB: regional compile, all-resident and tritoff
   setup  the installs alone, for running one benchmark by hand in the same command
 
-A session lent 15 minutes of device time runs two parts: ``1 --budget 210``, then ``3`` with what is left
-(docs/benchmarks.md, "A 15-minute session").
+A session lent 15 minutes of device time runs two parts, or re-runs some rows of one (``--rows``) and then a part:
+docs/benchmarks.md, "A 15-minute session", says which.
 
 Watchdog: the part has a time budget (--budget, default 480 s from the start of the command). Each step gets a
 deadline inside it and is told so (--deadline): the benchmarks start no measurement that would end after it and
 rewrite their JSON after every measurement. A step still running at its deadline (plus a short grace) is stopped
 (SIGTERM, then SIGKILL), keeping what it wrote.
 
-Usage: bench/gpu_suite.sh PART [--smoke] [--collect-only] [--out DIR] [--wheels DIR] [--budget SECONDS]
+Usage: bench/gpu_suite.sh PART [--smoke] [--collect-only] [--out DIR] [--wheels DIR] [--budget SECONDS] [--rows KINDS]
   --smoke: tiny shapes on the CPU (Triton's interpreter): the rehearsal. --collect-only: part 1's test steps collect
   their tests and run none (CI, whose test command runs them in the same environment). --out: default $OUT when set,
-  else out/gpu-suite. --wheels: default .whl when it exists.
+  else out/gpu-suite. --wheels: default .whl when it exists. --rows: parts 2-4 measure only these row kinds
+  (bench/rows.py), to re-run rows without the others (name resident too: the others are compared with it).
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rows import COMPILE_ROWS, PIPELINE_ROWS, TRANSFORMER_ROWS  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
@@ -84,7 +88,24 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=None, help="output directory (default $OUT, else out/gpu-suite)")
     parser.add_argument("--wheels", default=None, help="wheel directory (default .whl when it exists)")
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for the whole part (default 480)")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--rows",
+        default=None,
+        help="parts 2-4: only these row kinds (comma-separated), each table taking those it has; name resident too, "
+        "the row the others are compared with",
+    )
+    args = parser.parse_args(argv)
+    if args.rows is not None:
+        args.rows = [kind.strip() for kind in args.rows.split(",") if kind.strip()]
+        known = dict.fromkeys(TRANSFORMER_ROWS + COMPILE_ROWS + PIPELINE_ROWS)
+        unknown = [kind for kind in args.rows if kind not in known]
+        if not args.rows:
+            parser.error(f"--rows: name at least one row kind: {', '.join(known)}")
+        if unknown:
+            parser.error(f"--rows: unknown row kind {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
+        if args.part not in ("2", "3", "4"):
+            parser.error(f"--rows: part {args.part} measures no e2e rows; it is for parts 2, 3 and 4")
+    return args
 
 
 class Suite:
@@ -274,6 +295,19 @@ class Suite:
         entry = self.step(f"pytest {name}", cmd, until, quiet)
         self.record.setdefault("tests", {})[name] = _junit(xml) if xml.exists() else {"note": entry.get("note")}
 
+    def e2e(self, name: str, args: list[str], until: float, kinds=TRANSFORMER_ROWS) -> None:
+        """Run bench/e2e.py as step ``name`` over the row kinds of ``--rows`` it has among ``kinds`` (all of them
+        without ``--rows``); a table with none of them is named as not run."""
+        if self.args.rows is not None:
+            rows = [kind for kind in kinds if kind in self.args.rows]
+            if not rows:
+                self.say(f"== {name}: not run, --rows names none of its rows ({', '.join(kinds)})")
+                note = "not run: --rows names none of its rows"
+                self.record["steps"].append({"step": name, "rc": None, "wall_s": 0.0, "note": note})
+                return
+            args = [*args, "--rows", ",".join(rows)]
+        self.python(name, "e2e.py", [*(["--smoke"] if self.smoke else []), *args], until)
+
     def python(self, name: str, script: str, args: list[str], until: float) -> dict:
         """Run ``bench/<script>`` as step ``name``, told to start nothing after ``until`` (and the part's deadline)."""
         deadline = min(until, self.deadline) - 5
@@ -301,23 +335,23 @@ class Suite:
         configs = "video@5MB,image@5MB,video@4.5MB" if self.smoke else "video@12GB,image@12GB,video@8GB"
         # 3 timed forwards: the median of two is their mean, and 2% is the verdict's margin
         args = ["--model", "wan", "--configs", configs, "--reps", "3", "--out", str(self.out)]
-        self.python("e2e wan", "e2e.py", [*(["--smoke"] if self.smoke else []), *args], self.deadline)
+        self.e2e("e2e wan", args, self.deadline)
 
     def part3(self) -> None:
         """CogVideoX-5B transformer table, then the whole Wan pipeline at 12 GB."""
-        smoke = ["--smoke"] if self.smoke else []
         cog = ["--model", "cogvideox", "--configs", "video@5MB" if self.smoke else "video@12GB", "--reps", "3"]
-        self.python("e2e cogvideox", "e2e.py", [*smoke, *cog, "--out", str(self.out)], time.time() + 0.35 * self.left())
+        self.e2e("e2e cogvideox", [*cog, "--out", str(self.out)], time.time() + 0.35 * self.left())
         pipe = ["--pipeline", "--model", "wan", "--budget", "4.6MB" if self.smoke else "12GB", "--steps", "2"]
-        self.python("e2e wan pipeline", "e2e.py", [*smoke, *pipe, "--out", str(self.out)], self.deadline)
+        self.e2e("e2e wan pipeline", [*pipe, "--out", str(self.out)], self.deadline, PIPELINE_ROWS)
 
     def part4(self) -> None:
         """Wan-14B video at 12 GB with and without regional compile."""
-        smoke = ["--smoke"] if self.smoke else []
-        rows = "resident,resident-compile,tritoff-group,tritoff-group-compile"
-        args = ["--model", "wan", "--configs", "video@5MB" if self.smoke else "video@12GB", "--rows", rows]
+        kinds = ("resident", "resident-compile", "tritoff-group", "tritoff-group-compile")
+        args = ["--model", "wan", "--configs", "video@5MB" if self.smoke else "video@12GB"]
         args += ["--tag", "compile", "--reps", "3", "--out", str(self.out)]
-        self.python("e2e wan compile", "e2e.py", [*smoke, *args], self.deadline)
+        if self.args.rows is None:
+            args += ["--rows", ",".join(kinds)]
+        self.e2e("e2e wan compile", args, self.deadline, kinds)
 
     # summary ------------------------------------------------------------------------------------------------------
     def finish(self) -> int:
