@@ -107,6 +107,7 @@ class Engine:
         self._hooked: list[nn.Module] = []
         self._installed: dict[int, Callable] = {}  # id(module) -> the forward tritoff installed on it
         self._unhooked: list[nn.Module] = []  # what teardown unhooked: disable gives their forwards back
+        self._host_views: set[int] = set()  # ids of the tables pointed at their packs' host bytes (host lookups)
         self._runtimes: list[ComponentRuntime] = []
         self._released = False  # disable dropped the packs
         self.manager: HookManager | None = None
@@ -151,6 +152,7 @@ class Engine:
                 if is_host(group):  # a lookup table that never leaves the host arena
                     for param, view in zip(params, host_views(pack), strict=True):
                         param.data = view
+                        self._host_views.add(id(param))
                     comp.host.append(HostTable(name, group, params, places))
                     continue
                 ring_arena = self.disk.arena if pack.on_disk else None
@@ -579,6 +581,8 @@ def enable(
         engine.requires_grad = requires_grad
         if reuse or carried is not None:
             engine.requantized = requantized
+        if reuse:  # the tables still view the packs this engine takes over
+            engine._host_views = previous._host_views
         engine._build_runtime()
         _install(engine)
     except BaseException:
@@ -820,7 +824,8 @@ def _restore(engine: Engine, device: torch.device, released_only: bool = False) 
                     names = [n for n, _ in group.params]
                     if released_only:
                         shapes = {e.name: tuple(e.shape) for e in pack.layout.entries}
-                        names = [n for n in names if _released(own[n], shapes[n])]
+                        # a host table's view holds no weights of its own either: its arena closes below
+                        names = [n for n in names if _released(own[n], shapes[n]) or id(own[n]) in engine._host_views]
                     tensors = _dequantized(pack, device) if names else {}
                     for pname in names:
                         own[pname].data = tensors[pname]

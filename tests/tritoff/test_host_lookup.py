@@ -171,6 +171,32 @@ def test_a_fullgraph_compile_around_a_host_lookup_is_refused_in_one_line(small_t
     assert torch.equal(run(pipe), run(dequantized_pipeline(wan)))
 
 
+@pytest.mark.parametrize("when", ["enable", "re-plan"])
+@pytest.mark.filterwarnings("ignore::tritoff.TritoffWarning")
+def test_a_failed_enable_gives_a_host_table_its_own_weights_back(small_threshold, monkeypatch, when):
+    # the table viewed the packs' host bytes, which the failure frees: left so, it would read freed memory (on a GPU,
+    # beside weights restored to the device, with its hooks gone)
+    from tritoff import operations
+
+    expected = run(dequantized_pipeline(wan))
+    pipe = wan()
+    table = pipe.text_encoder.shared.weight
+    original = table.detach().clone()
+    if when == "re-plan":  # the packs are reused: the table views them already
+        tritoff.enable(pipe, mode="group", progress=False, kernels="reference")
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("stopped while installing")
+
+    monkeypatch.setattr(operations, "install", fail)
+    with pytest.raises(RuntimeError, match="stopped while installing"):
+        tritoff.enable(pipe, mode="model", budget="1GB", progress=False, kernels="reference")
+    assert table.untyped_storage().nbytes() == table.numel() * table.element_size()  # its own, not the arena's
+    assert torch.equal(table, original)  # kept in its own dtype: exact
+    assert not hasattr(pipe.text_encoder.encoder.embed_tokens, "_hf_hook")
+    assert torch.equal(run(pipe), expected)
+
+
 def test_a_host_table_survives_a_store_round_trip(small_threshold, tmp_path):
     pipe = wan()
     engine = tritoff.enable(pipe, mode="group", progress=False, kernels="reference")
