@@ -107,11 +107,12 @@ def install(
         install_block(block)
     refuse((target, *components.values()), REFUSED)
     hooked, looked_up = {id(b) for b in blocks}, {id(m) for m in lookups}
+    host = {id(m.weight) for m in lookups}
     for name, module in components.items():
         for sub_name, sub in module.named_modules():  # any submodule may be moved, cast or loaded on its own
             where = f"{name}.{sub_name}" if sub_name else name
             if "_apply" not in sub.__dict__:
-                sub._apply = _guarded_apply(sub, where, device, managed)
+                sub._apply = _guarded_apply(sub, where, device, managed, host)
             if "load_state_dict" not in sub.__dict__:
                 sub.load_state_dict = _guarded_load_state_dict(sub, where)
         # or copied or pickled on its own: its copy would hold placeholders (and could not pickle the guards above)
@@ -128,7 +129,7 @@ def install(
             elif inside & looked_up:
                 sub.compile = _compile_around_lookups(sub, where)
     if not isinstance(target, torch.nn.Module) and callable(getattr(target, "to", None)) and "to" not in vars(target):
-        target.to = _guarded_to(target, components, device)
+        target.to = _guarded_to(target, components, device, host)
 
 
 def remove(target, components: dict, blocks=(), also=()) -> None:
@@ -141,14 +142,15 @@ def remove(target, components: dict, blocks=(), also=()) -> None:
                 delattr(obj, name)
 
 
-def _check(module: torch.nn.Module, component: str, fn, device: torch.device) -> None:
-    """Refuse a move or cast ``fn`` (what ``_apply`` applies to each tensor) that would change a managed weight."""
+def _check(module: torch.nn.Module, component: str, fn, device: torch.device, host=frozenset()) -> None:
+    """Refuse a move or cast ``fn`` (what ``_apply`` applies to each tensor) that would change a managed weight;
+    ``host``: the ids of tables looked up in host memory, which a move leaves there (a cast would change them)."""
     from tritoff.adapters import named_parameters
 
-    for dtype, where in {(p.dtype, p.device) for _, p in named_parameters(module)}:
+    for dtype, where, hosted in {(p.dtype, p.device, id(p) in host) for _, p in named_parameters(module)}:
         # what the move or cast would do to a managed weight of this dtype, tried on an empty tensor
         probe = fn(torch.empty(0, dtype=dtype, device=where))
-        if probe.dtype != dtype or probe.device != where:
+        if probe.dtype != dtype or (probe.device != where and not hosted):
             change = f"to {probe.dtype}" if probe.dtype != dtype else f"to {probe.device}"
             raise RuntimeError(
                 f"moving or casting {component} {change}: its weights live in tritoff's packs and are placed on "
@@ -367,12 +369,12 @@ def _compile_around_lookups(module: torch.nn.Module, where: str):
     return compile
 
 
-def _guarded_apply(module: torch.nn.Module, component: str, device: torch.device, managed):
+def _guarded_apply(module: torch.nn.Module, component: str, device: torch.device, managed, host=frozenset()):
     original = module._apply  # nn.Module's, bound
 
     @functools.wraps(original)
     def _apply(fn, *args, **kwargs):
-        _check(module, component, fn, device)
+        _check(module, component, fn, device, host)
 
         # what passes the check keeps device and dtype, and may still rebuild a tensor (a memory format, shared
         # memory): the managed weights stay as tritoff lays them out (a placeholder made dense would take the
@@ -418,7 +420,7 @@ def _guarded_load_state_dict(module: torch.nn.Module, component: str):
     return load_state_dict
 
 
-def _guarded_to(pipe, components: dict, device: torch.device):
+def _guarded_to(pipe, components: dict, device: torch.device, host=frozenset()):
     """``pipe.to``: every component is checked before any moves, so a refusal leaves the whole pipeline as it was."""
     original = pipe.to
 
@@ -434,7 +436,7 @@ def _guarded_to(pipe, components: dict, device: torch.device):
             return t.to(where, dtype if t.is_floating_point() or t.is_complex() else None)
 
         for name, module in components.items():
-            _check(module, name, fn, device)
+            _check(module, name, fn, device, host)
         return original(*args, **kwargs)
 
     to._tritoff = True

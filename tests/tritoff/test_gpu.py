@@ -38,6 +38,9 @@ def test_a_pipeline_whose_text_encoder_table_stays_on_the_host_matches_on_the_gp
     engine = tritoff.enable(pipe, mode="group", budget="4MB", progress=False)
     assert engine.stats["components"]["text_encoder"]["host_lookup_bytes"] == 256 * 32 * 2
     assert torch.equal(run(pipe), expected)
+    pipe.to("cuda")  # as a user does after enable: the table stays on the host, where it is looked up
+    assert pipe.text_encoder.shared.weight.device.type == "cpu"
+    assert torch.equal(run(pipe), expected)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

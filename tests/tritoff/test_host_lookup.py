@@ -197,6 +197,20 @@ def test_a_failed_enable_gives_a_host_table_its_own_weights_back(small_threshold
     assert torch.equal(run(pipe), expected)
 
 
+def test_a_move_leaves_a_host_table_in_host_memory_and_a_cast_of_it_is_refused():
+    # pipe.to("cuda") after enable: the table stays on the host, where its lookups run (checked on a GPU in test_gpu)
+    from tritoff.operations import _check
+
+    table = nn.Embedding(512, 16)
+    host = {id(table.weight)}
+    move, cast = (lambda t: t.to("meta")), (lambda t: t.to(torch.float16))
+    with pytest.raises(RuntimeError, match="^moving or casting text_encoder to meta"):
+        _check(table, "text_encoder", move, torch.device("cpu"))
+    _check(table, "text_encoder", move, torch.device("cpu"), host)
+    with pytest.raises(RuntimeError, match="^moving or casting text_encoder to torch.float16"):
+        _check(table, "text_encoder", cast, torch.device("cpu"), host)
+
+
 def test_a_host_table_survives_a_store_round_trip(small_threshold, tmp_path):
     pipe = wan()
     engine = tritoff.enable(pipe, mode="group", progress=False, kernels="reference")
