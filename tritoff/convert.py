@@ -52,11 +52,32 @@ def empty_diffusers_component(directory: Path, class_name: str, dtype: torch.dty
     with init_empty_weights(include_buffers=False):
         module = cls.from_config(cls.load_config(directory))
     if isinstance(dtype, torch.dtype):
-        return cast_like_from_pretrained(module, dtype).eval()
-    for name, param in module.named_parameters():
-        if name in dtype:
-            param.data = torch.empty(param.shape, dtype=dtype[name], device="meta")
+        module = cast_like_from_pretrained(module, dtype)
+    else:
+        for name, param in module.named_parameters():
+            if name in dtype:
+                param.data = torch.empty(param.shape, dtype=dtype[name], device="meta")
+    load_saved_buffers(module, Path(directory))
     return module.eval()
+
+
+def load_saved_buffers(module: nn.Module, directory: Path) -> None:
+    """Give ``module``'s persistent buffers the values saved in ``directory``'s safetensors files, in the buffers'
+    dtypes: built from a config they hold their initial values, which a checkpoint may not (CogVideoX-5B I2V's learned
+    positional embedding, a VAE's latent statistics). Files without a variant in their name are read first."""
+    from safetensors import safe_open
+
+    params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    wanted = {name for name in module.state_dict(keep_vars=True) if name not in params}
+    files = sorted(directory.glob("*.safetensors"), key=lambda path: (path.name.count(".") > 1, path.name))
+    for path in files:
+        if not wanted:
+            return
+        with safe_open(str(path), framework="pt") as saved, torch.no_grad():
+            for name in wanted & set(saved.keys()):
+                buffer = module.get_buffer(name)
+                buffer.copy_(saved.get_tensor(name).to(buffer.dtype))
+                wanted.discard(name)
 
 
 def cast_like_from_pretrained(model: nn.Module, dtype: torch.dtype) -> nn.Module:

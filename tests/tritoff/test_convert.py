@@ -352,3 +352,28 @@ def test_a_download_cut_short_is_told_from_a_complete_pipeline(tmp_path):
     assert variant("tokenizer-link", lambda copy: os.symlink(copy / "nowhere", copy / "tokenizer/spiece.model")) == (
         "tokenizer"
     )
+
+
+@pytest.mark.parametrize("dtype", ["pipeline dtype", "stored dtypes"])
+def test_a_component_built_from_its_config_keeps_its_saved_buffers(tmp_path, dtype):
+    # `tritoff run --store` builds diffusers components empty: a learned positional embedding (a persistent buffer,
+    # CogVideoX-5B I2V's) kept its sinusoidal initial values instead of the checkpoint's
+    import torch
+    from diffusers import CogVideoXTransformer3DModel
+
+    from tritoff.convert import empty_diffusers_component
+    from tritoff.tiny import COGVIDEOX_TINY
+
+    learned = dict(use_rotary_positional_embeddings=True, use_learned_positional_embeddings=True)
+    model = CogVideoXTransformer3DModel(**COGVIDEOX_TINY, **learned)
+    with torch.no_grad():
+        model.patch_embed.pos_embedding.normal_()
+    model.save_pretrained(tmp_path)
+    (tmp_path / "diffusion_pytorch_model.fp16.safetensors").write_bytes(b"")  # a variant beside it is read after
+    if dtype == "pipeline dtype":
+        built = empty_diffusers_component(tmp_path, "CogVideoXTransformer3DModel", torch.bfloat16)
+    else:
+        stored = {name: p.dtype for name, p in model.named_parameters()}
+        built = empty_diffusers_component(tmp_path, "CogVideoXTransformer3DModel", stored)
+    saved, got = model.patch_embed.pos_embedding, built.patch_embed.pos_embedding
+    assert torch.equal(got, saved.to(got.dtype)) and not torch.equal(saved, torch.zeros_like(saved))
