@@ -190,7 +190,7 @@ class Engine:
                 if g in comp.blocks:
                     self._hook(modules[group.modules[0][0]], GroupHook(self.manager, g))
             for table in comp.host:  # on the layer itself: an adapter around it looks its own table up on the device
-                for reader in {id(m): m for _, m in table.group.modules}.values():
+                for _, reader in table.group.modules:  # each layer once (named_modules skips repeats)
                     self._hook(reader, HostLookupHook(device))
             self._hook(comp.module, ComponentHook(self.manager, comp))
 

@@ -331,38 +331,37 @@ def restore_forward(module: torch.nn.Module) -> None:
 
 
 def _compile_around_hooks(module: torch.nn.Module, where: str, component: str, leaf: bool):
-    original = module.compile
-
-    @functools.wraps(original)
-    def compile(*args, **kwargs):
-        if kwargs.get("fullgraph"):
-            if leaf:
-                raise RuntimeError(
-                    f"{where}.compile(fullgraph=True): tritoff's hooks on the layers inside it (mode='leaf') are "
-                    "graph breaks inside it; drop fullgraph, or enable with mode='group' and compile each block "
-                    f"({component}.compile_repeated_blocks(fullgraph=True))"
-                )
-            raise RuntimeError(
-                f"{where}.compile(fullgraph=True): tritoff's hooks on its blocks (resident ones too: a re-plan may "
-                f"stream them) are graph breaks inside it; use {component}.compile_repeated_blocks(fullgraph=True) "
-                "(each block's own forward compiles as one graph), or drop fullgraph"
-            )
-        return original(*args, **kwargs)
-
-    compile._tritoff = True
-    return compile
+    if leaf:
+        return _refusing_fullgraph(
+            module,
+            f"{where}.compile(fullgraph=True): tritoff's hooks on the layers inside it (mode='leaf') are graph breaks "
+            "inside it; drop fullgraph, or enable with mode='group' and compile each block "
+            f"({component}.compile_repeated_blocks(fullgraph=True))",
+        )
+    return _refusing_fullgraph(
+        module,
+        f"{where}.compile(fullgraph=True): tritoff's hooks on its blocks (resident ones too: a re-plan may stream "
+        f"them) are graph breaks inside it; use {component}.compile_repeated_blocks(fullgraph=True) (each block's "
+        "own forward compiles as one graph), or drop fullgraph",
+    )
 
 
 def _compile_around_lookups(module: torch.nn.Module, where: str):
+    return _refusing_fullgraph(
+        module,
+        f"{where}.compile(fullgraph=True): an embedding table it looks up stays in host memory, and tritoff's lookup "
+        "there is a graph break inside it; drop fullgraph (the lookup runs between graphs)",
+    )
+
+
+def _refusing_fullgraph(module: torch.nn.Module, message: str):
+    """``module.compile``, refusing ``fullgraph=True`` with ``message``: tritoff's hooks inside are graph breaks."""
     original = module.compile
 
     @functools.wraps(original)
     def compile(*args, **kwargs):
         if kwargs.get("fullgraph"):
-            raise RuntimeError(
-                f"{where}.compile(fullgraph=True): an embedding table it looks up stays in host memory, and "
-                "tritoff's lookup there is a graph break inside it; drop fullgraph (the lookup runs between graphs)"
-            )
+            raise RuntimeError(message)
         return original(*args, **kwargs)
 
     compile._tritoff = True
