@@ -570,6 +570,12 @@ def summary_lines(record: dict, out: Path, suffix: str) -> list[str]:
                     for name, us in hooks["issue_steps_us"].items()
                 )
             )
+        profile = hooks.get("profile") or {}
+        if profile.get("top"):
+            lines.append(
+                "in place under cProfile, own us per group: "
+                + ", ".join(f"{row['function']} {row['self_us']:.1f}" for row in profile["top"][:10])
+            )
     for path in _fresh(out, "e2e-*", suffix, since):
         lines += ["", *e2e_lines(path.stem, json.loads(path.read_text()))]
     env = record.get("environment", {})
