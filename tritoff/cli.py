@@ -207,6 +207,10 @@ def _print_rows(rows: dict) -> None:
 
 DEMO_VAE = {"temperal_downsample": [False, True, True]}  # the demo's VAE (tritoff.tiny), read before torch is imported
 DEMO_MODELS = ("text_encoder", "transformer", "vae")  # the demo pipeline's components (tritoff.tiny.tiny_wan_pipeline)
+# a pipeline class -> (the image-to-video class that loads the same directory, the model_index.json option that makes
+# it one): Wan 2.2 TI2V-5B is published as a WanPipeline with a timestep per token, and makes a video from a first
+# frame as a WanImageToVideoPipeline (diffusers' documented way)
+IMAGE_VARIANTS = {"WanPipeline": ("WanImageToVideoPipeline", "expand_timesteps")}
 
 
 def _cmd_demo(args) -> int:
@@ -256,13 +260,19 @@ def _read_image(path: str):
         raise CliError(f"--image {path}: cannot read it as an image ({_one_line(err)})") from None
 
 
-def _check_image(args, local: Path) -> None:
+def _check_image(args, local: Path) -> str | None:
     """An image-to-video pipeline is given ``--image``, and only such a pipeline (read from ``local``'s
-    model_index.json, before anything is loaded)."""
+    model_index.json, before anything is loaded); returns the pipeline class to load (None: a class diffusers lacks,
+    which loading names). A directory whose pipeline has an image-to-video variant (``IMAGE_VARIANTS``) loads as it
+    when given an image."""
     import diffusers
     from transformers.utils import logging as transformers_logging
 
-    name = _json(local / "model_index.json").get("_class_name")
+    index = _json(local / "model_index.json")
+    name = index.get("_class_name")
+    variant = IMAGE_VARIANTS.get(name) if isinstance(name, str) else None
+    if args.image is not None and variant is not None and index.get(variant[1]) is True:
+        name = variant[0]
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # importing the class: its processors' notices come with the load
     try:
@@ -270,12 +280,13 @@ def _check_image(args, local: Path) -> None:
     finally:
         transformers_logging.set_verbosity(verbosity)
     if not isinstance(cls, type):
-        return  # a pipeline diffusers lacks: loading it says so
+        return None  # a pipeline diffusers lacks: loading it says so
     image = inspect.signature(cls.__call__).parameters.get("image")
     if args.image is None and image is not None and image.default is inspect.Parameter.empty:
         raise CliError(f"{name} makes a video from an image: give --image PATH (its first frame)")
     if args.image is not None and image is None:
         raise CliError(f"{name} takes no image: leave --image out, or give an image-to-video pipeline")
+    return name
 
 
 def _packs_of(storage: str | dict, given: str) -> str:
@@ -341,8 +352,9 @@ def _local_configs(local: Path) -> tuple[dict, dict]:
     return configs[0], configs[1]
 
 
-def _load_pipeline(model: str, dtype, store: str | None):
-    """``DiffusionPipeline.from_pretrained`` with one-line errors; components held in ``store`` are built empty."""
+def _load_pipeline(model: str, dtype, store: str | None, pipeline: str | None = None):
+    """``DiffusionPipeline.from_pretrained`` with one-line errors; components held in ``store`` are built empty.
+    ``pipeline``: the diffusers class to load it as (default: the one model_index.json names)."""
     import torch
 
     from tritoff.convert import LOAD_ERRORS, cannot_load, from_pretrained
@@ -360,7 +372,7 @@ def _load_pipeline(model: str, dtype, store: str | None):
             if isinstance(spec, list) and spec[0] == "diffusers":
                 kwargs[name] = _empty_component(local, name, spec[1], store)
     try:
-        pipe = from_pretrained(model, dtype, **kwargs)
+        pipe = from_pretrained(model, dtype, pipeline=pipeline, **kwargs)
     except LOAD_ERRORS as err:
         raise CliError(cannot_load(model, err)) from None
     if not any(isinstance(getattr(pipe, n, None), torch.nn.Module) for n in ("transformer", "unet")):
@@ -437,7 +449,7 @@ def _cmd_run(args) -> int:
             from tritoff.store import check_source
 
             check_source(args.store, local, index)
-    _check_image(args, local)  # it imports diffusers, which imports triton: after the backend is chosen
+    pipeline = _check_image(args, local)  # it imports diffusers, which imports triton: after the backend is chosen
 
     import torch
 
@@ -452,7 +464,7 @@ def _cmd_run(args) -> int:
         # every pack is read at enable without a host budget: hash the files whole now, before the slow pipeline load
         # (load_store does not hash these unchanged files again); with one, packs are checked as they are read
         verify_store(args.store, index, progress=True, full=args.host_budget is None)
-    pipe = _load_pipeline(str(local), getattr(torch, DTYPE_NAMES[args.dtype]), args.store)
+    pipe = _load_pipeline(str(local), getattr(torch, DTYPE_NAMES[args.dtype]), args.store, pipeline)
     print(f"tritoff: enabling ({'reading the store' if args.store else 'packing'}, then placing the weights)")
     try:
         engine = tritoff.enable(

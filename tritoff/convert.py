@@ -135,9 +135,10 @@ def _open(file: Path):
         raise ValueError(f"cannot read {file}: {err}; is the checkpoint complete?") from None
 
 
-def from_pretrained(model, dtype: torch.dtype, **components):
-    """``from_pretrained`` of the pipeline class ``model`` names, without the ``torch_dtype`` rename warning of newer
-    diffusers (older ones know only that name). ``components`` are passed as built (``None``: not loaded).
+def from_pretrained(model, dtype: torch.dtype, pipeline: str | None = None, **components):
+    """``from_pretrained`` of the pipeline class ``model`` names (or of diffusers' class ``pipeline``), without the
+    ``torch_dtype`` rename warning of newer diffusers (older ones know only that name). ``components`` are passed as
+    built (``None``: not loaded).
 
     The class itself, not ``DiffusionPipeline``: called through ``DiffusionPipeline``, diffusers reads the optional
     components of ``DiffusionPipeline`` (none), so a component the pipeline declares optional (Wan's transformer) is
@@ -148,8 +149,8 @@ def from_pretrained(model, dtype: torch.dtype, **components):
 
     cls = diffusers.DiffusionPipeline
     index = Path(model) / "model_index.json"
-    if index.is_file():
-        name = json.loads(index.read_text()).get("_class_name")
+    if pipeline is not None or index.is_file():
+        name = pipeline if pipeline is not None else json.loads(index.read_text()).get("_class_name")
         named = getattr(diffusers, name, None) if isinstance(name, str) else None
         cls = named if isinstance(named, type) and issubclass(named, cls) else cls
     with warnings.catch_warnings():

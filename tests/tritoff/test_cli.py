@@ -886,6 +886,30 @@ def test_an_image_to_video_pipeline_runs_from_the_image_given(tmp_path):
     assert not (tmp_path / "w.gif").exists()
 
 
+def test_a_wan22_ti2v_directory_makes_video_from_an_image(tmp_path):
+    # Wan 2.2 TI2V-5B is published as a WanPipeline (a timestep per token): given --image, it loads as diffusers'
+    # WanImageToVideoPipeline, whose VAE encodes the first frame (the VAE's two calls: encode, then decode)
+    import re
+
+    from diffusers import WanPipeline
+    from PIL import Image
+
+    from tritoff.tiny import tiny_wan22_ti2v_pipeline
+
+    parts = tiny_wan22_ti2v_pipeline().components
+    keep = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer")
+    WanPipeline(**{k: parts[k] for k in keep}, expand_timesteps=True).save_pretrained(tmp_path / "ti2v")
+    assert json.loads((tmp_path / "ti2v" / "model_index.json").read_text())["_class_name"] == "WanPipeline"
+    Image.new("RGB", (24, 24), (200, 60, 30)).save(tmp_path / "first.png")
+    video = ["--frames", "5", "--height", "32", "--width", "32", "--steps", "1", "--device", "cpu"]
+    code, out, err = tritoff(
+        "run", tmp_path / "ti2v", "--prompt", "a fox", "--image", tmp_path / "first.png", *video,
+        "--out", tmp_path / "v.gif",
+    )  # fmt: skip
+    assert code == 0 and (tmp_path / "v.gif").stat().st_size > 0, err
+    assert re.search(r"^\s+vae\s+resident\s+2\s", out, re.MULTILINE), out
+
+
 def test_a_cogvideox_pipeline_runs_with_the_prompt_length_its_transformer_takes(tmp_path):
     # the tiny transformer's position table takes 16 prompt tokens, not the pipeline's default 226 (as plan traces
     # it); and its packs upcast through the Triton interpreter, chosen before anything imports triton
