@@ -25,6 +25,7 @@ from tritoff.disk import DiskRing, spill_files
 from tritoff.experts import expert_shares
 from tritoff.formats import get_format
 from tritoff.groups import Group, group_label, is_block, is_host
+from tritoff.host_default import host_by_default
 from tritoff.host_lookup import HostLookupHook, HostTable, host_views
 from tritoff.host_plan import hold_plan
 from tritoff.kernels import upcast as upcast_kernels
@@ -260,6 +261,7 @@ class Engine:
         """A readable table: plan, bytes moved, onloads, synchronous fallbacks, stalls, memory, worst layers."""
         return Report(self).text()
 
+    @host_by_default
     def save(self, directory, overwrite: bool = False) -> None:
         """Write the packs as a store that ``enable(..., store=directory)`` reads instead of quantizing again.
 
@@ -383,6 +385,7 @@ def _move_buffers(module: nn.Module, device: torch.device) -> None:
 
 
 @outside_inference_mode
+@host_by_default
 def enable(
     target,
     storage: str | dict[str, str] | None = None,
@@ -864,6 +867,7 @@ def _release(engine: Engine, only: set[tuple[str, str]] | None = None) -> None:
 
 
 @outside_inference_mode
+@host_by_default
 def disable(target, device: str | torch.device | None = None) -> None:
     """Remove every tritoff hook; leave ordinary modules holding the dequantized weights on ``device``.
 

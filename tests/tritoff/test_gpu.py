@@ -43,6 +43,25 @@ def test_a_pipeline_whose_text_encoder_table_stays_on_the_host_matches_on_the_gp
     assert torch.equal(run(pipe), expected)
 
 
+def test_a_pipeline_enabled_under_a_cuda_default_device_keeps_its_packs_on_the_host(tmp_path):
+    # torch.set_default_device("cuda") (here its context form) around enable, save and disable: the packs, tables and
+    # a store's checks tritoff makes without naming a device stay in host memory, and the pipeline runs as without it
+    reference = dequantized_pipeline(wan).to("cuda")
+    expected = run(reference)
+    pipe = wan()
+    with torch.device("cuda"):
+        engine = tritoff.enable(pipe, mode="group", budget="4MB", progress=False)
+        engine.save(tmp_path / "store")
+    assert engine.plan.tier_counts("transformer")["stream"] > 0
+    assert engine.stats["total"]["pageable_host_bytes"] == 0  # an arena of host memory, page-locked
+    assert torch.equal(run(pipe), expected)
+    with torch.device("cuda"):
+        tritoff.disable(pipe)
+    stored = wan()
+    tritoff.enable(stored, mode="group", budget="4MB", store=str(tmp_path / "store"), progress=False)
+    assert torch.equal(run(stored), expected)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_an_engine_on_the_second_gpu_quantizes_and_streams_there_while_the_first_is_current():
     # Triton launches on the current device whatever its tensors' device: each launch makes theirs current
