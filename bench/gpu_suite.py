@@ -571,7 +571,9 @@ def summary_lines(record: dict, out: Path, suffix: str) -> list[str]:
                 )
             )
         profile = hooks.get("profile") or {}
-        if profile.get("top"):
+        if profile.get("error"):
+            lines.append(f"profile in place failed: {profile['error']}")
+        elif profile.get("top"):
             lines.append(
                 "in place under cProfile, own us per group: "
                 + ", ".join(f"{row['function']} {row['self_us']:.1f}" for row in profile["top"][:10])

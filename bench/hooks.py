@@ -171,7 +171,9 @@ def main() -> None:
     if isinstance(bookkeeping, float):
         print(f"bookkeeping alone (hook methods in a tight loop, transfers stubbed): {bookkeeping:.1f} µs per group")
     profile = result["profile"]
-    if profile and "error" not in profile:
+    if profile and "error" in profile:
+        print(f"profile in place failed: {profile['error']}")
+    elif profile:
         top = ", ".join(f"{row['function']} {row['self_us']:.1f}" for row in profile["top"][:8])
         print(f"in place under cProfile, self µs per group (inflated by the profiler): {top}")
     if result["issue_steps_us"]:
@@ -269,8 +271,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _profile(engine, model, inputs, forwards: int) -> dict:
     """Where the hooks' host time goes in place, function by function: ``forwards`` more forwards under cProfile;
-    of tritoff's functions and those they call directly (PyTorch's, Triton's, built-ins), the ``PROFILE_ROWS`` with
-    the most time of their own, per block call (µs and calls), the hooks' total beside them. The profiler adds about
+    of tritoff's functions and those they call directly (PyTorch's, Triton's, built-ins: their calls from tritoff
+    only), the ``PROFILE_ROWS`` with the most time of their own, per block call (µs and calls), the hooks' total
+    beside them. The profiler adds about
     a µs to every Python call it sees, so the figures are inflated; they rank what a tight loop cannot show (the
     issue in place costs 2.5x the same call in a loop on the H200's host). A driver call made through ctypes counts
     as its caller's own time."""
@@ -296,8 +299,14 @@ def _profile(engine, model, inputs, forwards: int) -> dict:
         return {}
     # (file, line, name) -> (primitive calls, calls, own s, cumulative s, {caller: ...})
     stats = pstats.Stats(profiler).stats
-    ours = {key: value for key, value in stats.items() if _ours(key[0]) or any(_ours(c[0]) for c in value[4])}
-    rows = sorted(ours.items(), key=lambda item: item[1][2], reverse=True)[:PROFILE_ROWS]
+    # (calls, own s, cumulative s) of tritoff's functions, and of the others' their share called from tritoff's
+    ours = {}
+    for key, (_, count, own, cumulative, callers) in stats.items():
+        if _ours(key[0]):
+            ours[key] = (count, own, cumulative)
+        elif shares := [v for caller, v in callers.items() if _ours(caller[0])]:
+            ours[key] = tuple(sum(v[i] for v in shares) for i in (1, 2, 3))
+    rows = sorted(ours.items(), key=lambda item: item[1][1], reverse=True)[:PROFILE_ROWS]
     hooks = ("component_pre", "group_pre", "group_post", "component_post")
     in_hooks = sum(v[3] for (file, _, name), v in stats.items() if name in hooks and file.endswith("manager.py"))
     return {
@@ -310,14 +319,15 @@ def _profile(engine, model, inputs, forwards: int) -> dict:
                 "cumulative_us": cumulative / blocks * 1e6,
                 "calls": count / blocks,
             }
-            for (file, line, name), (_, count, own, cumulative, _) in rows
+            for (file, line, name), (count, own, cumulative) in rows
         ],
     }
 
 
 def _ours(file: str) -> bool:
     """Whether ``file`` is tritoff's (the package or its kernels, in this checkout; not a virtual environment's)."""
-    inside = Path(file).parts[len(ROOT.parts) :] if file.startswith(str(ROOT)) else ()
+    path = Path(file)
+    inside = path.parts[len(ROOT.parts) :] if path.is_relative_to(ROOT) else ()
     return bool(inside) and inside[0] != "bench" and not {"site-packages", "dist-packages"} & set(inside)
 
 
