@@ -501,7 +501,7 @@ def upcast_pack_reference(
     src: torch.Tensor, dst: torch.Tensor, table: torch.Tensor, out_dtype: torch.dtype, fmt: StorageFormat
 ) -> torch.Tensor:
     """PyTorch reference of the kernel (any table block size): the test oracle and the fallback without Triton."""
-    out_size = torch.empty((), dtype=out_dtype).element_size()
+    out_size = out_dtype.itemsize
     for _, kind, src_off, dst_off, numel, row_len, scale_off, _ in table.tolist():
         if kind == KIND_COPY:
             dst[dst_off : dst_off + 4 * numel].copy_(src[src_off : src_off + 4 * numel])

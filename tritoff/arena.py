@@ -34,7 +34,7 @@ class HostArena:
         self.buffer = (
             torch.frombuffer(self._map, dtype=torch.uint8, count=self.nbytes)
             if self.nbytes
-            else torch.empty(0, dtype=torch.uint8)
+            else torch.empty(0, dtype=torch.uint8, device="cpu")
         )
         self.registered = False
         self.register_error: str | None = None

@@ -26,7 +26,7 @@ class StorageFormat:
     @property
     def bytes_per_element(self) -> int:
         """Bytes one stored element takes."""
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
 
 FORMATS: dict[str, StorageFormat] = {

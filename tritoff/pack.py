@@ -65,7 +65,7 @@ class PackEntry:
     @property
     def out_nbytes(self) -> int:
         """Bytes of the tensor once unpacked."""
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     @property
     def row_len(self) -> int:
@@ -110,7 +110,7 @@ class PackLayout:
         scale_sizes = []
         for spec in specs:
             numel = math.prod(spec.shape)
-            itemsize = torch.empty((), dtype=spec.dtype).element_size()
+            itemsize = spec.dtype.itemsize
             kind, nbytes, num_scales = KIND_COPY, numel * itemsize, 0
             if spec.quantize and numel and storage.is_fp8:
                 kind, nbytes = KIND_FP8, numel

@@ -23,6 +23,7 @@ from tritoff.advice import alternatives, clauses
 from tritoff.budget import format_bytes, parse_host_budget, parse_size
 from tritoff.experts import expert_steps
 from tritoff.groups import is_host
+from tritoff.host_default import host_by_default
 from tritoff.planner import BudgetError, fit_together, mode_label
 from tritoff.planner import plan as phase_plan
 from tritoff.shapes import check_dimensions, latent_channels, positive_int, spatial_scale, temporal_multiple
@@ -380,6 +381,7 @@ def _calls(
     return [Call("forward", (), kwargs)], 2 // batch, True
 
 
+@host_by_default
 def plan(
     target,
     budget: int | str = "12GB",

@@ -1,4 +1,4 @@
-"""enable, save and disable under a default device other than the host: what tritoff makes without naming a device
+"""enable, save, disable and plan under a default device other than the host: what tritoff makes without naming a device
 stays in host memory (on a GPU machine, ``torch.set_default_device("cuda")``; here the meta device stands in for it:
 a pack or table made there would hold no data at all)."""
 
@@ -36,6 +36,12 @@ def test_a_pipeline_enabled_saved_and_disabled_under_another_default_device_runs
     _enable(stored, store=str(tmp_path / "store"))
     # the store written under the meta default holds the packs
     assert torch.equal(run(stored, num_inference_steps=1), want)
+
+
+def test_a_plan_under_another_default_device_is_the_plan_on_the_host():
+    expected = tritoff.plan("wan2.1-t2v-14b", frames=5, height=32, width=32).text()
+    with torch.device("meta"):
+        assert tritoff.plan("wan2.1-t2v-14b", frames=5, height=32, width=32).text() == expected
 
 
 def test_the_host_default_is_the_callers_again_afterwards():
