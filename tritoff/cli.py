@@ -306,7 +306,15 @@ def _check_model(model: str) -> Path:
     if not local.exists() and (model.startswith((".", "/", "~")) or model.count("/") != 1):
         raise CliError(f"model {model!r} not found: give a local pipeline directory or a hub id like org/name")
     if local.is_dir():  # its configs read here, so one that cannot be read is named (the libraries' errors do not)
-        for name in _json(local / "model_index.json"):
+        index = _json(local / "model_index.json")
+        pipeline = index.get("_class_name")
+        # a diffusers class, or [module file, class] for a pipeline defined in the directory
+        if not (isinstance(pipeline, str) and pipeline) and not (
+            isinstance(pipeline, list) and len(pipeline) == 2 and all(isinstance(p, str) for p in pipeline)
+        ):
+            what = "no _class_name" if pipeline is None else f"_class_name {pipeline!r}, which names no class"
+            raise CliError(f"{local / 'model_index.json'} has {what}: give a diffusers pipeline directory")
+        for name in index:
             for config in ("config.json", "scheduler_config.json"):
                 if (local / name / config).is_file():
                     _json(local / name / config)

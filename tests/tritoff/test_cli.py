@@ -468,6 +468,32 @@ def test_a_config_that_cannot_be_read_is_named(work, tmp_path, command, broken):
     assert not (tmp_path / "store").exists()
 
 
+@pytest.mark.parametrize("command", ["run", "convert"])
+@pytest.mark.parametrize(
+    "name, said",
+    [
+        (None, "has no _class_name"),
+        (5, "has _class_name 5, which names no class"),
+        (["WanPipeline"], "has _class_name ['WanPipeline'], which names"),
+    ],
+)
+def test_an_index_naming_no_pipeline_class_is_refused_in_one_line(work, tmp_path, command, name, said):
+    # diffusers' own loading fails on these with a KeyError or deep in its resolution of custom pipelines
+    import shutil
+
+    shutil.copytree(work[0] / "pipe", tmp_path / "pipe")
+    index = json.loads((tmp_path / "pipe" / "model_index.json").read_text())
+    index.pop("_class_name")
+    if name is not None:
+        index["_class_name"] = name
+    (tmp_path / "pipe" / "model_index.json").write_text(json.dumps(index))
+    argv = ["run", tmp_path / "pipe", "--prompt", "x"] if command == "run" else ["convert", tmp_path / "pipe"]
+    if command == "convert":
+        argv.append(tmp_path / "store")
+    assert_one_line_error(*tritoff(*argv), f"{tmp_path / 'pipe' / 'model_index.json'} {said}")
+    assert not (tmp_path / "store").exists()
+
+
 @pytest.mark.parametrize("when", ["placing", "generating"])
 def test_running_out_of_gpu_memory_says_what_to_change(work, monkeypatch, capsys, tmp_path, when):
     import diffusers
