@@ -40,8 +40,10 @@ import os
 import statistics
 import sys
 import time
+import traceback
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tritoff.allocator import prefer_expandable_segments
 
@@ -376,8 +378,14 @@ class Clock:
 
 
 def _error_note(err: BaseException) -> str:
+    """A failed row's note: the error's first line and where it was raised. Its whole traceback goes to stderr (the
+    suite's log), unless it is running out of memory (a result for a peer that does not fit, not a failure to find)."""
     lines = str(err).strip().splitlines() or [""]
-    return f"{type(err).__name__}: {lines[0][:200]}"
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    if not isinstance(err, torch.OutOfMemoryError):
+        traceback.print_exception(err, file=sys.stderr)
+    return f"{type(err).__name__}: {lines[0][:200]}{where}"
 
 
 def drop_spill_pages(engine) -> None:
