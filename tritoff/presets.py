@@ -79,10 +79,18 @@ CLIP_VIT_H14 = dict(
 )
 
 # what the command line checks a preset's frames, height and width against before torch is imported: the keys of each
-# family's VAE config that fix them (the diffusers classes' defaults, the published configs; a test compares them)
+# family's VAE config that fix them (the diffusers classes' defaults, the published configs; a test compares them),
+# and its class, as a saved config names it
 VAE_SHAPES = {
-    "wan": dict(temperal_downsample=[False, True, True], scale_factor_spatial=8, scale_factor_temporal=4),
-    "cogvideox": dict(block_out_channels=(128, 256, 256, 512), temporal_compression_ratio=4),
+    "wan": dict(
+        _class_name="AutoencoderKLWan",
+        temperal_downsample=[False, True, True],
+        scale_factor_spatial=8,
+        scale_factor_temporal=4,
+    ),
+    "cogvideox": dict(
+        _class_name="AutoencoderKLCogVideoX", block_out_channels=(128, 256, 256, 512), temporal_compression_ratio=4
+    ),
 }
 
 

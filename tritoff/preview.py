@@ -456,7 +456,8 @@ def plan(
     vae = components.get("vae")
     denoiser = components.get("transformer")
     if vae is not None and denoiser is not None:
-        check_dimensions(dict(vae.config), dict(denoiser.config), frames=frames, height=height, width=width)
+        config = {**vae.config, "_class_name": type(vae).__name__}  # as a saved config names it
+        check_dimensions(config, dict(denoiser.config), frames=frames, height=height, width=width)
     if vae is not None:
         if vae_dtype is not None:
             as_loaded(vae, vae_dtype)

@@ -1,10 +1,15 @@
 """Video shapes a pipeline accepts: height and width are multiples of its VAE's downscale times its patch size, and
-the frame count is one more than a multiple of its VAE's time compression.
+the frame count is one more than a multiple of its VAE's time compression (for CogVideoX's VAE, an odd count of
+latent frames).
 
 Read from configs (plain dicts) only, so the command line checks its arguments before torch is imported.
 """
 
 from __future__ import annotations
+
+# VAEs that decode their latent frames in pairs after an odd first batch: an even count comes out longer than asked
+# (CogVideoX: 2 latent frames make 8 frames, not 5; the pipeline returns them all)
+ODD_LATENT_VAES = {"AutoencoderKLCogVideoX"}
 
 
 def positive_int(value) -> int | None:
@@ -62,6 +67,12 @@ def check_dimensions(
         raise ValueError(
             f"{prefix}frames {frames} is not one more than a multiple of {step} (the VAE compresses time {step}x after "
             f"the first frame); use {lower} or {lower + step}"
+        )
+    latents = (frames - 1) // step + 1 if step and frames is not None else None
+    if latents is not None and vae.get("_class_name") in ODD_LATENT_VAES and latents % 2 == 0:
+        raise ValueError(
+            f"{prefix}frames {frames} makes {latents} latent frames, an even count, which {vae['_class_name']} decodes "
+            f"to {latents * step} frames; use {frames - step} or {frames + step}"
         )
     multiple = spatial_multiple(vae, denoiser)
     for key, value in dims.items():

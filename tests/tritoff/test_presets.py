@@ -228,7 +228,8 @@ def test_the_shape_keys_the_command_line_checks_are_those_of_the_presets_vae(nam
 
     family, components = _build(name)
     config, transformer = dict(components["vae"].config), PRESETS[name][2]
-    shape_keys = VAE_SHAPES[family]
+    shape_keys = {k: v for k, v in VAE_SHAPES[family].items() if k != "_class_name"}
+    assert type(components["vae"]).__name__ == VAE_SHAPES[family]["_class_name"]
     assert {key: config[key] for key in shape_keys} == {k: type(config[k])(v) for k, v in shape_keys.items()}
     assert temporal_multiple(shape_keys) == temporal_multiple(config) == 4
     assert spatial_multiple(shape_keys, transformer) == spatial_multiple(config, transformer) == 16

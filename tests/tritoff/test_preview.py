@@ -288,7 +288,7 @@ def test_a_timestep_per_token_is_traced_as_the_pipeline_passes_it(tmp_path):
 def test_the_denoiser_is_traced_with_the_rotary_table_the_pipeline_passes(tmp_path, patch_size_t):
     # CogVideoX's pipeline passes (cos, sin) per video token; rotating q and k makes fp32 temporaries of their size
     # (187 MiB more peak for CogVideoX-5B at 49x480x720). The plan traces the call the pipeline makes, as the engine
-    # traces it when it runs
+    # traces it when it runs (17 frames: 5 latent frames, which CogVideoX 1.5 pads to 6 for its time patches)
     from tritoff import preview
     from tritoff.activations import meta_twin, reserve_bytes
     from tritoff.tiny import tiny_cogvideox_pipeline
@@ -297,14 +297,14 @@ def test_the_denoiser_is_traced_with_the_rotary_table_the_pipeline_passes(tmp_pa
     pipe = tiny_cogvideox_pipeline(patch_size_t=patch_size_t, **rotary)
     calls = []
     pipe.transformer.register_forward_pre_hook(lambda m, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
-    pipe(**{**COG_CALL, "num_frames": 13, "height": 32, "width": 48, "num_inference_steps": 1})
+    pipe(**{**COG_CALL, "num_frames": 17, "height": 32, "width": 48, "num_inference_steps": 1})
     args, kwargs = calls[0]
     geometry = preview._geometry("cogvideox", {"transformer": pipe.transformer, "vae": pipe.vae})
-    [call], _, _ = preview._calls("cogvideox", geometry, "transformer", pipe.transformer, 13, 32, 48)
+    [call], _, _ = preview._calls("cogvideox", geometry, "transformer", pipe.transformer, 17, 32, 48)
     planned = call.kwargs["image_rotary_emb"]
     assert [(t.shape, t.dtype) for t in planned] == [(t.shape, t.dtype) for t in kwargs["image_rotary_emb"]]
     pipe.save_pretrained(tmp_path / "pipe")
-    plan = tritoff.plan(str(tmp_path / "pipe"), "1GB", frames=13, height=32, width=48, progress=False)
+    plan = tritoff.plan(str(tmp_path / "pipe"), "1GB", frames=17, height=32, width=48, progress=False)
     reserved = next(p.activation_bytes for p in plan.phases if p.components == ["transformer"])
     assert reserved == reserve_bytes(meta_twin(pipe.transformer), args, kwargs)
 

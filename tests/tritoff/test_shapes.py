@@ -22,6 +22,29 @@ def test_a_shape_off_the_multiple_names_the_two_nearest_that_work():
         check_dimensions(WAN_VAE, WAN_DIT, height=8)
 
 
+def test_cogvideox_takes_frame_counts_whose_latent_frames_are_odd():
+    # its VAE decodes the latent frames in pairs after an odd first batch: an even count comes out longer than asked,
+    # and the pipeline returns every frame (5 frames asked, 8 made)
+    import torch
+    from diffusers import AutoencoderKLCogVideoX
+
+    from tritoff.tiny import COGVIDEOX_VAE_TINY
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLCogVideoX(**COGVIDEOX_VAE_TINY).eval()
+    channels = COGVIDEOX_VAE_TINY["latent_channels"]
+    with torch.no_grad():
+        made = {n: vae.decode(torch.randn(1, channels, n, 2, 2)).sample.shape[2] for n in (1, 2, 3, 4)}
+    assert made == {1: 1, 2: 8, 3: 9, 4: 16}
+    config = {**vae.config, "_class_name": "AutoencoderKLCogVideoX"}  # as saved
+    for frames in (1, 9, 17, 49):
+        check_dimensions(config, {}, frames=frames)
+    message = r"^--frames 13 makes 4 latent frames, an even count, which AutoencoderKLCogVideoX decodes to 16 frames; "
+    with pytest.raises(ValueError, match=message + "use 9 or 17$"):
+        check_dimensions(config, {}, "--", frames=13)
+    check_dimensions({"temporal_compression_ratio": 4}, {}, frames=13)  # another VAE of that key (HunyuanVideo's)
+
+
 def test_a_frame_count_the_vae_would_round_names_the_two_nearest_that_work():
     assert temporal_multiple(WAN_VAE) == 4 and temporal_multiple({"temporal_compression_ratio": 4}) == 4  # CogVideoX
     assert temporal_multiple({"temperal_downsample": [False, False, False]}) == 1 and temporal_multiple({}) is None
