@@ -314,7 +314,13 @@ def _check_model(model: str) -> Path:
         ):
             what = "no _class_name" if pipeline is None else f"_class_name {pipeline!r}, which names no class"
             raise CliError(f"{local / 'model_index.json'} has {what}: give a diffusers pipeline directory")
-        for name in index:
+        for name, spec in index.items():
+            # [library, class]: a component saved in its own directory ([null, null]: none)
+            if isinstance(spec, list) and len(spec) == 2 and all(spec) and not (local / name).is_dir():
+                raise CliError(
+                    f"{local / name} is missing: model_index.json lists {name} ({spec[0]} {spec[1]}); give the whole "
+                    "pipeline directory"
+                )
             for config in ("config.json", "scheduler_config.json"):
                 if (local / name / config).is_file():
                     _json(local / name / config)

@@ -494,6 +494,21 @@ def test_an_index_naming_no_pipeline_class_is_refused_in_one_line(work, tmp_path
     assert not (tmp_path / "store").exists()
 
 
+@pytest.mark.parametrize("command", ["run", "convert"])
+def test_a_component_directory_missing_is_named_before_anything_loads(work, tmp_path, command):
+    # diffusers said "no file named config.json found in directory" of the pipeline's own directory
+    import shutil
+
+    shutil.copytree(work[0] / "pipe", tmp_path / "pipe")
+    shutil.rmtree(tmp_path / "pipe" / "vae")
+    argv = ["run", tmp_path / "pipe", "--prompt", "x"] if command == "run" else ["convert", tmp_path / "pipe"]
+    if command == "convert":
+        argv.append(tmp_path / "store")
+    said = f"{tmp_path / 'pipe' / 'vae'} is missing: model_index.json lists vae (diffusers AutoencoderKLWan)"
+    assert_one_line_error(*tritoff(*argv), said)
+    assert not (tmp_path / "store").exists()
+
+
 @pytest.mark.parametrize("when", ["placing", "generating"])
 def test_running_out_of_gpu_memory_says_what_to_change(work, monkeypatch, capsys, tmp_path, when):
     import diffusers
