@@ -58,6 +58,11 @@ class PackFile:
         self._maps: list[mmap.mmap] = []
         self._lock = threading.Lock()
 
+    @property
+    def spill(self) -> bool:
+        """Whether this is a private spill file (written at enable, gone with the process), not a store's."""
+        return self._owner is not None
+
     @classmethod
     def open(cls, path: str | Path, data_offset: int, verify: bool = True) -> PackFile:
         """Open the store file at ``path`` for reading."""

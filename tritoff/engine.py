@@ -11,6 +11,7 @@ import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -377,6 +378,18 @@ def _forward_replaced(engine: Engine, modules: list[nn.Module]) -> str:
     )
 
 
+def _spill_path(directory) -> Path:
+    """Where spill files go for ``spill_dir=directory`` (None: the default), resolved."""
+    return (Path(directory).expanduser() if directory is not None else disk.default_spill_dir()).resolve()
+
+
+def _spills_elsewhere(previous: Engine, directory) -> bool:
+    """Whether the enabled ``previous`` engine spilled packs to a directory other than ``directory``: a re-plan keeps
+    them where they are."""
+    spilled = any(p.on_disk and p.file.spill for packed in previous.packed.values() for p in packed.packs)
+    return spilled and _spill_path(directory) != _spill_path(previous.spill_dir)
+
+
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
     for sub in module.modules():
         for name, buf in list(sub._buffers.items()):
@@ -487,6 +500,11 @@ def enable(
         raise ValueError(
             "host_budget cannot change while tritoff is enabled (the packs stay where they were placed); "
             "call tritoff.disable(pipe) first, or leave host_budget out to keep it"
+        )
+    if reuse and given_spill_dir is not None and _spills_elsewhere(previous, given_spill_dir):
+        raise ValueError(
+            f"spill_dir cannot change while tritoff is enabled (the packs beyond the host budget stay in "
+            f"{_spill_path(previous.spill_dir)}); call tritoff.disable(pipe) first, or leave spill_dir out to keep it"
         )
     fmts = {name: get_format(fmt) for name, fmt in options.storage.items()}
     if previous is not None:  # a weight replaced, changed or gone since: refused now, before anything changes

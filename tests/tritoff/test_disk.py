@@ -455,6 +455,10 @@ def test_host_budget_cannot_change_on_a_re_enable_and_is_kept_when_left_out(tmp_
     expected = run(pipe)
     with pytest.raises(ValueError, match="host_budget cannot change while tritoff is enabled.*leave host_budget out"):
         _enable(pipe, host_budget="2MB")
+    # the packs spilled stay where they are: another directory is refused, the same one (however spelled) is not
+    with pytest.raises(ValueError, match=f"spill_dir cannot change .*stay in {tmp_path}\\); call tritoff.disable"):
+        _enable(pipe, spill_dir=str(tmp_path / "elsewhere"))
+    _enable(pipe, spill_dir=f"{tmp_path}/./")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         again = _enable(pipe)  # left out: kept, with the packs where they were placed
@@ -470,7 +474,8 @@ def test_host_budget_cannot_change_on_a_re_enable_and_is_kept_when_left_out(tmp_
 
     monkeypatch.setattr(engine_module, "spill_files", record)
     leaf = tritoff.enable(pipe, mode="leaf", budget="4MB", progress=False, kernels="reference")
-    assert spilled == [str(tmp_path)] and leaf.options.host_budget == 10**6 and torch.equal(run(pipe), expected)
+    assert [Path(d).resolve() for d in spilled] == [tmp_path.resolve()]
+    assert leaf.options.host_budget == 10**6 and torch.equal(run(pipe), expected)
 
 
 # memory --------------------------------------------------------------------------------------------------------------
