@@ -678,13 +678,20 @@ def stored_dtypes(directory: str | Path, component: str) -> dict[str, torch.dtyp
     return {e["name"]: torch_dtype(e["dtype"], info["file"]) for p in meta["packs"] for e in p["entries"]}
 
 
+# rows of every weight compared with the store's besides the one group compared whole: the first, middle and last
+SAMPLED_ROWS = 3
+# elements of a weight quantized with one scale (tensor granularity) compared whole; larger ones are not sampled
+SAMPLED_WHOLE = 1 << 22
+
+
 def check_weights(directory: str | Path, components: dict[str, nn.Module], packed: dict[str, PackedModel]) -> None:
-    """Refuse a store made from other weights than ``components`` hold (same architecture, another checkpoint): per
-    component, the smallest group holding a quantized weight (else any weight) is packed again from the model's own
-    weights and its values compared, bit for bit, with the stored pack's. Values, not bytes: weights a disable gave
-    back (dequantized from these packs) can pack into other bytes for the same values, with a row's scale halved and
-    its codes doubled. Components without weights (built on the meta device, or left on placeholders by an engine)
-    are not checked."""
+    """Refuse a store made from other weights than ``components`` hold (same architecture, another checkpoint, or the
+    same with a LoRA fused into some layers): per component, the smallest group holding a quantized weight (else any
+    weight) is packed again from the model's own weights and its values compared, bit for bit, with the stored
+    pack's; then ``SAMPLED_ROWS`` rows of every weight of every group are (a few reads of each pack on disk). Values,
+    not bytes: weights a disable gave back (dequantized from these packs) can pack into other bytes for the same
+    values, with a row's scale halved and its codes doubled. Components without weights (built on the meta device,
+    or left on placeholders by an engine) are not checked."""
     import torch
 
     from tritoff.kernels.upcast import KIND_FP8
@@ -692,16 +699,24 @@ def check_weights(directory: str | Path, components: dict[str, nn.Module], packe
     from tritoff.pack import dequantize_bytes, write_pack
     from tritoff.packer import _quantizer, pack_bytes
 
+    def refuse(name: str, where: str) -> StoreError:
+        return StoreError(
+            f"{directory} was made from other weights than this pipeline's {name} ({name}.{where} differs): "
+            "load the weights the store was converted from, or convert this pipeline into a new store"
+        )
+
     for name in components:
         model = packed[name]
-        candidates = [
-            (not any(e.kind == KIND_FP8 for e in pack.layout.entries), pack.layout.nbytes, i)
+        held = [
+            (i, pack, group)
             for i, (pack, group) in enumerate(zip(model.packs, model.groups, strict=True))
             if group.params and not any(p.is_meta or is_placeholder(p) for _, p in group.params)
         ]
-        if not candidates:
+        if not held:
             continue
-        chosen = min(candidates)[2]
+        chosen = min(
+            (not any(e.kind == KIND_FP8 for e in pack.layout.entries), pack.layout.nbytes, i) for i, pack, _ in held
+        )[2]
         pack, group = model.packs[chosen], model.groups[chosen]
         data = torch.zeros(pack.layout.nbytes, dtype=torch.uint8)
         with torch.no_grad():
@@ -713,10 +728,63 @@ def check_weights(directory: str | Path, components: dict[str, nn.Module], packe
             dequantize_bytes(pack.layout, data), dequantize_bytes(pack.layout, stored)
         )
         if not same:
-            raise StoreError(
-                f"{directory} was made from other weights than this pipeline's {name} ({name}.{group.name} differs): "
-                "load the weights the store was converted from, or convert this pipeline into a new store"
-            )
+            raise refuse(name, group.name)
+        for _, pack, group in held:
+            differs = _sampled_rows_differ(pack, dict(group.params), model.granularity)
+            if differs is not None:
+                raise refuse(name, differs)
+
+
+def _sampled_rows_differ(pack, params: dict, granularity: str) -> str | None:
+    """The name of the first weight in ``pack`` whose sampled rows (``params``: the model's, by name) differ in value
+    from the stored ones, or None: each row quantized as :func:`~tritoff.pack.write_entry` quantizes it, a weight
+    with one scale for all its rows whole."""
+    import torch
+
+    from tritoff.kernels.quantize import quantize_reference
+    from tritoff.kernels.upcast import KIND_FP8
+    from tritoff.pack import within_range
+
+    layout = pack.layout
+    fmt = layout.storage
+    for e in layout.entries:
+        t = params[e.name].detach()
+        rows = t.shape[0] if t.dim() else 1
+        width = e.numel // max(rows, 1)
+        if e.kind == KIND_FP8 and e.num_scales != rows:  # one scale for every row: only the whole weight compares
+            if e.numel > SAMPLED_WHOLE:
+                continue
+            picked = list(range(rows))
+        else:
+            picked = sorted({0, rows // 2, rows - 1})[:SAMPLED_ROWS] if rows else []
+        with torch.no_grad():
+            if e.kind == KIND_FP8:
+                whole = e.num_scales != rows
+                codes, scales = quantize_reference(t.cpu() if whole else t[picked].cpu(), fmt, granularity)
+                codes = within_range(codes, scales, fmt, e.dtype)
+                mine = codes.reshape(len(picked), width).view(fmt.dtype).float() * scales.reshape(-1, 1)
+                stored_codes = torch.stack([_stored(pack, e.offset + r * width, width) for r in picked])
+                at = [0] if whole else picked
+                stored_scales = torch.cat([_stored(pack, e.scale_offset + 4 * i, 4).view(torch.float32) for i in at])
+                theirs = stored_codes.view(fmt.dtype).float() * stored_scales.reshape(-1, 1)
+            else:
+                size = width * e.dtype.itemsize
+                mine = t.reshape(rows, width)[picked].to(e.dtype).cpu().contiguous().view(torch.uint8).reshape(-1)
+                theirs = torch.cat([_stored(pack, e.offset + r * size, size) for r in picked])
+        if not torch.equal(mine, theirs):
+            return e.name
+    return None
+
+
+def _stored(pack, start: int, nbytes: int):
+    """``nbytes`` of ``pack`` from ``start``: from the arena, or read from its file (those bytes alone)."""
+    import torch
+
+    if not pack.on_disk:
+        return pack.data[start : start + nbytes]
+    file = pack.file
+    read = os.pread(file.fd, nbytes, file.data_offset + pack.offset + start)
+    return torch.frombuffer(bytearray(read), dtype=torch.uint8)
 
 
 def check_packs(

@@ -109,6 +109,24 @@ def test_a_store_of_other_weights_is_refused_before_anything_changes(saved):
     assert not hasattr(pipe, "_tritoff_engine")
 
 
+@pytest.mark.parametrize("host_budget", [None, 0], ids=["in-memory", "from-disk"])
+def test_a_store_of_the_weights_before_a_lora_was_fused_is_refused(saved, host_budget):
+    # the group compared whole (the smallest) is the same: every weight's sampled rows are compared too, from the
+    # packs read into memory or from the store file itself
+    from .helpers import lora_state_dict
+
+    directory, _ = saved
+    pipe = wan()
+    lora = lora_state_dict(pipe.transformer, targets=("blocks.2.attn1.to_q",))  # blocks.0, compared whole, unchanged
+    pipe.load_lora_weights(lora, adapter_name="style")
+    pipe.fuse_lora(components=["transformer"])
+    pipe.unload_lora_weights()
+    said = r"other weights than this pipeline's transformer \(transformer\.blocks\.2\.attn1\.to_q\.weight differs"
+    with pytest.raises(StoreError, match=said):
+        _enable(pipe, store=directory, host_budget=host_budget)
+    assert not hasattr(pipe, "_tritoff_engine")
+
+
 def test_weights_dequantized_by_disable_match_the_store_they_came_from(saved):
     """After an enable/disable cycle the pipeline holds its packs' dequantized values. Packing those again can give
     other bytes (a row whose largest value rounded up to the next power of two gets the smaller scale) for the same
