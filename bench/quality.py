@@ -11,7 +11,6 @@ Runs on the CPU. Usage: python bench/quality.py [--smoke] [--vae]
 
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 import warnings
@@ -20,6 +19,7 @@ import torch
 from common import markdown_table, plot_lines, write_result
 
 import tritoff
+from tritoff.arguments import OneLineParser
 from tritoff.snr import snr_db
 from tritoff.tiny import realistic_init, tiny_cogvideox_transformer, tiny_wan_pipeline, tiny_wan_transformer
 
@@ -167,7 +167,7 @@ def _psnr(reference: torch.Tensor, frames: torch.Tensor) -> float:
 
 def main() -> None:
     """Measure, print tables, write bench/results/quality.json."""
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = OneLineParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="tiny models and two gains only (CI)")
     parser.add_argument("--vae", action="store_true", help="only the PSNR of VAEs in fp8 against VAEs kept")
     args = parser.parse_args()

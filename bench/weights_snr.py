@@ -6,11 +6,10 @@ same with a few outlier rows (1% of rows 30x larger). Runs on CPU. Usage: python
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 from common import markdown_table, write_result
 
+from tritoff.arguments import OneLineParser
 from tritoff.formats import get_format
 from tritoff.kernels.quantize import quantize_reference
 from tritoff.snr import snr_db
@@ -49,7 +48,7 @@ def measure(rows: int, cols: int, seed: int = 0) -> list[dict]:
 
 def main() -> None:
     """Measure, print markdown tables, write bench/results/weights_snr.json."""
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = OneLineParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
     args = parser.parse_args()
     rows, cols = (64, 64) if args.smoke else (2048, 2048)
