@@ -161,6 +161,13 @@ def _encode_mp4(array: np.ndarray, tmp: str, fps: int, path: Path) -> None:
     raise RuntimeError(f"ffmpeg could not write {path} ({last}): write a .gif, or check the frames' size")
 
 
+def gif_durations(frames: int, fps: int) -> list[int]:
+    """Each frame's duration in ms for a GIF at ``fps``: a GIF counts time in hundredths of a second, so 16 fps (6.25)
+    alternates 60 and 70 ms, as the rounded running time says, rather than playing every frame for 60 (16.7 fps)."""
+    ends = [round(i * 100 / fps) for i in range(frames + 1)]
+    return [10 * max(ends[i + 1] - ends[i], 1) for i in range(frames)]
+
+
 def write_video(frames, path: str | Path, fps: int = 16) -> Path:
     """Write ``frames`` to ``path`` (.mp4 or .gif); returns the path. The file appears complete or not at all
     (written to a temporary file, then renamed) and gets the mode the umask gives new files."""
@@ -176,7 +183,8 @@ def write_video(frames, path: str | Path, fps: int = 16) -> Path:
                 from PIL import Image
 
                 images = [Image.fromarray(f) for f in array]
-                images[0].save(tmp, format="GIF", save_all=True, append_images=images[1:], duration=1000 // fps, loop=0)
+                durations = gif_durations(len(images), fps)
+                images[0].save(tmp, format="GIF", save_all=True, append_images=images[1:], duration=durations, loop=0)
     except OSError as err:  # a full disk, a quota: the machine's error, said of the file it stopped
         raise OSError(err.errno, f"cannot write {path}: {err.strerror or err}") from None
     return path

@@ -226,6 +226,15 @@ def test_a_gif_reads_back_with_every_frame_exactly_at_the_frame_rate(tmp_path):
         assert im.info["loop"] == 0  # loops forever
 
 
+def test_a_gif_plays_at_the_frame_rate_asked_in_hundredths_of_a_second(tmp_path):
+    # 16 fps is 6.25 hundredths a frame: 60 and 70 ms alternate so 81 frames play 5.06 s, not 4.86 s (60 ms each)
+    frames = torch.rand(81, 3, 4, 4)
+    _, durations = _gif_frames(write_video(frames, tmp_path / "clip.gif", fps=16))
+    assert len(durations) == 81 and set(durations) == {60, 70}
+    assert abs(sum(durations) - 81 * 1000 / 16) <= 10
+    assert sum(video.gif_durations(24, 24)) == 1000 and set(video.gif_durations(24, 24)) == {40, 50}
+
+
 def test_an_mp4_reads_back_with_the_frame_count_size_rate_and_levels(tmp_path):
     levels = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 0.6])
     frames = levels[:, None, None, None].expand(6, 3, 16, 24).contiguous()  # one grey level a frame
