@@ -406,7 +406,7 @@ def _check_store(args, local: Path) -> dict:
     """The store's index (structure, own hash), its fit with --storage and --mode, and, for a local model, that it
     was made from MODEL's weight files; all cheap, before torch is imported."""
     from tritoff.storage import resolve_storage
-    from tritoff.store import check_source, component_storages, read_index, stored_compute_dtype
+    from tritoff.store import component_storages, read_index, stored_compute_dtype
 
     index = read_index(args.store)
     if args.storage is not None:
@@ -431,8 +431,18 @@ def _check_store(args, local: Path) -> dict:
             f"--dtype {flag}, or convert again with --dtype {args.dtype}"
         )
     if local.is_dir():
-        check_source(args.store, local, index)
+        _check_store_source(args.store, local, index)
     return index
+
+
+def _check_store_source(store: str, local: Path, index: dict) -> None:
+    """The store was made from the pipeline directory ``local``'s weight files, for every component it has weights
+    for (from the files: before anything loads)."""
+    from tritoff.store import check_components, check_source
+
+    check_source(store, local, index)
+    listed = [name for name, spec in _json(local / "model_index.json").items() if isinstance(spec, list)]
+    check_components(store, local, index, listed)
 
 
 def _cmd_run(args) -> int:
@@ -460,9 +470,7 @@ def _cmd_run(args) -> int:
         _check_storage(args.storage, local)
         _check_dimensions(args, *_local_configs(local))
         if index is not None:
-            from tritoff.store import check_source
-
-            check_source(args.store, local, index)
+            _check_store_source(args.store, local, index)
     pipeline = _check_image(args, local)  # it imports diffusers, which imports triton: after the backend is chosen
 
     import torch

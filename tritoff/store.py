@@ -963,6 +963,20 @@ def _weight_files(model_dir: Path, components) -> list[str]:
     return sorted(files)
 
 
+def check_components(directory: str | Path, model_dir: str | Path, index: dict, listed) -> None:
+    """Refuse the store at ``directory`` (``index``: its index) when the pipeline directory ``model_dir`` has weights
+    for a component the store lacks (Wan 2.2's ``transformer_2`` beside a store of Wan 2.1), from its files alone
+    (``listed``: the components its model_index.json names): what enable would refuse once the pipeline is loaded."""
+    model_dir = Path(model_dir)
+    present = {rel.split("/")[0] for rel in _weight_files(model_dir, listed)}
+    stored = set(index["components"])
+    if not present <= stored:
+        raise StoreError(
+            f"{directory} holds components {sorted(stored)} but {model_dir} has {sorted(present)}: run the pipeline "
+            "the store was converted from, or convert this one into a new store"
+        )
+
+
 def describe_source(model_dir: str | Path, components) -> dict:
     """What a store made from the pipeline directory ``model_dir`` is made from: each weight file of ``components``
     (``NAME/*.safetensors``, ``.bin``, shard indexes...) with its size, header hash and sampled content hash."""

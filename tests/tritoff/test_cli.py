@@ -649,6 +649,17 @@ def test_a_store_is_refused_for_other_weights_corruption_and_mismatched_options(
     ]:
         code, out, err = tritoff("run", root / model, *RUN, "--mode", "leaf", *args, "--out", tmp_path / "v.gif")
         assert_one_line_error(code, out, err, message)
+    # a directory with a component the store lacks (a second expert): refused from the files, before loading
+    shutil.copytree(root / "pipe", tmp_path / "two")
+    shutil.copytree(root / "pipe" / "transformer", tmp_path / "two" / "transformer_2")
+    index = json.loads((tmp_path / "two" / "model_index.json").read_text())
+    index["transformer_2"] = index["transformer"]
+    (tmp_path / "two" / "model_index.json").write_text(json.dumps(index))
+    code, out, err = tritoff(
+        "run", tmp_path / "two", *RUN, "--mode", "leaf", "--store", store, "--out", tmp_path / "v.gif"
+    )
+    said = f"but {tmp_path / 'two'} has ['text_encoder', 'transformer', 'transformer_2', 'vae']: run the pipeline the"
+    assert_one_line_error(code, out, err, said)
     broken = tmp_path / "broken"
     shutil.copytree(store, broken)
     with open(broken / "transformer.safetensors", "r+b") as f:
