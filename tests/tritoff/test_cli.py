@@ -540,7 +540,8 @@ def test_a_pipeline_that_cannot_load_keeps_the_reasons_its_library_lists(work, t
 
     root, _ = work
     shutil.copytree(root / "pipe", tmp_path / "pipe")
-    shutil.rmtree(tmp_path / "pipe" / "tokenizer")
+    for file in (tmp_path / "pipe" / "tokenizer").iterdir():  # the directory stays: its files are what is missing
+        file.unlink()
     with pytest.raises(cli.CliError) as info:  # transformers gives its reasons on the lines below the first
         cli._load_pipeline(str(tmp_path / "pipe"), torch.bfloat16, None)
     message = str(info.value)
