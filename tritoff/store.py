@@ -680,8 +680,6 @@ def stored_dtypes(directory: str | Path, component: str) -> dict[str, torch.dtyp
 
 # rows of every weight compared with the store's besides the one group compared whole: the first, middle and last
 SAMPLED_ROWS = 3
-# elements of a weight quantized with one scale (tensor granularity) compared whole; larger ones are not sampled
-SAMPLED_WHOLE = 1 << 22
 
 
 def check_weights(directory: str | Path, components: dict[str, nn.Module], packed: dict[str, PackedModel]) -> None:
@@ -737,11 +735,11 @@ def check_weights(directory: str | Path, components: dict[str, nn.Module], packe
 
 def _sampled_rows_differ(pack, params: dict, granularity: str) -> str | None:
     """The name of the first weight in ``pack`` whose sampled rows (``params``: the model's, by name) differ in value
-    from the stored ones, or None: each row quantized as :func:`~tritoff.pack.write_entry` quantizes it, a weight
-    with one scale for all its rows whole."""
+    from the stored ones, or None: each row quantized as :func:`~tritoff.pack.write_entry` quantizes it (with tensor
+    granularity, with the scale of the whole weight's largest magnitude)."""
     import torch
 
-    from tritoff.kernels.quantize import quantize_reference
+    from tritoff.kernels.quantize import _as_rows, pow2_exponents, quantize_reference
     from tritoff.kernels.upcast import KIND_FP8
     from tritoff.pack import within_range
 
@@ -751,16 +749,19 @@ def _sampled_rows_differ(pack, params: dict, granularity: str) -> str | None:
         t = params[e.name].detach()
         rows = t.shape[0] if t.dim() else 1
         width = e.numel // max(rows, 1)
-        if e.kind == KIND_FP8 and e.num_scales != rows:  # one scale for every row: only the whole weight compares
-            if e.numel > SAMPLED_WHOLE:
-                continue
-            picked = list(range(rows))
-        else:
-            picked = sorted({0, rows // 2, rows - 1})[:SAMPLED_ROWS] if rows else []
+        picked = sorted({0, rows // 2, rows - 1})[:SAMPLED_ROWS] if rows else []
         with torch.no_grad():
             if e.kind == KIND_FP8:
-                whole = e.num_scales != rows
-                codes, scales = quantize_reference(t.cpu() if whole else t[picked].cpu(), fmt, granularity)
+                whole = e.num_scales != rows  # one scale for every row (tensor granularity, or none: 1)
+                sample = t[picked].cpu()
+                if whole and granularity == "tensor":  # the rows quantized with the whole weight's scale
+                    exponent = pow2_exponents(t.abs().amax().float().reshape(1).cpu(), fmt)
+                    scales = torch.ldexp(torch.ones(1), exponent.float())
+                    inverse = torch.ldexp(torch.ones(1), -exponent.float())
+                    scaled = (_as_rows(sample).float() * inverse).clamp(-fmt.max, fmt.max)
+                    codes = scaled.to(fmt.dtype).view(torch.uint8).reshape(sample.shape)
+                else:
+                    codes, scales = quantize_reference(sample, fmt, granularity)
                 codes = within_range(codes, scales, fmt, e.dtype)
                 mine = codes.reshape(len(picked), width).view(fmt.dtype).float() * scales.reshape(-1, 1)
                 stored_codes = torch.stack([_stored(pack, e.offset + r * width, width) for r in picked])

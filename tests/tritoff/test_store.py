@@ -109,13 +109,18 @@ def test_a_store_of_other_weights_is_refused_before_anything_changes(saved):
     assert not hasattr(pipe, "_tritoff_engine")
 
 
-@pytest.mark.parametrize("host_budget", [None, 0], ids=["in-memory", "from-disk"])
-def test_a_store_of_the_weights_before_a_lora_was_fused_is_refused(saved, host_budget):
+@pytest.mark.parametrize(
+    "granularity, host_budget", [("row", None), ("row", 0), ("tensor", None), ("none", 0)], ids=lambda v: str(v)
+)
+def test_a_store_of_the_weights_before_a_lora_was_fused_is_refused(saved, tmp_path, granularity, host_budget):
     # the group compared whole (the smallest) is the same: every weight's sampled rows are compared too, from the
-    # packs read into memory or from the store file itself
+    # packs read into memory or from the store file itself, in every granularity (tensor: the whole weight's scale)
     from .helpers import lora_state_dict
 
-    directory, _ = saved
+    directory = saved[0]
+    if granularity != "row":
+        directory = tmp_path / "store"
+        _enable(wan(), granularity=granularity).save(directory)
     pipe = wan()
     lora = lora_state_dict(pipe.transformer, targets=("blocks.2.attn1.to_q",))  # blocks.0, compared whole, unchanged
     pipe.load_lora_weights(lora, adapter_name="style")
@@ -125,6 +130,8 @@ def test_a_store_of_the_weights_before_a_lora_was_fused_is_refused(saved, host_b
     with pytest.raises(StoreError, match=said):
         _enable(pipe, store=directory, host_budget=host_budget)
     assert not hasattr(pipe, "_tritoff_engine")
+    if granularity != "row":  # the weights the store was made from are taken
+        _enable(wan(), store=directory, host_budget=host_budget)
 
 
 def test_weights_dequantized_by_disable_match_the_store_they_came_from(saved):
