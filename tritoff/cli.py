@@ -316,7 +316,7 @@ def _check_model(model: str) -> Path:
             raise CliError(f"{local / 'model_index.json'} has {what}: give a diffusers pipeline directory")
         for name, spec in index.items():
             # [library, class]: a component saved in its own directory ([null, null]: none)
-            if isinstance(spec, list) and len(spec) == 2 and all(spec) and not (local / name).is_dir():
+            if _names_component(spec) and not (local / name).is_dir():
                 raise CliError(
                     f"{local / name} is missing: model_index.json lists {name} ({spec[0]} {spec[1]}); give the whole "
                     "pipeline directory"
@@ -325,6 +325,11 @@ def _check_model(model: str) -> Path:
                 if (local / name / config).is_file():
                     _json(local / name / config)
     return local
+
+
+def _names_component(spec) -> bool:
+    """Whether a model_index.json entry names a component: [library, class], two names ([null, null]: none)."""
+    return isinstance(spec, list) and len(spec) == 2 and all(isinstance(part, str) and part for part in spec)
 
 
 def _fetch(model: str) -> Path:
@@ -363,6 +368,9 @@ def _local_configs(local: Path) -> tuple[dict, dict]:
     for name in ("vae", denoiser):
         path = local / name / "config.json" if name else None
         configs.append(_json(path) if path is not None and path.is_file() else {})
+    vae = index.get("vae")
+    if "_class_name" not in configs[0] and _names_component(vae):  # diffusers loads it by the index's class
+        configs[0]["_class_name"] = vae[1]
     return configs[0], configs[1]
 
 
@@ -441,7 +449,7 @@ def _check_store_source(store: str, local: Path, index: dict) -> None:
     from tritoff.store import check_components, check_source
 
     check_source(store, local, index)
-    listed = [name for name, spec in _json(local / "model_index.json").items() if isinstance(spec, list)]
+    listed = [name for name, spec in _json(local / "model_index.json").items() if _names_component(spec)]
     check_components(store, local, index, listed)
 
 

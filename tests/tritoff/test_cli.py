@@ -1001,6 +1001,22 @@ def test_an_image_is_read_as_it_is_displayed(tmp_path):
         Image.MAX_IMAGE_PIXELS = limit
 
 
+def test_a_vae_config_without_its_class_is_checked_as_the_index_names_it(tmp_path):
+    # diffusers loads a VAE by the class model_index.json names: a config.json without _class_name still gets the
+    # CogVideoX frame rule (13 frames would make 16); entries that name no component ([null, null], numbers) are none
+    from tritoff import cli
+    from tritoff.shapes import check_dimensions
+
+    index = {"_class_name": "CogVideoXPipeline", "vae": ["diffusers", "AutoencoderKLCogVideoX"], "some": [0.5, 0.5]}
+    (tmp_path / "model_index.json").write_text(json.dumps({**index, "transformer_2": [None, None]}))
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "vae" / "config.json").write_text(json.dumps({"temporal_compression_ratio": 4}))
+    vae, _ = cli._local_configs(tmp_path)
+    with pytest.raises(ValueError, match="frames 13 makes 4 latent frames"):
+        check_dimensions(vae, {}, frames=13)
+    assert cli._check_model(str(tmp_path)) == tmp_path  # no directory asked for "some" or "transformer_2"
+
+
 def test_a_pipeline_class_that_is_no_class_is_left_to_loading(tmp_path):
     import argparse
 
