@@ -598,7 +598,8 @@ def enable(
             requantized = carried[1]
         engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr, chunks, reserve is None)
         engine.fingerprints = fingerprints
-        engine.spill_dir = spill_dir  # where packs beyond the host budget go when a re-enable packs again
+        # where packs beyond the host budget go when a re-enable packs again: resolved now, as a relative path means
+        engine.spill_dir = str(_spill_path(spill_dir)) if spill_dir is not None else None
         engine.requires_grad = requires_grad
         if reuse or carried is not None:
             engine.requantized = requantized

@@ -161,11 +161,17 @@ def _encode_mp4(array: np.ndarray, tmp: str, fps: int, path: Path) -> None:
     raise RuntimeError(f"ffmpeg could not write {path} ({last}): write a .gif, or check the frames' size")
 
 
+# a GIF frame shorter than this plays for 100 ms in browsers: GIFs go no faster than 50 fps
+GIF_MIN_MS = 20
+
+
 def gif_durations(frames: int, fps: int) -> list[int]:
     """Each frame's duration in ms for a GIF at ``fps``: a GIF counts time in hundredths of a second, so 16 fps (6.25)
-    alternates 60 and 70 ms, as the rounded running time says, rather than playing every frame for 60 (16.7 fps)."""
-    ends = [round(i * 100 / fps) for i in range(frames + 1)]
-    return [10 * max(ends[i + 1] - ends[i], 1) for i in range(frames)]
+    alternates 60 and 70 ms, as the rounded running time says, rather than playing every frame for 60 (16.7 fps).
+    Above 50 fps every frame gets ``GIF_MIN_MS``."""
+    step = max(100 / fps, GIF_MIN_MS / 10)
+    ends = [round(i * step) for i in range(frames + 1)]
+    return [10 * (ends[i + 1] - ends[i]) for i in range(frames)]
 
 
 def write_video(frames, path: str | Path, fps: int = 16) -> Path:

@@ -445,6 +445,17 @@ def test_bad_host_budgets_are_refused_in_one_line(value, message):
     assert not hasattr(pipe, "_tritoff_engine")
 
 
+def test_a_relative_spill_dir_means_the_directory_it_named_at_enable(tmp_path, monkeypatch):
+    (tmp_path / "a").mkdir()
+    monkeypatch.chdir(tmp_path)
+    pipe = wan()
+    _enable(pipe, host_budget=0, spill_dir="a")
+    monkeypatch.chdir(tmp_path / "a")  # "a" now names another directory
+    _enable(pipe, spill_dir=str(tmp_path / "a"))
+    with pytest.raises(ValueError, match=f"stay in {tmp_path / 'a'}\\); call tritoff.disable"):
+        _enable(pipe, spill_dir="a")
+
+
 def test_host_budget_cannot_change_on_a_re_enable_and_is_kept_when_left_out(tmp_path, monkeypatch):
     from tritoff import engine as engine_module
 

@@ -233,6 +233,7 @@ def test_a_gif_plays_at_the_frame_rate_asked_in_hundredths_of_a_second(tmp_path)
     assert len(durations) == 81 and set(durations) == {60, 70}
     assert abs(sum(durations) - 81 * 1000 / 16) <= 10
     assert sum(video.gif_durations(24, 24)) == 1000 and set(video.gif_durations(24, 24)) == {40, 50}
+    assert video.gif_durations(3, 60) == video.gif_durations(3, 1000) == [20] * 3  # 50 fps at most: browsers
 
 
 def test_an_mp4_reads_back_with_the_frame_count_size_rate_and_levels(tmp_path):
