@@ -316,7 +316,7 @@ def _check_model(model: str) -> Path:
             raise CliError(f"{local / 'model_index.json'} has {what}: give a diffusers pipeline directory")
         for name, spec in index.items():
             # [library, class]: a component saved in its own directory ([null, null]: none)
-            if _names_component(spec) and not (local / name).is_dir():
+            if not name.startswith("_") and _names_component(spec) and not (local / name).is_dir():
                 raise CliError(
                     f"{local / name} is missing: model_index.json lists {name} ({spec[0]} {spec[1]}); give the whole "
                     "pipeline directory"

@@ -1015,6 +1015,9 @@ def test_a_vae_config_without_its_class_is_checked_as_the_index_names_it(tmp_pat
     with pytest.raises(ValueError, match="frames 13 makes 4 latent frames"):
         check_dimensions(vae, {}, frames=13)
     assert cli._check_model(str(tmp_path)) == tmp_path  # no directory asked for "some" or "transformer_2"
+    custom = {**index, "_class_name": ["my_pipeline", "MyPipeline"]}  # a pipeline defined in the directory
+    (tmp_path / "model_index.json").write_text(json.dumps(custom))
+    assert cli._check_model(str(tmp_path)) == tmp_path
 
 
 def test_a_pipeline_class_that_is_no_class_is_left_to_loading(tmp_path):
