@@ -428,6 +428,8 @@ def _check_store(args, local: Path) -> dict:
                 raise CliError(
                     f"--storage {args.storage} but the store {args.store} holds {fmt} for {name}; drop --storage"
                 )
+    if args.mode is None:  # left out: the store's grouping says leaf or not
+        args.mode = "leaf" if index["grouping"] == "leaf" else "auto"
     if (args.mode == "leaf") != (index["grouping"] == "leaf"):
         wanted = "--mode leaf" if index["grouping"] == "leaf" else "a --mode other than leaf"
         raise CliError(f"the store {args.store} was made with {index['grouping']} groups; pass {wanted}")
@@ -470,6 +472,7 @@ def _cmd_run(args) -> int:
     if local.is_dir():
         _check_dimensions(args, *_local_configs(local))
     index = _check_store(args, local) if args.store else None
+    args.mode = args.mode or "auto"
     _check_device(args.device)
     _check_percentage(args.budget, args.device)
     _prepare_backend(args.device)
@@ -738,7 +741,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="e.g. 12GB, 12GiB, 80%% (default: the GPU's free memory less 5%% of it or 512 MiB, whichever is more)",
     )
     run.add_argument("--storage", default=None, help=f"{STORAGE_HELP} (default: fp8_e4m3, or the store's)")
-    run.add_argument("--mode", default="auto", choices=MODES, help="how components are split (see docs/usage.md)")
+    run.add_argument(
+        "--mode",
+        default=None,
+        choices=MODES,
+        help="how components are split (default: auto, or leaf with a store of leaf groups; see docs/usage.md)",
+    )
     run.add_argument("--prefetch", type=at_least(1), default=2, help="blocks in flight ahead of the running one")
     run.add_argument(
         "--reserve",

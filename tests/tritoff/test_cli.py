@@ -623,8 +623,9 @@ def test_run_with_options_and_from_the_store(work):
     assert not [p for p in root.iterdir() if p.name.startswith(".store")]  # no temporary directory left
 
     plain = Job(root, "plain", "run", root / "pipe", *RUN, *OPTIONS, "--budget", budget, "--out", root / "a.gif")
+    assert OPTIONS[:2] == ["--mode", "leaf"]  # left out with the store: leaf, as it was converted
     stored = Job(
-        root, "stored", "run", root / "pipe", *RUN, *OPTIONS, "--budget", budget, "--store", store,
+        root, "stored", "run", root / "pipe", *RUN, *OPTIONS[2:], "--budget", budget, "--store", store,
         "--out", root / "b.gif", umask=UMASK,
     )  # fmt: skip
     for job in (plain, stored):
