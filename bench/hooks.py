@@ -273,10 +273,9 @@ def _profile(engine, model, inputs, forwards: int) -> dict:
     """Where the hooks' host time goes in place, function by function: ``forwards`` more forwards under cProfile;
     of tritoff's functions and those they call directly (PyTorch's, Triton's, built-ins: their calls from tritoff
     only), the ``PROFILE_ROWS`` with the most time of their own, per block call (µs and calls), the hooks' total
-    beside them. The profiler adds about
-    a µs to every Python call it sees, so the figures are inflated; they rank what a tight loop cannot show (the
-    issue in place costs 2.5x the same call in a loop on the H200's host). A driver call made through ctypes counts
-    as its caller's own time."""
+    beside them. The profiler adds about a µs to every Python call it sees, so the figures are inflated; they rank
+    what a tight loop cannot show (the issue in place costs 2.5x the same call in a loop on the H200's host). A driver
+    call made through ctypes counts as its caller's own time."""
     import cProfile
     import pstats
 

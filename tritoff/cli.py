@@ -309,9 +309,7 @@ def _check_model(model: str) -> Path:
         index = _json(local / "model_index.json")
         pipeline = index.get("_class_name")
         # a diffusers class, or [module file, class] for a pipeline defined in the directory
-        if not (isinstance(pipeline, str) and pipeline) and not (
-            isinstance(pipeline, list) and len(pipeline) == 2 and all(isinstance(p, str) for p in pipeline)
-        ):
+        if not (isinstance(pipeline, str) and pipeline) and not _names_component(pipeline):
             what = "no _class_name" if pipeline is None else f"_class_name {pipeline!r}, which names no class"
             raise CliError(f"{local / 'model_index.json'} has {what}: give a diffusers pipeline directory")
         for name, spec in index.items():

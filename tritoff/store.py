@@ -739,7 +739,7 @@ def _sampled_rows_differ(pack, params: dict, granularity: str) -> str | None:
     granularity, with the scale of the whole weight's largest magnitude)."""
     import torch
 
-    from tritoff.kernels.quantize import _as_rows, pow2_exponents, quantize_reference
+    from tritoff.kernels.quantize import _as_rows, _scale_from_exponent, pow2_exponents, quantize_reference
     from tritoff.kernels.upcast import KIND_FP8
     from tritoff.pack import within_range
 
@@ -756,9 +756,8 @@ def _sampled_rows_differ(pack, params: dict, granularity: str) -> str | None:
                 sample = t[picked].cpu()
                 if whole and granularity == "tensor":  # the rows quantized with the whole weight's scale
                     exponent = pow2_exponents(t.abs().amax().float().reshape(1).cpu(), fmt)
-                    scales = torch.ldexp(torch.ones(1), exponent.float())
-                    inverse = torch.ldexp(torch.ones(1), -exponent.float())
-                    scaled = (_as_rows(sample).float() * inverse).clamp(-fmt.max, fmt.max)
+                    scales = _scale_from_exponent(exponent)
+                    scaled = (_as_rows(sample).float() * _scale_from_exponent(-exponent)).clamp(-fmt.max, fmt.max)
                     codes = scaled.to(fmt.dtype).view(torch.uint8).reshape(sample.shape)
                 else:
                     codes, scales = quantize_reference(sample, fmt, granularity)
