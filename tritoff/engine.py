@@ -121,15 +121,8 @@ class Engine:
     def _use_triton(self) -> bool:
         from tritoff.kernels import triton_runs_on
 
-        if self.options.kernels == "reference":
-            return False
-        runs = triton_runs_on(self.options.device)
-        if self.options.kernels == "triton" and not runs:
-            raise ValueError(
-                f"kernels='triton' but Triton cannot run on {self.options.device}; install triton (CUDA) or set "
-                "TRITON_INTERPRET=1 before importing tritoff (CPU)"
-            )
-        return runs
+        # kernels='triton' where Triton cannot run was refused by options.resolve
+        return self.options.kernels != "reference" and triton_runs_on(self.options.device)
 
     def _build_runtime(self) -> None:
         """Group runtimes, the manager and the hooks; nothing is uploaded until a phase is first entered."""

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from tritoff.budget import default_budget, device_memory, parse_host_budget, parse_size, percentage
 from tritoff.formats import check_granularity, get_format
+from tritoff.kernels import backend
 from tritoff.planner import MODES
 from tritoff.skip import SkipRules, skip_patterns
 from tritoff.storage import resolve_storage
@@ -87,6 +88,7 @@ def resolve(
         raise ValueError(f"unknown kernels {kernels!r}: use one of {', '.join(KERNELS)}")
     check_prefetch(prefetch)
     device = check_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    check_kernels(kernels, device)
     free, total = device_memory(device)
     if budget is None:
         # no budget: the device's free memory less headroom for what the plan cannot count (on the CPU: everything
@@ -123,6 +125,15 @@ def resolve(
         fraction,
         host_budget,
     )
+
+
+def check_kernels(kernels: str, device: torch.device) -> None:
+    """Refuse ``kernels='triton'`` where Triton cannot run on ``device``, before any weight is packed."""
+    if kernels == "triton" and not backend.triton_runs_on(device):
+        raise ValueError(
+            f"kernels='triton' but Triton cannot run on {device}; install triton (CUDA), set TRITON_INTERPRET=1 "
+            "before importing tritoff (CPU), or use kernels='auto'"
+        )
 
 
 def same_skip(

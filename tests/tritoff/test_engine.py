@@ -140,6 +140,21 @@ def test_impossible_budget_leaves_the_pipeline_unchanged():
     assert not hasattr(pipe.transformer, "_hf_hook") and not hasattr(pipe, "_tritoff_engine")
 
 
+def test_triton_kernels_where_triton_cannot_run_leave_the_pipeline_unchanged(monkeypatch):
+    """``kernels='triton'`` on a device Triton cannot run on is refused before any weight is packed."""
+    from tritoff.kernels import backend
+
+    monkeypatch.setattr(backend, "triton_runs_on", lambda device: False)
+    pipe = wan()
+    before = {n: (p, p.detach().clone()) for n, p in pipe.transformer.named_parameters()}
+    with pytest.raises(ValueError, match="kernels='triton' but Triton cannot run on cpu"):
+        _enable(pipe, mode="group", budget="4MB", kernels="triton")
+    for name, (param, value) in before.items():
+        current = dict(pipe.transformer.named_parameters())[name]
+        assert current is param and torch.equal(current, value), name
+    assert not hasattr(pipe.transformer, "_hf_hook") and not hasattr(pipe, "_tritoff_engine")
+
+
 def test_disable_round_trip(wan_reference):
     pipe = wan()
     _enable(pipe, mode="group", budget="4MB")
