@@ -50,6 +50,7 @@ from tritoff.onload import (
 )
 from tritoff.options import Options, check_device, same_skip
 from tritoff.options import resolve as resolve_options
+from tritoff.pack import PackLayout
 from tritoff.packer import (
     Pack,
     PackedModel,
@@ -190,31 +191,20 @@ class Engine:
             self._hook(comp.module, ComponentHook(self.manager, comp))
 
     def _disk_ring(self) -> DiskRing | None:
-        """The bounce ring packs served from disk are read into (None when the host budget holds every pack), with
-        two buffers the size of the largest such pack: one read while the other is copied to the GPU."""
-        on_disk = [
-            (name, pack)
+        """The bounce ring packs served from disk are read into, made by ``enable`` before any weight changed, or now
+        (a re-plan, whose previous engine's ring is gone by then); None when the host budget holds every pack. Its
+        counters name each pack's component."""
+        on_disk = {
+            id(pack): (name, pack.layout)
             for name, packed in self.packed.items()
             for pack, group in zip(packed.packs, self._group_lists[name], strict=True)
             if pack.on_disk and not is_host(group)
-        ]
-        if not on_disk:
-            return None
-        cuda = self.options.device.type == "cuda"
-        ring = DiskRing(
-            RING_BUFFERS,
-            max(pack.layout.nbytes for _, pack in on_disk),
-            register=cuda,
-            threaded=cuda or disk.READ_AHEAD_ON_CPU,
-            owners={id(pack): name for name, pack in on_disk},
-            device=self.options.device,
-        )
-        if self.options.reads_host_directly and not ring.arena.registered:
-            ring.close()
-            raise ValueError(
-                f"transport='zero_copy' needs page-locked host memory, and the disk ring could not be locked "
-                f"({ring.arena.register_error}); use transport='staged', or free host memory"
-            )
+        }
+        ring = self.disk
+        if ring is None:
+            ring = make_disk_ring(self.options, [layout for _, layout in on_disk.values()])
+        if ring is not None:
+            ring.owners = {key: name for key, (name, _) in on_disk.items()}
         return ring
 
     def _replan(self, name: str, reserve: int) -> Plan:
@@ -553,15 +543,24 @@ def enable(
             kept[name] = [lay for g, lay in pairs if in_ram is None or g.name in in_ram[name]]
         spilled = {n: sum(lay.nbytes for lay in layouts[n]) - sum(lay.nbytes for lay in kept[n]) for n in components}
         spills = spill_files(spill_dir, spilled)
+    ring = None  # the disk ring: made now, where it can still be refused, except on a re-plan (see _disk_ring)
     if reuse:
         preflight.check_zero_copy(options, previous.packed)
+    else:
+        on_disk = _disk_layouts(group_lists, layouts, in_ram, stored if store is not None else None)
+        ring = make_disk_ring(options, on_disk)
     # everything that can fail is checked before a parameter changes: from here on the pipeline is modified
     carried = None
     if previous is not None and not reuse:
         # other groups (leaf <-> block), or a store: pack again from the weights, restored on the host
         if store is None:  # packed again exactly: the SNR against the original weights, and LoRA fusing, still hold
             carried = (previous.snr, previous.requantized)
-        disable(target, device="cpu")
+        try:
+            disable(target, device="cpu")
+        except BaseException:
+            if ring is not None:
+                ring.close()
+            raise
         previous = None
     # from here until the engine is installed, a failure (Ctrl-C included) gives the weights back: from the engine
     # (the previous one until the new one exists, on a re-plan), else from the packs this call made; from a store,
@@ -590,6 +589,7 @@ def enable(
             snr = {**snr, **{k: v for k, v in carried[0].items() if k in snr}}
             requantized = carried[1]
         engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr, chunks, reserve is None)
+        engine.disk = ring
         engine.fingerprints = fingerprints
         # where packs beyond the host budget go when a re-enable packs again: resolved now, as a relative path means
         engine.spill_dir = str(_spill_path(spill_dir)) if spill_dir is not None else None
@@ -617,10 +617,56 @@ def enable(
         else:  # the packs made so far, by component (none from a store): each released group gets its weights back
             rounded = [] if carried is not None else [n for n, packs in made.items() if packs]
             _weights_back(components, group_lists, made, requires_grad, rounded, fmts)
+        if ring is not None:  # closed by the engine's teardown if it took it (closing again does nothing)
+            ring.close()
         if hasattr(target, ENGINE_ATTR):  # a re-plan: the previous engine was torn down already
             delattr(target, ENGINE_ATTR)
         raise
     return engine
+
+
+def _disk_layouts(group_lists, layouts, in_ram, stored) -> list[PackLayout]:
+    """The layouts of the packs that will be served from disk: those of ``stored`` (a store's packs, once the host
+    budget's are read) left on disk, else those the host budget does not hold (``in_ram``); lookup tables aside,
+    which are mapped, not read through the ring."""
+    if stored is not None:
+        return [
+            pack.layout
+            for name, packed in stored.items()
+            for pack, group in zip(packed.packs, group_lists[name], strict=True)
+            if pack.on_disk and not is_host(group)
+        ]
+    if in_ram is None:
+        return []
+    return [
+        layout
+        for name, groups in group_lists.items()
+        for group, layout in zip(groups, layouts[name], strict=True)
+        if group.name not in in_ram[name] and not is_host(group)
+    ]
+
+
+def make_disk_ring(options: Options, on_disk: list[PackLayout]) -> DiskRing | None:
+    """The disk ring for packs of layouts ``on_disk`` (None when there are none): two buffers the size of the largest,
+    one read while the other is copied to the GPU. Refused in one line where zero-copy reads cannot page-lock it."""
+    if not on_disk:
+        return None
+    cuda = options.device.type == "cuda"
+    ring = DiskRing(
+        RING_BUFFERS,
+        max(layout.nbytes for layout in on_disk),
+        register=cuda,
+        threaded=cuda or disk.READ_AHEAD_ON_CPU,
+        owners={},
+        device=options.device,
+    )
+    if options.reads_host_directly and not ring.arena.registered:
+        ring.close()
+        raise ValueError(
+            f"transport='zero_copy' needs page-locked host memory, and the disk ring could not be locked "
+            f"({ring.arena.register_error}); use transport='staged', or free host memory"
+        )
+    return ring
 
 
 def _pack_components(

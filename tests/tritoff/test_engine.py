@@ -155,6 +155,25 @@ def test_triton_kernels_where_triton_cannot_run_leave_the_pipeline_unchanged(mon
     assert not hasattr(pipe.transformer, "_hf_hook") and not hasattr(pipe, "_tritoff_engine")
 
 
+def test_a_disk_ring_that_cannot_be_made_leaves_the_pipeline_unchanged(monkeypatch, tmp_path):
+    """The ring packs beyond the host budget are read into is made before any weight is packed: its failure (no host
+    memory for it, or page-locking it for zero-copy reads) leaves the original weights where they were."""
+    import tritoff.engine
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("no host memory for the disk ring")
+
+    monkeypatch.setattr(tritoff.engine, "DiskRing", no_memory)
+    pipe = wan()
+    before = {n: (p, p.detach().clone()) for n, p in pipe.transformer.named_parameters()}
+    with pytest.raises(MemoryError, match="disk ring"):
+        _enable(pipe, mode="group", budget="4MB", host_budget="1MB", spill_dir=tmp_path)
+    for name, (param, value) in before.items():
+        current = dict(pipe.transformer.named_parameters())[name]
+        assert current is param and torch.equal(current, value), name
+    assert not hasattr(pipe.transformer, "_hf_hook") and not hasattr(pipe, "_tritoff_engine")
+
+
 def test_disable_round_trip(wan_reference):
     pipe = wan()
     _enable(pipe, mode="group", budget="4MB")

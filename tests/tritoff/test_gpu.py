@@ -433,22 +433,32 @@ class TwoUnits:
         return {"first": self.first, "second": self.second}
 
 
-def test_a_pool_unit_is_not_filled_into_memory_queued_kernels_still_read():
-    x = torch.randn(64, 1024, dtype=torch.bfloat16, device="cuda")
+def _one_unit_at_a_time() -> tuple[TwoUnits, tritoff.Engine]:
+    """TwoUnits enabled with room for one phase (its buffers and tables included), not both."""
+    unit = 2 * (1024 * 1024 * 2 + 1024 * 2)
+    reserve = 64 * 1024 * 2 * 6
+    probe = tritoff.enable(TwoUnits(), mode="model", budget="1GB", reserve=reserve, progress=False)
+    budget = probe.plan.planned_bytes + unit // 2
+    tritoff.disable(probe.target)
+    pipe = TwoUnits()
+    engine = tritoff.enable(pipe, mode="model", budget=budget, reserve=reserve, progress=False)
+    assert not engine.plan.together
+    return pipe, engine
+
+
+def _two_units_expected(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     reference = TwoUnits()
     for module in reference.components.values():
         dequantize_in_place(module).cuda()
     with torch.no_grad():
-        expected_first, expected_second = reference.first(x), reference.second(x)
-    pipe = TwoUnits()
-    unit = 2 * (1024 * 1024 * 2 + 1024 * 2)
-    reserve = 64 * 1024 * 2 * 6
+        return reference.first(x), reference.second(x)
+
+
+def test_a_pool_unit_is_not_filled_into_memory_queued_kernels_still_read():
+    x = torch.randn(64, 1024, dtype=torch.bfloat16, device="cuda")
+    expected_first, expected_second = _two_units_expected(x)
     # the pool holds one unit: calling the second evicts the first while the first's kernels are still queued
-    probe = tritoff.enable(TwoUnits(), mode="model", budget="1GB", reserve=reserve, progress=False)
-    budget = probe.plan.planned_bytes + unit // 2  # room for one phase (its buffers and tables included), not both
-    tritoff.disable(probe.target)
-    engine = tritoff.enable(pipe, mode="model", budget=budget, reserve=reserve, progress=False)
-    assert not engine.plan.together
+    pipe, engine = _one_unit_at_a_time()
     with torch.no_grad():
         first = pipe.first(x)  # queued behind a sleep; its unit is evicted by the next call
         pointer = engine.manager.components["first"].unit[0].buffer.data_ptr()
@@ -846,3 +856,158 @@ def test_a_cuda_graph_captures_a_resident_model_after_its_first_call():
     graph.replay()
     with torch.no_grad():
         assert torch.equal(out, model(x)) and not torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("transport", ["staged", "zero_copy"])
+@pytest.mark.parametrize("fallback", ["fp8-from-bits", "reference-kernels"])
+def test_the_hooks_are_exact_without_native_fp8_or_without_triton(monkeypatch, fallback, transport):
+    # below compute capability 8.9 (A100, RTX 30xx) the prepared launches upcast fp8 from its bits, which an H100 or
+    # H200 never does through the hooks; kernels='reference' (what 'auto' gives where Triton is missing) runs
+    # PyTorch's upcast in the fills, which must run on the upcast stream between the same events
+    from tritoff import onload
+
+    x = torch.randn(64, 512, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        expected = dequantize_in_place(_sleepy()).cuda()(x)
+    reserve = 64 * 512 * 2 * 8
+    budget = int(1.3 * _minimum(_sleepy(), reserve=reserve, transport=transport))  # fp8-resident and streamed
+    if fallback == "fp8-from-bits":
+        monkeypatch.setattr(onload, "native_fp8", lambda device: False)
+    kernels = "reference" if fallback == "reference-kernels" else "auto"
+    model = _sleepy()
+    engine = tritoff.enable(
+        model, mode="group", budget=budget, reserve=reserve, transport=transport, kernels=kernels, progress=False
+    )
+    tiers = engine.plan.tier_counts("model")
+    assert tiers["fp8"] > 0 and tiers["stream"] > 0, tiers
+    with torch.no_grad():
+        outputs = [model(x) for _ in range(3)]  # no host synchronization between calls
+    torch.cuda.synchronize()
+    for out in outputs:
+        assert torch.equal(out, expected)
+    blocks = engine.manager.components["model"].blocks
+    if fallback == "fp8-from-bits":
+        assert all(not g.native for g in blocks) and any(g._prepared for g in blocks)
+    else:
+        assert not any(g.use_triton or g._prepared for g in blocks)
+
+
+def test_zero_copy_whose_disk_ring_cannot_be_page_locked_is_refused_before_anything_changes(monkeypatch, tmp_path):
+    # the disk ring is made (and page-locked) before any weight is packed: its refusal leaves the original weights
+    from tritoff import cuda_host
+
+    x = torch.randn(64, 512, dtype=torch.bfloat16, device="cuda")
+    reserve = 64 * 512 * 2 * 8
+    budget = _minimum(_sleepy(), reserve=reserve, transport="zero_copy")
+    monkeypatch.setattr(cuda_host, "register", lambda ptr, nbytes: "CUDA_ERROR_OUT_OF_MEMORY")
+    model = _sleepy()
+    before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
+    refused = r"the disk ring could not be locked \(CUDA_ERROR_OUT_OF_MEMORY\)"
+    with pytest.warns(tritoff.TritoffWarning, match="page-locking"), pytest.raises(ValueError, match=refused):
+        tritoff.enable(
+            model, mode="group", budget=budget, reserve=reserve, transport="zero_copy", host_budget=0,
+            spill_dir=str(tmp_path), progress=False,
+        )  # fmt: skip
+    assert not hasattr(model, "_tritoff_engine") and not hasattr(model, "_hf_hook")
+    for name, (param, value) in before.items():
+        current = dict(model.named_parameters())[name]
+        assert current is param and torch.equal(current, value), name
+    with torch.no_grad():
+        assert torch.equal(model.cuda()(x), _sleepy().cuda()(x))
+
+
+def test_a_capture_of_components_that_do_not_fit_together_is_refused():
+    # a graph of a phase that leaves the GPU when another needs the room would replay reads of freed memory
+    x = torch.randn(64, 1024, dtype=torch.bfloat16, device="cuda")
+    expected_first, expected_second = _two_units_expected(x)
+    pipe, _ = _one_unit_at_a_time()
+    with torch.no_grad():
+        assert torch.equal(pipe.first(x), expected_first)  # the warm-up: the first phase is on the GPU
+        with pytest.raises(RuntimeError, match="do not fit the budget together"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                pipe.first(x)
+        assert torch.equal(pipe.second(x), expected_second) and torch.equal(pipe.first(x), expected_first)
+
+
+def test_a_capture_of_a_model_looking_a_table_up_in_host_memory_is_refused(monkeypatch):
+    from tritoff import groups
+
+    monkeypatch.setattr(groups, "HOST_EMBEDDING_BYTES", 2**20)  # the 2 MiB table stays on the host
+
+    def make():
+        torch.manual_seed(0)
+        return realistic_init(BigEmbedding(vocab=4096, width=256, n=2)).to(torch.bfloat16).eval()
+
+    ids = torch.randint(0, 4096, (2, 16), device="cuda")
+    with torch.no_grad():
+        expected = dequantize_in_place(make()).cuda()(ids)
+    model = make()
+    engine = tritoff.enable(model, mode="group", budget="1GB", reserve=2**20, progress=False)
+    assert engine.stats["total"]["host_lookup_bytes"] == 4096 * 256 * 2
+    with torch.no_grad():
+        assert torch.equal(model(ids), expected)  # the warm-up: every block resident
+        with pytest.raises(RuntimeError, match="looked up in host memory"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                model(ids)
+        assert torch.equal(model(ids), expected)
+
+
+def test_forwards_from_other_threads_are_exact_and_keep_the_driver_copies(monkeypatch):
+    # a server runs the pipeline on worker threads: the driver copies need the context current on that thread (a
+    # refusal is retried after a runtime call binds it), and the prepared launches are compiled and launched there
+    import threading
+
+    from tritoff import cuda_host, transfer
+
+    from .helpers import in_threads
+
+    monkeypatch.setattr(transfer, "_DRIVER_REFUSED", set())
+    x = torch.randn(64, 512, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        expected = dequantize_in_place(_sleepy()).cuda()(x)
+    reserve = 64 * 512 * 2 * 8
+    model = _sleepy()
+    engine = tritoff.enable(
+        model, mode="group", budget=_minimum(_sleepy(), reserve=reserve), reserve=reserve, progress=False
+    )
+    threads, real = set(), cuda_host.copy_async
+
+    def counted(spans, stream, bind_context=None):
+        threads.add(threading.current_thread())  # the objects, kept: a thread's ident may be reused
+        return real(spans, stream, bind_context)
+
+    monkeypatch.setattr(cuda_host, "copy_async", counted)
+    outputs = []
+
+    def call():
+        with torch.no_grad():  # grad mode is per thread
+            outputs.append(model(x))
+
+    for _ in range(2):  # the first loads the phase and prepares the launches on its thread, the second reuses them
+        assert in_threads(call, 1) == []
+    torch.cuda.synchronize()
+    assert len(outputs) == 2 and all(torch.equal(out, expected) for out in outputs)
+    assert len(threads) == 2 and threading.main_thread() not in threads  # each thread's copies went through the driver
+    assert engine.manager.components["model"].transfer.driver_copies and not transfer._DRIVER_REFUSED
+
+
+def test_a_first_forward_over_its_reserve_is_measured_and_the_next_call_planned_around_it():
+    # a module without a config has no meta twin: its activation reserve comes from what its first call allocates,
+    # measured on CUDA only, then the next call re-plans once around it
+    x = torch.randn(16384, 512, dtype=torch.bfloat16, device="cuda")  # 16 MiB per activation
+    with torch.no_grad():
+        expected = dequantize_in_place(_sleepy()).cuda()(x)
+    model = _sleepy()
+    engine = tritoff.enable(model, mode="group", budget="256MB", progress=False)  # reserve: 10% of the budget
+    comp = engine.manager.components["model"]
+    before = comp.plan.reserve
+    with torch.no_grad():
+        with pytest.warns(tritoff.TritoffWarning, match="for activations, more than its"):
+            outputs = [model(x)]
+        outputs += [model(x), model(x)]
+    torch.cuda.synchronize()
+    measured = engine.stats["total"]["activation_bytes"]["model"]
+    assert measured > before
+    assert comp.stats.replans == 1 and comp.plan.reserve >= measured  # re-planned once, not at every call
+    for out in outputs:
+        assert torch.equal(out, expected)
