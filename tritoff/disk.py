@@ -73,10 +73,15 @@ class PackFile:
         the first read, or on this one (``recheck``: bytes handed back as a model's weights, which a file changed
         in place since its first read must not give)."""
         nbytes = pack.layout.nbytes
+        if out.numel() < nbytes:
+            raise ValueError(f"pack {pack.name} needs {nbytes} bytes, and the buffer it is read into has {out.numel()}")
         view = memoryview(out[:nbytes].numpy())
         position, done = self.data_offset + pack.offset, 0
         while done < nbytes:
-            got = os.preadv(self.fd, [view[done:]], position + done)
+            try:
+                got = os.preadv(self.fd, [view[done:]], position + done)
+            except OSError as err:  # the OS names no file: say which, and which pack
+                raise OSError(err.errno, f"reading pack {pack.name} from {self.path} failed: {err.strerror}") from err
             if got == 0:
                 raise OSError(f"{self.path} ended early while reading pack {pack.name}; the file was truncated")
             done += got
@@ -385,7 +390,9 @@ class DiskRing:
                     break
                 if buf is not None and buf.state == "failed":
                     buf.state, buf.pack = "empty", None
-                    raise buf.error
+                    if waited:  # the read made for this take failed
+                        raise buf.error
+                    continue  # a read ahead failed before this take asked: read again (the disk may be back)
                 waited = True
                 if buf is None and not any(p is pack for p in self.wanted):  # a want() replaced the list: ask again
                     self.wanted = [pack, *self.wanted][: len(self.buffers)]
@@ -411,6 +418,19 @@ class DiskRing:
             if waited:
                 self.wait_ns += time.perf_counter_ns() - start
             return self.buffers.index(buf), buf.view[: pack.layout.nbytes]
+
+    def forget_takers(self) -> None:
+        """After an exception ended every forward: a buffer still counted as taken was left by an interrupt between
+        its take and the taker's cleanup, so no taker holds it any more. Copies out of it may be queued (an interrupt
+        inside the give-back), so on CUDA the device finishes its work first."""
+        if not any(buf.users for buf in self.buffers):
+            return
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        with self.cond:
+            for buf in self.buffers:
+                buf.users = 0
+            self.cond.notify_all()
 
     def give_back(self, index: int, event=None) -> None:
         """Done with buffer ``index``; on CUDA, ``event`` marks the end of the last copy out of it."""

@@ -514,6 +514,8 @@ class HookManager:
                 comp.active = 0 if outermost else comp.active
                 self._activation_base.pop(comp.name, None)
             return
+        if outermost and self.disk is not None:
+            self.disk.forget_takers()
         inflight = {id(g) for g in self.inflight}
         # a block whose forward still runs (one called on its own, which calls another) keeps its component running
         running = {id(c) for c in self.running} | {id(self.components[g.component]) for g in self.running_blocks}
@@ -744,7 +746,9 @@ class HookManager:
             if group.tier in ("bf16", "pool") or group in self.inflight or group.slot is not None:
                 position = step
                 continue
-            if group.pack.on_disk and not self.disk.ready(group.pack) and (self.inflight or not block):
+            # an fp8-tier block fills from its pack on the GPU: only a streamed one reads the disk
+            disk = group.tier == "stream" and group.pack.on_disk
+            if disk and not self.disk.ready(group.pack) and (self.inflight or not block):
                 break
             if comp.ring.free_slot() is None:  # blocks bound inside other blocks' forwards hold the rest
                 break

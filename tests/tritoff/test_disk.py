@@ -67,6 +67,27 @@ def test_a_corrupt_pack_is_refused_when_read(tmp_path):
         pack_bytes(pack)
 
 
+def test_a_read_error_names_the_file_and_the_pack(tmp_path, monkeypatch):
+    import errno
+
+    _, spilled = _spilled(tmp_path)
+    pack = spilled.packs[1]
+
+    def failing(fd, buffers, offset):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "preadv", failing)
+    with pytest.raises(OSError, match=rf"reading pack {pack.name} from .*spill file of model.* Input/output error"):
+        pack.file.read(pack, torch.empty(pack.layout.nbytes, dtype=torch.uint8))
+
+
+def test_a_buffer_smaller_than_the_pack_is_refused(tmp_path):
+    _, spilled = _spilled(tmp_path)
+    pack = spilled.packs[1]
+    with pytest.raises(ValueError, match=rf"pack {pack.name} needs {pack.layout.nbytes} bytes"):
+        pack.file.read(pack, torch.empty(pack.layout.nbytes - 1, dtype=torch.uint8))
+
+
 # the ring ------------------------------------------------------------------------------------------------------------
 
 
@@ -140,6 +161,23 @@ def test_a_failed_read_reaches_the_taker_and_the_ring_stays_usable(tmp_path, thr
         index, data = ring.take(packs[2])  # read again, this time for real
         assert torch.equal(data, pack_bytes(held.packs[2]))
         ring.give_back(index)
+    finally:
+        ring.close()
+
+
+def test_a_read_ahead_that_failed_is_read_again_by_the_take_that_needs_it(tmp_path):
+    # the disk failed while the reader read ahead, and is back by the time the pack is needed: the take reads it again
+    held, packs, file = _ring_packs(tmp_path, fail={"blocks.2"})
+    ring = DiskRing(2, max(p.layout.nbytes for p in packs), register=False, threaded=True, owners={})
+    try:
+        ring.want([packs[2]])
+        with ring.cond:
+            assert ring.cond.wait_for(lambda: ring._find(packs[2]) is not None and ring._find(packs[2]).error, 10)
+        file.fail.clear()
+        index, data = ring.take(packs[2])
+        assert torch.equal(data, pack_bytes(held.packs[2]))
+        ring.give_back(index)
+        assert file.reads.count("blocks.2") == 2
     finally:
         ring.close()
 
@@ -598,3 +636,59 @@ def test_a_spill_file_is_closed_once_by_its_owner(tmp_path):
         os.fstat(reused)
     finally:
         os.close(reused)
+
+
+def _stack_minimum() -> tuple[int, dict]:
+    """The smallest budget a 6-block Stack streams at, and the options it was planned with."""
+    options = dict(mode="group", reserve=1000, progress=False, kernels="reference")
+    with pytest.raises(BudgetError) as info:
+        tritoff.enable(stack(n=6, width=512), budget=1000, **options)
+    return info.value.minimum, options
+
+
+def test_an_interrupt_right_after_a_take_leaves_no_buffer_taken(tmp_path):
+    # a Ctrl-C between the disk ring's take and the taker's cleanup: the forward's recovery gives the buffer back
+    minimum, options = _stack_minimum()
+    model, x = stack(n=6, width=512), torch.randn(4, 16, dtype=torch.bfloat16)
+    engine = tritoff.enable(model, budget=minimum, host_budget=0, spill_dir=str(tmp_path), **options)
+    with torch.no_grad():
+        expected = model(x)
+    ring, take = engine.disk, engine.disk.take
+
+    def interrupted(pack):
+        take(pack)
+        raise KeyboardInterrupt
+
+    ring.take = interrupted
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        model(x)
+    del ring.take
+    assert all(buf.users == 0 for buf in ring.buffers)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
+def test_prefetch_goes_past_fp8_blocks_whose_packs_are_on_disk(tmp_path, monkeypatch):
+    # an fp8-tier block fills from its pack on the GPU, never from the disk: prefetch does not wait for its disk read
+    monkeypatch.setattr(disk, "READ_AHEAD_ON_CPU", True)
+    minimum, options = _stack_minimum()
+    model, x = stack(n=6, width=512), torch.randn(4, 16, dtype=torch.bfloat16)
+    engine = tritoff.enable(
+        model, budget=minimum + 2_000_000, host_budget=1_100_000, spill_dir=str(tmp_path), prefetch=2, **options
+    )
+    comp = engine.manager.components["model"]
+    tiers = {(g.tier, g.pack.on_disk) for g in comp.blocks}
+    assert ("fp8", True) in tiers and ("stream", True) in tiers, tiers
+    manager, depths = engine.manager, []
+    pre = manager.group_pre
+
+    def counted(group):
+        depths.append(len(manager.inflight))
+        pre(group)
+
+    monkeypatch.setattr(manager, "group_pre", counted)
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+    assert depths[-len(comp.blocks) :] == [2] * len(comp.blocks)
+    assert engine.stats["components"]["model"]["sync_onloads"] == 0
