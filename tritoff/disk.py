@@ -404,11 +404,16 @@ class DiskRing:
                 job = self._claim()
                 if job is None:
                     raise RuntimeError("every disk ring buffer is in use; this is a tritoff bug")
-                self.cond.release()
                 try:
-                    self._read(*job)
-                finally:
-                    self.cond.acquire()
+                    self.cond.release()
+                    try:
+                        self._read(*job)
+                    finally:
+                        self.cond.acquire()
+                except BaseException:  # an interrupt before the read began: the buffer is not left "reading"
+                    if job[0].state == "reading":
+                        job[0].state, job[0].pack = "empty", None
+                    raise
             buf.users += 1
             self.wanted = [p for p in self.wanted if p is not pack]  # consumed: the read-ahead moves on
             if self.threaded:
@@ -419,17 +424,21 @@ class DiskRing:
                 self.wait_ns += time.perf_counter_ns() - start
             return self.buffers.index(buf), buf.view[: pack.layout.nbytes]
 
-    def forget_takers(self) -> None:
+    def recover(self) -> None:
         """After an exception ended every forward: a buffer still counted as taken was left by an interrupt between
-        its take and the taker's cleanup, so no taker holds it any more. Copies out of it may be queued (an interrupt
-        inside the give-back), so on CUDA the device finishes its work first."""
-        if not any(buf.users for buf in self.buffers):
+        its take and the taker's cleanup, so no taker holds it any more (copies out of it may be queued, from an
+        interrupt inside the give-back: on CUDA the device finishes its work first); without a reader thread, a
+        buffer still marked as being read was left by an interrupt in the taker's own read."""
+        stuck = [buf for buf in self.buffers if buf.users or (not self.threaded and buf.state == "reading")]
+        if not stuck:
             return
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         with self.cond:
-            for buf in self.buffers:
+            for buf in stuck:
                 buf.users = 0
+                if not self.threaded and buf.state == "reading":
+                    buf.state, buf.pack = "empty", None
             self.cond.notify_all()
 
     def give_back(self, index: int, event=None) -> None:

@@ -426,10 +426,12 @@ def enable(
 
     Raises ``ValueError`` (one line, saying what to do) on bad options, a budget too small (naming the smallest that
     works), a pipeline already carrying accelerate/diffusers hooks, or weights another engine manages or two components
-    share. A failed enable leaves ``target`` as it was. Enabling an enabled pipeline re-plans it, reusing its packs:
-    ``storage``, ``granularity``, ``skip`` and ``host_budget`` left out keep what it was packed and placed with, and
-    other values are refused (the original weights are gone; so are a store packed otherwise and a component replaced
-    or restructured since: disable first).
+    share; each is checked before a weight changes, so such a failure leaves ``target`` as it was. A failure after
+    packing began (Ctrl-C, the GPU out of memory while the packs are placed) leaves ordinary modules holding their
+    weights as the packs hold them, rounded to the storage format, and warns. Enabling an enabled pipeline re-plans it,
+    reusing its packs: ``storage``, ``granularity``, ``skip`` and ``host_budget`` left out keep what it was packed and
+    placed with, and other values are refused (the original weights are gone; so are a store packed otherwise and a
+    component replaced or restructured since: disable first).
     """
     for flag, value in (("verify", verify), ("progress", progress)):
         if not isinstance(value, bool):

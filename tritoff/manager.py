@@ -515,7 +515,7 @@ class HookManager:
                 self._activation_base.pop(comp.name, None)
             return
         if outermost and self.disk is not None:
-            self.disk.forget_takers()
+            self.disk.recover()
         inflight = {id(g) for g in self.inflight}
         # a block whose forward still runs (one called on its own, which calls another) keeps its component running
         running = {id(c) for c in self.running} | {id(self.components[g.component]) for g in self.running_blocks}

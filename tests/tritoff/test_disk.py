@@ -692,3 +692,40 @@ def test_prefetch_goes_past_fp8_blocks_whose_packs_are_on_disk(tmp_path, monkeyp
             model(x)
     assert depths[-len(comp.blocks) :] == [2] * len(comp.blocks)
     assert engine.stats["components"]["model"]["sync_onloads"] == 0
+
+
+def test_an_interrupt_as_the_taker_starts_its_own_read_leaves_the_ring_usable(tmp_path):
+    # without a reader thread the take reads itself: a Ctrl-C arriving as that read starts leaves no buffer "reading"
+    minimum, options = _stack_minimum()
+    model, x = stack(n=6, width=512), torch.randn(4, 16, dtype=torch.bfloat16)
+    engine = tritoff.enable(model, budget=minimum, host_budget=0, spill_dir=str(tmp_path), **options)
+    with torch.no_grad():
+        expected = model(x)
+    ring = engine.disk
+    assert not ring.threaded
+
+    def interrupted(buf, pack):
+        raise KeyboardInterrupt
+
+    ring._read = interrupted
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        model(x)
+    del ring._read
+    assert all(buf.state != "reading" and buf.users == 0 for buf in ring.buffers)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
+def test_recovery_frees_what_an_interrupt_left_taken_or_being_read(tmp_path):
+    _, packs, _ = _ring_packs(tmp_path)
+    ring = DiskRing(2, max(p.layout.nbytes for p in packs), register=False, threaded=False, owners={})
+    try:
+        ring.take(packs[0])  # never given back
+        ring.buffers[1].pack, ring.buffers[1].state = packs[1], "reading"  # a read its taker never began
+        ring.recover()
+        assert [(b.users, b.state) for b in ring.buffers] == [(0, "ready"), (0, "empty")]
+        for pack in packs:  # both buffers serve again
+            index, _ = ring.take(pack)
+            ring.give_back(index)
+    finally:
+        ring.close()
