@@ -205,6 +205,8 @@ class Engine:
             ring = make_disk_ring(self.options, [layout for _, layout in on_disk.values()])
         if ring is not None:
             ring.owners = {key: name for key, (name, _) in on_disk.items()}
+            if self.options.device.type == "cuda":
+                ring.arena.register()  # page-locked now that packing is done (already, for zero-copy reads)
         return ring
 
     def _replan(self, name: str, reserve: int) -> Plan:
@@ -650,14 +652,16 @@ def _disk_layouts(group_lists, layouts, in_ram, stored) -> list[PackLayout]:
 
 def make_disk_ring(options: Options, on_disk: list[PackLayout]) -> DiskRing | None:
     """The disk ring for packs of layouts ``on_disk`` (None when there are none): two buffers the size of the largest,
-    one read while the other is copied to the GPU. Refused in one line where zero-copy reads cannot page-lock it."""
+    one read while the other is copied to the GPU. Refused in one line where zero-copy reads cannot page-lock it;
+    otherwise it is page-locked once the packs are made (:meth:`Engine._disk_ring`): locking faults in every page,
+    which would add the ring to the host memory packing holds at its peak, the original weights still there."""
     if not on_disk:
         return None
     cuda = options.device.type == "cuda"
     ring = DiskRing(
         RING_BUFFERS,
         max(layout.nbytes for layout in on_disk),
-        register=cuda,
+        register=cuda and options.reads_host_directly,
         threaded=cuda or disk.READ_AHEAD_ON_CPU,
         owners={},
         device=options.device,
