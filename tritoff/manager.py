@@ -116,6 +116,7 @@ class ComponentRuntime:
     active: int = 0
     last_used: int = 0
     estimates: dict = field(default_factory=dict)  # input shapes -> activation estimate (None: not traceable)
+    latest_key: tuple | None = None  # the estimates' key of the latest call planned
     unplannable: set = field(default_factory=set)  # (input shapes, reserve) the budget could not fit: warned once
     twin: object = None  # meta twin for estimates (False: cannot be built)
     measured: int | None = None  # activations of the first forward, measured on CUDA
@@ -136,8 +137,8 @@ class ComponentRuntime:
 
     @property
     def estimate(self) -> int | None:
-        """The activation estimate of its latest input shapes (None: not traced)."""
-        return next(reversed(self.estimates.values()), None) if self.estimates else None
+        """The activation estimate of its latest call's input shapes (None: not traced)."""
+        return self.estimates.get(self.latest_key)
 
     @property
     def mode(self) -> str:
@@ -224,7 +225,7 @@ class HookManager:
         self.components = {c.name: c for c in components}
         self.phased = phased
         self.disk = disk  # the DiskRing of packs served from disk (None: every pack is in host memory)
-        self.residency = Residency(device, phased.budget, phased.fixed_bytes, disk, evict=self.leave)
+        self.residency = Residency(device, phased.budget, phased.fixed_bytes, disk, evict=self.leave, busy=self._busy)
         self.depth = depth
         self.replan = replan
         self.auto_reserve = auto_reserve
@@ -299,6 +300,7 @@ class HookManager:
             comp.twin = meta_twin(comp.module) or False
         # settings such as enable_tiling()'s change what a call allocates: the twin takes them, the key holds them
         key = (method, _settings(comp.module, comp.twin), _shapes(args, kwargs))
+        comp.latest_key = key
         if key not in comp.estimates:
             comp.estimates[key] = estimate(comp.twin or None, args, kwargs, method, cuda=self.device.type == "cuda")
         needed = comp.estimates[key]
@@ -518,8 +520,7 @@ class HookManager:
             self.disk.recover()
         inflight = {id(g) for g in self.inflight}
         # a block whose forward still runs (one called on its own, which calls another) keeps its component running
-        running = {id(c) for c in self.running} | {id(self.components[g.component]) for g in self.running_blocks}
-        running = running if not outermost else set()
+        running = self._running() if not outermost else set()
         self._invalidate()
         self.cursor = None
         for comp in self.components.values():
@@ -534,6 +535,15 @@ class HookManager:
             self._activation_base.pop(comp.name, None)
             if id(comp) not in running:
                 self.residency.leave(comp)
+
+    def _busy(self, comp: ComponentRuntime) -> bool:
+        """Whether ``comp``'s phase must stay loaded for a forward that runs (its own, or one of its blocks')."""
+        return bool(comp.active) or id(comp) in self._running()
+
+    def _running(self) -> set[int]:
+        """The ids of the components whose forward (or encode/decode) runs, or one of whose blocks runs on its own:
+        their phases stay loaded."""
+        return {id(c) for c in self.running} | {id(self.components[g.component]) for g in self.running_blocks}
 
     def capturing(self) -> bool:
         """Whether the compute stream (the engine device's current stream) is being captured into a CUDA graph."""

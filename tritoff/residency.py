@@ -3,7 +3,8 @@
 A phase (a component, see ``tritoff/planner.py``) holds, while loaded: its bf16-resident blocks, its fp8-resident
 packs, its unit (rest group, or the whole component), its ring of slots and its staging halves. Entering a phase
 evicts other loaded phases, least recently used first, only until the entering phase, its activation reserve and the
-bytes every phase shares fit the budget: a pipeline whose phases fit together is uploaded once.
+bytes every phase shares fit the budget, and never one whose forward is running: a pipeline whose phases fit together
+is uploaded once.
 
 All of a phase's memory is allocated on the compute stream before its transfers start, and the transfer streams first
 wait for the compute stream (the allocator may hand back memory that queued kernels still use); the compute stream
@@ -21,12 +22,14 @@ from tritoff.transfer import FillClock, Transfer
 
 class Residency:
     """Loads and evicts phases within ``budget`` bytes (``fixed``: bytes every phase shares). ``evict(comp)`` evicts a
-    phase to make room (default :meth:`leave`; the hook manager's also forgets loads queued for it)."""
+    phase to make room (default :meth:`leave`; the hook manager's also forgets loads queued for it); ``busy(comp)``:
+    whether its forward is running, which keeps it loaded (default: its ``active`` flag)."""
 
-    def __init__(self, device: torch.device, budget: int, fixed: int, disk=None, evict=None):
+    def __init__(self, device: torch.device, budget: int, fixed: int, disk=None, evict=None, busy=None):
         self.device = device
         self.disk = disk  # the ring packs served from disk are read into
         self.evict = evict or self.leave
+        self.busy = busy or (lambda comp: comp.active)
         self.budget = budget
         self.fixed = fixed
         self.clock = 0
@@ -48,14 +51,28 @@ class Residency:
             self.load(comp)
 
     def make_room(self, comp, components) -> None:
-        """Evict other inactive phases, least recently used first, until ``comp``'s phase and its activation reserve
-        fit beside the rest."""
+        """Evict other phases whose forwards are not running, least recently used first, until ``comp``'s phase and
+        its activation reserve fit beside the rest; of those, the ones whose room the others' already make stay (the
+        most recently used first): a small phase used long ago does not leave when a large one must anyway."""
         room = self.budget - self.fixed - comp.plan.reserve - comp.plan.need_bytes
-        while self.held(c for c in components if c is not comp) > room:
-            victims = [c for c in components if c.loaded and not c.active and c is not comp]
-            if not victims:
-                break  # a component called inside another's forward: both stay (the plan cannot cover this)
-            self.evict(min(victims, key=lambda c: c.last_used))
+        held = self.held(c for c in components if c is not comp)
+        if held <= room:
+            return
+        victims = sorted(
+            (c for c in components if c.loaded and c is not comp and not self.busy(c)), key=lambda c: c.last_used
+        )
+        leaving = []
+        for victim in victims:  # a running one stays even if room stays short (a component called inside another's)
+            if held <= room:
+                break
+            leaving.append(victim)
+            held -= victim.plan.need_bytes
+        for victim in reversed(leaving[:]):
+            if held + victim.plan.need_bytes <= room:
+                leaving.remove(victim)
+                held += victim.plan.need_bytes
+        for victim in leaving:
+            self.evict(victim)
 
     def load(self, comp) -> None:
         """Allocate ``comp``'s phase and upload what its plan keeps resident. A failure part way (out of memory,
