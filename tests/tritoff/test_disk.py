@@ -646,13 +646,18 @@ def _stack_minimum() -> tuple[int, dict]:
     return info.value.minimum, options
 
 
-def test_an_interrupt_right_after_a_take_leaves_no_buffer_taken(tmp_path):
-    # a Ctrl-C between the disk ring's take and the taker's cleanup: the forward's recovery gives the buffer back
+def _served_from_disk(tmp_path):
+    """A 6-block Stack at its smallest budget with every pack on disk: (model, input, engine, its first output)."""
     minimum, options = _stack_minimum()
     model, x = stack(n=6, width=512), torch.randn(4, 16, dtype=torch.bfloat16)
     engine = tritoff.enable(model, budget=minimum, host_budget=0, spill_dir=str(tmp_path), **options)
     with torch.no_grad():
-        expected = model(x)
+        return model, x, engine, model(x)
+
+
+def test_an_interrupt_right_after_a_take_leaves_no_buffer_taken(tmp_path):
+    # a Ctrl-C between the disk ring's take and the taker's cleanup: the forward's recovery gives the buffer back
+    model, x, engine, expected = _served_from_disk(tmp_path)
     ring, take = engine.disk, engine.disk.take
 
     def interrupted(pack):
@@ -696,11 +701,7 @@ def test_prefetch_goes_past_fp8_blocks_whose_packs_are_on_disk(tmp_path, monkeyp
 
 def test_an_interrupt_as_the_taker_starts_its_own_read_leaves_the_ring_usable(tmp_path):
     # without a reader thread the take reads itself: a Ctrl-C arriving as that read starts leaves no buffer "reading"
-    minimum, options = _stack_minimum()
-    model, x = stack(n=6, width=512), torch.randn(4, 16, dtype=torch.bfloat16)
-    engine = tritoff.enable(model, budget=minimum, host_budget=0, spill_dir=str(tmp_path), **options)
-    with torch.no_grad():
-        expected = model(x)
+    model, x, engine, expected = _served_from_disk(tmp_path)
     ring = engine.disk
     assert not ring.threaded
 
