@@ -43,12 +43,17 @@ def expert_steps(steps: int, boundary_ratio: float | None, scheduler=None) -> tu
 
 
 def expert_shares(pipe) -> dict[str, float] | None:
-    """{expert: the share of a run's steps it takes} of a pipeline with two experts and a boundary (Wan 2.2), as its
-    scheduler places the default 50 steps; None for any other target, or where its scheduler cannot say."""
+    """{expert: the share of a run's steps it takes} of a pipeline with two experts (Wan 2.2), as its scheduler places
+    the default 50 steps by its boundary (without one, the pipeline calls the first expert alone); None for any other
+    target, or where its scheduler cannot say."""
     config = getattr(pipe, "config", None)
     boundary = getattr(config, "get", lambda key: None)("boundary_ratio")
     experts = [getattr(pipe, name, None) for name in ("transformer", "transformer_2")]
-    if not isinstance(boundary, (int, float)) or any(e is None for e in experts):
+    if any(e is None for e in experts):
+        return None
+    if boundary is None:
+        return {"transformer": 1.0, "transformer_2": 0.0}
+    if not isinstance(boundary, (int, float)):
         return None
     try:
         first, second = expert_steps(NOMINAL_STEPS, float(boundary), getattr(pipe, "scheduler", None))

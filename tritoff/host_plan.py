@@ -2,12 +2,14 @@
 
 Packs are held in the order of how often they are read: first the blocks a denoiser streams (read every step), then
 blocks other components stream (read every call: a text encoder once per prompt), then what the GPU plan keeps
-resident in a denoiser's phase (read when its phase is entered), then everything else, and last the lookup tables
-kept on the host (served from disk, a lookup reads only the rows it gathers). Within a rank, the expert that takes
-more of the steps comes first (Wan 2.2, ``tritoff/experts.py``: the high-noise ``transformer`` under T2V-A14B's
-defaults, ``transformer_2`` under I2V-A14B's), then components in pipeline order. Where
-only some of a component's streamed blocks fit, the held ones are spread evenly through its blocks, so each block
-read from disk has the compute of held blocks around it to hide behind.
+resident in a denoiser's phase (read when its phase is entered; first those a larger activation reserve streams
+first, since the first call re-plans the phase with its traced reserve, usually larger than enable's), then
+everything else, then the lookup tables kept on the host (served from disk, a lookup reads only the rows it gathers),
+and last the packs of an expert the steps never reach. Within a rank, the expert that takes more of the steps comes
+first (Wan 2.2, ``tritoff/experts.py``: the high-noise ``transformer`` under T2V-A14B's defaults, ``transformer_2``
+under I2V-A14B's), then components in pipeline order. Where only some of a component's streamed blocks fit, the held
+ones are spread evenly through its blocks, so each block read from disk has the compute of held blocks around it to
+hide behind.
 """
 
 from __future__ import annotations
@@ -15,12 +17,21 @@ from __future__ import annotations
 from tritoff.arena import PAGE
 from tritoff.groups import is_block, is_host
 from tritoff.pack import align
-from tritoff.planner import PhasedPlan
+from tritoff.planner import PhasedPlan, spread_order
 
-RANKS = ("streamed every step", "streamed every call", "resident in a denoiser", "other", "host lookup table")
+RANKS = (
+    "streamed every step",
+    "streamed every call",
+    "resident in a denoiser",
+    "other",
+    "host lookup table",
+    "an expert never called",
+)
 
 
-def _rank(name: str, group, the_plan: PhasedPlan, looped: bool) -> int:
+def _rank(name: str, group, the_plan: PhasedPlan, looped: bool, share: float | None = None) -> int:
+    if share == 0:  # an expert the steps never reach (a boundary that gives every step to the other, or none)
+        return 5
     if is_host(group):
         return 4
     phase = the_plan.phases[name]
@@ -53,7 +64,7 @@ def hold_plan(
     classes: dict[tuple[int, float, int], list[tuple[str, int]]] = {}
     for order, (name, groups) in enumerate(group_lists.items()):
         for group, layout in zip(groups, layouts[name], strict=True):
-            rank = _rank(name, group, the_plan, looped[name])
+            rank = _rank(name, group, the_plan, looped[name], shares.get(name))
             key = (rank, -shares.get(name, 0.0), order)
             classes.setdefault(key, []).append((group.name, align(layout.nbytes, PAGE)))
     held = {name: set() for name in group_lists}
@@ -61,6 +72,8 @@ def hold_plan(
     names = list(group_lists)
     for (rank, _, order), members in sorted(classes.items()):
         name = names[order]
+        if rank == 2:
+            members = _next_to_stream_first(members, group_lists[name])
         fit, used = 0, 0
         for _, nbytes in members:  # how many fit in module order
             if used + nbytes > left:
@@ -77,3 +90,12 @@ def hold_plan(
                 held[name].add(group_name)
                 left -= nbytes
     return held
+
+
+def _next_to_stream_first(members: list[tuple[str, int]], groups) -> list[tuple[str, int]]:
+    """A denoiser's resident groups, those that stream first when a larger activation reserve leaves less room (the
+    first call's traced reserve, usually larger than the one enable plans with) first: the planner hands residency
+    out over the blocks in reverse ``spread_order``, so it takes it back in ``spread_order``. Its other groups last."""
+    blocks = [g.name for g in groups if is_block(g)]
+    position = {blocks[i]: at for at, i in enumerate(spread_order(len(blocks)))}
+    return sorted(members, key=lambda member: position.get(member[0], len(blocks)))

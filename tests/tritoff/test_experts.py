@@ -67,11 +67,11 @@ def test_shares_leave_the_pipelines_scheduler_as_it_was():
     assert abs(sum(shares.values()) - 1) < 1e-9 and 0 < shares["transformer_2"] < shares["transformer"]
 
 
-def test_only_a_pipeline_with_two_experts_and_a_boundary_has_shares():
+def test_only_a_pipeline_with_two_experts_has_shares():
     assert expert_shares(tiny_wan_pipeline()) is None  # one transformer
     pipe = tiny_wan_pipeline(two_experts=True)
     assert expert_shares(pipe.transformer) is None  # a module
-    pipe.register_to_config(boundary_ratio=None)
-    assert expert_shares(pipe) is None
+    pipe.register_to_config(boundary_ratio=None)  # the pipeline then calls the first expert alone
+    assert expert_shares(pipe) == {"transformer": 1.0, "transformer_2": 0.0}
     pipe.register_to_config(boundary_ratio="0.5")  # not a number: the pipeline itself cannot run
     assert expert_shares(pipe) is None

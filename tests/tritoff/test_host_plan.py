@@ -84,3 +84,49 @@ def test_wan22_holds_first_the_expert_that_takes_more_of_the_steps(tmp_path, bou
     streamed = [g for g, t in engine.plan.phases[more].tiers[more].items() if t == "stream"]
     assert set(streamed) <= set(held[more])
     assert len(held[less]) < len(held[more])
+
+
+def test_an_expert_the_steps_never_reach_is_held_last(tmp_path):
+    # without a boundary the pipeline calls the first expert alone: holding the second's packs would save no read
+    def pipe():
+        made = tiny_wan_pipeline(two_experts=True, **BIG_WAN)
+        made.register_to_config(boundary_ratio=None)
+        return made
+
+    full = _enable(pipe())
+    held_bytes = full.stats["total"]["host_arena_bytes"]
+    idle = sum(align(p.layout.nbytes, PAGE) for p in full.packed["transformer_2"].packs)
+    engine = _enable(pipe(), host_budget=held_bytes - idle, spill_dir=str(tmp_path))
+    held = _held(engine)
+    assert held["transformer_2"] == []
+    assert set(held["transformer"]) == {p.name for p in full.packed["transformer"].packs}
+
+
+def test_of_a_denoisers_resident_blocks_those_a_larger_reserve_streams_are_held_first():
+    # enable plans with its default reserve; the first call re-plans with the traced one, usually larger, which
+    # streams some of the blocks enable kept resident: those are the resident blocks worth holding first
+    from tritoff.host_plan import _rank, hold_plan
+
+    engine = tritoff.enable(
+        wan(num_layers=8), mode="group", budget="5MB", reserve=100_000, progress=False, kernels="reference"
+    )
+    block = engine.packed["transformer"].packs[0].layout.nbytes
+    larger = engine._replan("transformer", 100_000 + block)
+    tiers, later = engine.plan.phases["transformer"].tiers["transformer"], larger.tiers["transformer"]
+    newly = [name for name, tier in later.items() if tier == "stream" and tiers[name] != "stream"]
+    resident = [name for name, tier in tiers.items() if tier != "stream"]
+    assert len(newly) == 1 and len(resident) > 1 and newly[0] != resident[0]  # not simply the first in module order
+    group_lists = engine._group_lists
+    layouts = {name: [p.layout for p in packed.packs] for name, packed in engine.packed.items()}
+    looped = {name: name == "transformer" for name in group_lists}
+    # room for what is read every call under enable's plan, and for one block more
+    first = sum(
+        align(layout.nbytes, PAGE)
+        for name, groups in group_lists.items()
+        for group, layout in zip(groups, layouts[name], strict=True)
+        if _rank(name, group, engine.plan, looped[name]) <= 1
+    )
+    held = hold_plan(group_lists, layouts, engine.plan, looped, first + align(block, PAGE))
+    assert newly[0] in held["transformer"]
+    streamed_later = {name for name, tier in later.items() if tier == "stream"}
+    assert streamed_later <= held["transformer"]  # every block the larger reserve streams is held
