@@ -341,8 +341,9 @@ def test_fusing_one_expert_checks_that_expert_only(tmp_path):
     pipe.fuse_lora(components=["transformer"])  # transformer_2's packs on disk and NaN adapter are not in the way
     assert set(sum(_merged(pipe.transformer).values(), [])) == {"style"}
     assert set(sum(_merged(pipe.transformer_2).values(), [])) == set()
-    with pytest.raises(ValueError, match=r"transformer_2\.blocks\.2.*nothing was fused"):
-        pipe.fuse_lora(components=["transformer_2"])  # refused there, for either
+    # refused there, for either: a pack on disk, or the NaN adapter of blocks.2
+    with pytest.raises(ValueError, match=r"transformer_2\.blocks\.\d.*nothing was fused"):
+        pipe.fuse_lora(components=["transformer_2"])
     pipe.unfuse_lora(components=["transformer"])
     assert set(sum(_merged(pipe.transformer).values(), [])) == set()
 
