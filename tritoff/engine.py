@@ -194,17 +194,12 @@ class Engine:
         """The bounce ring packs served from disk are read into, made by ``enable`` before any weight changed, or now
         (a re-plan, whose previous engine's ring is gone by then); None when the host budget holds every pack. Its
         counters name each pack's component."""
-        on_disk = {
-            id(pack): (name, pack.layout)
-            for name, packed in self.packed.items()
-            for pack, group in zip(packed.packs, self._group_lists[name], strict=True)
-            if pack.on_disk and not is_host(group)
-        }
+        on_disk = _packs_on_disk(self.packed, self._group_lists)
         ring = self.disk
         if ring is None:
-            ring = make_disk_ring(self.options, [layout for _, layout in on_disk.values()])
+            ring = make_disk_ring(self.options, [pack.layout for _, pack in on_disk])
         if ring is not None:
-            ring.owners = {key: name for key, (name, _) in on_disk.items()}
+            ring.owners = {id(pack): name for name, pack in on_disk}
             if self.options.device.type == "cuda":
                 ring.arena.register()  # page-locked now that packing is done (already, for zero-copy reads)
         return ring
@@ -634,12 +629,7 @@ def _disk_layouts(group_lists, layouts, in_ram, stored) -> list[PackLayout]:
     budget's are read) left on disk, else those the host budget does not hold (``in_ram``); lookup tables aside,
     which are mapped, not read through the ring."""
     if stored is not None:
-        return [
-            pack.layout
-            for name, packed in stored.items()
-            for pack, group in zip(packed.packs, group_lists[name], strict=True)
-            if pack.on_disk and not is_host(group)
-        ]
+        return [pack.layout for _, pack in _packs_on_disk(stored, group_lists)]
     if in_ram is None:
         return []
     return [
@@ -650,6 +640,16 @@ def _disk_layouts(group_lists, layouts, in_ram, stored) -> list[PackLayout]:
     ]
 
 
+def _packs_on_disk(packed: dict[str, PackedModel], group_lists: dict) -> list[tuple[str, Pack]]:
+    """(component, pack) of every pack served from disk through the ring (lookup tables are mapped instead)."""
+    return [
+        (name, pack)
+        for name, model in packed.items()
+        for pack, group in zip(model.packs, group_lists[name], strict=True)
+        if pack.on_disk and not is_host(group)
+    ]
+
+
 def make_disk_ring(options: Options, on_disk: list[PackLayout]) -> DiskRing | None:
     """The disk ring for packs of layouts ``on_disk`` (None when there are none): two buffers the size of the largest,
     one read while the other is copied to the GPU. Refused in one line where zero-copy reads cannot page-lock it;
@@ -657,12 +657,11 @@ def make_disk_ring(options: Options, on_disk: list[PackLayout]) -> DiskRing | No
     which would add the ring to the host memory packing holds at its peak, the original weights still there."""
     if not on_disk:
         return None
-    cuda = options.device.type == "cuda"
     ring = DiskRing(
         RING_BUFFERS,
         max(layout.nbytes for layout in on_disk),
-        register=cuda and options.reads_host_directly,
-        threaded=cuda or disk.READ_AHEAD_ON_CPU,
+        register=options.reads_host_directly,
+        threaded=options.device.type == "cuda" or disk.READ_AHEAD_ON_CPU,
         owners={},
         device=options.device,
     )
