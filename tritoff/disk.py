@@ -284,6 +284,7 @@ class DiskRing:
         device: torch.device | None = None,
     ):
         buffer_bytes = align(buffer_bytes, PAGE)
+        self.buffer_bytes = buffer_bytes  # the largest pack a buffer holds
         self.device = device  # the GPU whose copies the reader waits for
         self.arena = HostArena(n_buffers * buffer_bytes, register=register)
         self.buffers = [_Buffer(self.arena.view(i * buffer_bytes, buffer_bytes)) for i in range(n_buffers)]

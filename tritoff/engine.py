@@ -115,6 +115,9 @@ class Engine:
         self._released = False  # disable dropped the packs
         self.manager: HookManager | None = None
         self.disk: DiskRing | None = None
+        self.loops = {name: looped(name) for name in components}  # whether a component is called at every step
+        self.shares: dict[str, float] | None = None  # the steps' share of each of two experts (host placement)
+        self.reheld_bytes = 0  # read from disk moving packs into host memory after re-plans (rehold.py)
         self._torn_down = False
         self._guards: list | None = None  # what teardown leaves refusing to run its placeholders (torn_down.py)
 
@@ -176,6 +179,7 @@ class Engine:
             replan=self._replan,
             auto_reserve=self.auto_reserve,
             disk=self.disk,
+            replanned=self._rehold,
         )
         for comp in runtimes:
             _move_buffers(comp.module, device)
@@ -209,6 +213,12 @@ class Engine:
         size = next(s for s in self.sizes if s.name == name)
         opts = self.options
         return plan([size], opts.budget, opts.mode, opts.prefetch, reserve, opts.staged, None, self.plan.fixed_bytes)
+
+    def _rehold(self, name: str) -> None:
+        """After component ``name``'s phase was planned again: the packs the host budget holds placed again."""
+        from tritoff.rehold import rehold
+
+        rehold(self, name)
 
     def _hook(self, module: nn.Module, hook) -> None:
         self._hooked.append(module)  # first: a teardown after an interruption in the middle unhooks it too
@@ -589,6 +599,7 @@ def enable(
             requantized = carried[1]
         engine = Engine(target, components, options, packed, sizes, the_plan, group_lists, snr, chunks, reserve is None)
         engine.disk = ring
+        engine.shares = shares if not reuse else previous.shares
         engine.fingerprints = fingerprints
         # where packs beyond the host budget go when a re-enable packs again: resolved now, as a relative path means
         engine.spill_dir = str(_spill_path(spill_dir)) if spill_dir is not None else None

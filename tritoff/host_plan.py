@@ -60,14 +60,27 @@ def hold_plan(
     ``shares``: the share of the steps each of two experts takes (:func:`tritoff.experts.expert_shares`)."""
     if budget is None:
         return None
-    shares = shares or {}
-    classes: dict[tuple[int, float, int], list[tuple[str, int]]] = {}
-    for order, (name, groups) in enumerate(group_lists.items()):
-        for group, layout in zip(groups, layouts[name], strict=True):
-            rank = _rank(name, group, the_plan, looped[name], shares.get(name))
-            key = (rank, -shares.get(name, 0.0), order)
-            classes.setdefault(key, []).append((group.name, align(layout.nbytes, PAGE)))
     held = {name: set() for name in group_lists}
+    for name, group_name in hold_order(group_lists, layouts, the_plan, looped, budget, shares):
+        held[name].add(group_name)
+    return held
+
+
+def hold_order(
+    group_lists: dict,
+    layouts: dict,
+    the_plan: PhasedPlan,
+    looped: dict[str, bool],
+    budget: int,
+    shares: dict[str, float] | None = None,
+) -> list[tuple[str, str]]:
+    """(component, group) of each pack :func:`hold_plan` holds, the one it holds first (read most often) first."""
+    classes: dict[tuple[int, float, int], list[tuple[str, int]]] = {}
+    keys = hold_classes(group_lists, the_plan, looped, shares)
+    for name, groups in group_lists.items():
+        for group, layout in zip(groups, layouts[name], strict=True):
+            classes.setdefault(keys[name, group.name], []).append((group.name, align(layout.nbytes, PAGE)))
+    held: list[tuple[str, str]] = []
     left = budget
     names = list(group_lists)
     for (rank, _, order), members in sorted(classes.items()):
@@ -83,13 +96,27 @@ def hold_plan(
         if sum(n for _, n in chosen) > left:  # blocks of unequal sizes: keep the ones that fitted in order
             chosen = members[:fit]
         for group_name, nbytes in chosen:
-            held[name].add(group_name)
+            held.append((name, group_name))
             left -= nbytes
+        taken = {group_name for _, group_name in chosen}
         for group_name, nbytes in members:  # smaller packs after the first that did not fit
-            if group_name not in held[name] and nbytes <= left and rank > 1:
-                held[name].add(group_name)
+            if group_name not in taken and nbytes <= left and rank > 1:
+                held.append((name, group_name))
                 left -= nbytes
     return held
+
+
+def hold_classes(
+    group_lists: dict, the_plan: PhasedPlan, looped: dict[str, bool], shares: dict[str, float] | None = None
+) -> dict[tuple[str, str], tuple[int, float, int]]:
+    """{(component, group): its class}, a smaller class read more often and held first: (rank in :data:`RANKS`, minus
+    its expert's share of the steps, the component's place in the pipeline)."""
+    shares = shares or {}
+    return {
+        (name, group.name): (_rank(name, group, the_plan, looped[name], shares.get(name)), -shares.get(name, 0.0), at)
+        for at, (name, groups) in enumerate(group_lists.items())
+        for group in groups
+    }
 
 
 def _next_to_stream_first(members: list[tuple[str, int]], groups) -> list[tuple[str, int]]:

@@ -333,6 +333,7 @@ def _store(engine, g: GroupRuntime, i: int, value: torch.Tensor, what: str) -> N
     layout, e = g.layout, g.layout.entries[i]
     snr: dict[str, float] = {}
     write_entry(layout, g.pack.data, e, value, _quantizer(quantize_device(engine.options.device)), snr)
+    g.pack.rewritten = True
     if g.device_pack is not None:  # fp8 tier: the resident pack
         for start, nbytes in ((e.offset, e.nbytes), (e.scale_offset, 4 * e.num_scales)):
             if start >= 0 and nbytes:

@@ -206,9 +206,10 @@ class HookManager:
 
     ``replan(component, reserve) -> Plan`` plans a phase again with another activation reserve; with
     ``auto_reserve``, each new input shape of a component is traced on the meta device first and its phase re-planned
-    around the estimate (see ``tritoff/activations.py``). ``disk``: the ring packs served from disk are read into;
-    prefetch issues such a pack only once it is read (it never holds the compute stream's work back waiting for the
-    disk), and names the next ones for the ring's reader.
+    around the estimate (see ``tritoff/activations.py``), then ``replanned(component)`` is called (the engine places
+    the packs the host budget holds again: ``tritoff/rehold.py``). ``disk``: the ring packs served from disk are read
+    into; prefetch issues such a pack only once it is read (it never holds the compute stream's work back waiting for
+    the disk), and names the next ones for the ring's reader.
     """
 
     def __init__(
@@ -220,6 +221,7 @@ class HookManager:
         replan=None,
         auto_reserve: bool = False,
         disk=None,
+        replanned=None,
     ):
         self.device = device
         self.components = {c.name: c for c in components}
@@ -228,6 +230,7 @@ class HookManager:
         self.residency = Residency(device, phased.budget, phased.fixed_bytes, disk, evict=self.leave, busy=self._busy)
         self.depth = depth
         self.replan = replan
+        self.replanned = replanned
         self.auto_reserve = auto_reserve
         self.inflight: deque[GroupRuntime] = deque()
         self.cursor: tuple[str, int] | None = None  # (component, order position) of the last group issued
@@ -332,6 +335,8 @@ class HookManager:
             return
         self.apply_plan(comp, new)
         comp.reserve_traced = True
+        if self.replanned is not None:
+            self.replanned(comp.name)
 
     # component entry and exit -----------------------------------------------------------------------------------
     def component_pre(self, comp: ComponentRuntime, args, kwargs):

@@ -435,6 +435,14 @@ class GroupRuntime:
         """Drop cached views of a buffer that is going away."""
         self._views.pop(buffer.data_ptr(), None)
 
+    def rehome(self, arena) -> None:
+        """Its pack's bytes now lie in ``arena`` (a component's, or the disk ring's: ``tritoff/rehold.py``)."""
+        if self.zero_copy and not arena.registered:
+            raise RuntimeError(f"{self.component}.{self.name}: zero-copy reads need a page-locked arena")
+        self.arena = arena
+        if self.device.type == "cuda":
+            arena.readers.add(self.device)
+
     def drop_device_state(self, keep_tables: bool = False) -> None:
         """Release everything the group holds on the device: buffers, the resident pack, cached views (their memory
         may come back at the same address, holding something else) and, unless ``keep_tables``, its kernel tables."""

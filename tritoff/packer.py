@@ -33,6 +33,7 @@ class Pack:
     data: torch.Tensor | None  # uint8 view of the arena; None when the pack is served from ``file``
     file: PackFile | None = None  # the file holding it (a store, a spill file), when it has one
     hash: str | None = None  # XXH3-128 of its bytes, checked when read from a store file
+    rewritten: bool = False  # a fused LoRA wrote into its bytes: a store's file no longer holds them
 
     @property
     def on_disk(self) -> bool:

@@ -76,6 +76,8 @@ class Report:
         total["disk_ring_bytes"] = ring.nbytes if ring else 0
         total["host_held_bytes"] = total["host_arena_bytes"] + total["disk_ring_bytes"]
         total["disk_wait_s"] = ring.wait_ns / 1e9 if ring else 0.0
+        # read from disk moving packs a re-plan made worth holding into host memory, in place of others
+        total["reheld_bytes"] = engine.reheld_bytes
         device = engine.options.device
         if device.type == "cuda":
             total["compute_wait_s"] = sum(c.stalls.seconds() for c in manager.components.values()) if manager else 0.0
@@ -153,6 +155,7 @@ class Report:
                 f"{format_bytes(t['disk_pack_bytes'])} of packs served from disk; read from disk "
                 f"{format_bytes(t['disk_bytes_read'])} ({per_call or 'nothing yet'} per call), waited on disk "
                 f"{t['disk_wait_s'] * 1e3:.1f} ms"
+                + (f"; moved into memory after re-plans {format_bytes(t['reheld_bytes'])}" if t["reheld_bytes"] else "")
             )
         if "peak_vram_bytes" in t:
             lines.append(

@@ -1011,3 +1011,30 @@ def test_a_first_forward_over_its_reserve_is_measured_and_the_next_call_planned_
     assert comp.stats.replans == 1 and comp.plan.reserve >= measured  # re-planned once, not at every call
     for out in outputs:
         assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("transport", ["staged", "zero_copy"])
+def test_packs_moved_between_memory_and_disk_after_a_replan_stream_exactly(tmp_path, transport):
+    # a larger reserve streams more of the first expert's blocks: their packs take the places of the second expert's
+    # in the page-locked arenas, and the second's are read through the ring (tritoff/rehold.py)
+    from tritoff.arena import PAGE
+    from tritoff.pack import align
+    from tritoff.rehold import rehold
+
+    expected = run(dequantized_pipeline(wan, num_layers=8, two_experts=True).to("cuda"))
+    options = dict(mode="group", budget="5MB", reserve=100_000, transport=transport, progress=False)
+    probe = tritoff.enable(wan(num_layers=8, two_experts=True), **options)
+    streamed = sum(probe.plan.tier_counts(name)["stream"] for name in ("transformer", "transformer_2"))
+    block = align(probe.packed["transformer"].packs[0].layout.nbytes, PAGE)
+    pipe = wan(num_layers=8, two_experts=True)
+    engine = tritoff.enable(pipe, **options, host_budget=streamed * block, spill_dir=str(tmp_path))
+    assert torch.equal(run(pipe), expected)  # the reader thread and its events have run before the move
+    comp = engine.manager.components["transformer"]
+    engine.manager.apply_plan(comp, engine._replan("transformer", comp.plan.reserve + 3 * block))
+    assert rehold(engine, "transformer") > 0
+    held = {p.name for p in engine.packed["transformer"].packs if not p.on_disk}
+    assert {g for g, tier in comp.plan.tiers["transformer"].items() if tier == "stream"} <= held
+    for _ in range(2):
+        assert torch.equal(run(pipe), expected)
+    total = engine.stats["total"]
+    assert total["sync_onloads"] == 0 and total["pageable_host_bytes"] == 0
