@@ -425,6 +425,15 @@ class DiskRing:
                 self.wait_ns += time.perf_counter_ns() - start
             return self.buffers.index(buf), buf.view[: pack.layout.nbytes]
 
+    def forget(self, pack) -> None:
+        """Drop what a buffer not in use holds of ``pack`` (moved between host memory and disk: ``rehold.py``), so a
+        later take reads it again from its file; a read of it under way completes from that file."""
+        with self.cond:
+            for buf in self.buffers:
+                if buf.pack is pack and not buf.users and buf.state in ("ready", "failed"):
+                    buf.pack, buf.state, buf.error = None, "empty", None
+            self.wanted = [p for p in self.wanted if p is not pack]
+
     def recover(self) -> None:
         """After an exception ended every forward: a buffer still counted as taken was left by an interrupt between
         its take and the taker's cleanup, so no taker holds it any more (copies out of it may be queued, from an

@@ -54,6 +54,7 @@ from tritoff.pack import PackLayout
 from tritoff.packer import (
     Pack,
     PackedModel,
+    arena_holding,
     hold_packs,
     pack_model,
     pack_offsets,
@@ -154,9 +155,10 @@ class Engine:
                         self._host_views.add(id(param))
                     comp.host.append(HostTable(name, group, params, places))
                     continue
-                ring_arena = self.disk.arena if pack.on_disk else None
+                # a pack moved after a re-plan (rehold.py) may lie in another component's arena: a re-enable finds it
+                host = self.disk.arena if pack.on_disk else arena_holding(self.packed, pack)
                 triton = use_triton and pack.layout.out_dtype in upcast_kernels.OUT_DTYPES  # else the reference
-                g = GroupRuntime(name, pack, packed, params, places, device, triton, zero_copy, chunk, ring_arena)
+                g = GroupRuntime(name, pack, packed, params, places, device, triton, zero_copy, chunk, host)
                 if split and is_block(group):
                     g.tier = "bf16" if phase.modes[name] == "resident" else tiers[g.name]
                     comp.blocks.append(g)

@@ -98,9 +98,9 @@ def hold_order(
         for group_name, nbytes in chosen:
             held.append((name, group_name))
             left -= nbytes
-        taken = {group_name for _, group_name in chosen}
+        taken = {group_name for group_name, _ in chosen}
         for group_name, nbytes in members:  # smaller packs after the first that did not fit
-            if group_name not in taken and nbytes <= left and rank > 1:
+            if group_name not in taken and nbytes <= left:
                 held.append((name, group_name))
                 left -= nbytes
     return held

@@ -72,6 +72,17 @@ class PackedModel:
         return sum(p.layout.out_nbytes for p in self.packs)
 
 
+def arena_holding(packed: dict[str, PackedModel], pack: Pack) -> HostArena:
+    """The arena of ``packed`` (component name -> packs) that holds ``pack``'s bytes: its own component's, unless a
+    move after a re-plan (``tritoff/rehold.py``) put it in the slot of another component's pack."""
+    start = pack.data.data_ptr()
+    for model in packed.values():
+        base = model.arena.buffer.data_ptr()
+        if model.arena.nbytes and base <= start < base + model.arena.nbytes:
+            return model.arena
+    raise RuntimeError(f"no arena holds the bytes of pack {pack.name}; this is a tritoff bug")
+
+
 def pack_bytes(pack: Pack, recheck: bool = False) -> torch.Tensor:
     """``pack``'s bytes: its view of the arena, or a fresh copy read from its file (checked against its hash on the
     file's first read of it, or on this one: ``recheck``)."""

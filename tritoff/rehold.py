@@ -9,9 +9,10 @@ disk takes the place of one it no longer holds, in that pack's slot of its arena
 The leaving pack's bytes go to its file first (a store's file holds them already; a spill file is written), then the
 arriving pack is read in, so an error or an interrupt at any point leaves every pack readable where it is recorded.
 
-Not moved: lookup tables (mapped, not read through the ring), packs a fused LoRA rewrote (a store's file holds the
-bytes from before), packs larger than the disk ring's buffers, and nothing at all while a component's forward is
-running (a call made inside another's).
+A component none of whose packs spilled at enable gets its spill file at its first pack's move out. Not moved: lookup
+tables (mapped, not read through the ring), packs a fused LoRA wrote into (unfusing is refused for a pack on disk),
+packs larger than the disk ring's buffers, and nothing at all while another component's forward is running (a call
+made inside it).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import contextlib
 import torch
 
 from tritoff.atomic import interrupts_held
+from tritoff.disk import spill_files
 from tritoff.groups import is_host
 from tritoff.host_plan import hold_classes, hold_order
+from tritoff.packer import arena_holding
 from tritoff.warn import warn
 
 
@@ -50,7 +53,7 @@ def rehold(engine, name: str) -> int:
         {key for key, pack in packs.items() if not pack.on_disk},
         hold_classes(group_lists, engine.plan, engine.loops, engine.shares),
         {key: pack.layout.nbytes for key, pack in packs.items()},
-        lambda key: _may_leave(engine, key, packs[key]),
+        lambda key: _may_leave(engine, packs[key]),
     )
     if not pairs:
         return 0
@@ -80,45 +83,48 @@ def plan_moves(wanted: list, held: set, classes: dict, sizes: dict, may_leave) -
     wanted_set = set(wanted)
     leaving = [key for key in sizes if key in held and key not in wanted_set and may_leave(key)]
     leaving.sort(key=lambda key: classes[key], reverse=True)
-    pairs = []
+    pairs, arriving = [], set()
     for key in wanted:
-        if key not in sizes or key in held:
+        if key not in sizes or key in held or key in arriving:
             continue
         slot = next((k for k in leaving if classes[k][:2] > classes[key][:2] and sizes[k] >= sizes[key]), None)
         if slot is not None:
             leaving.remove(slot)
+            arriving.add(key)
             pairs.append((slot, key))
     return pairs
 
 
-def _may_leave(engine, key: tuple[str, str], pack) -> bool:
-    """Whether ``pack`` can go to disk: it has a file to go to, holding its bytes or writable, and fits the ring."""
-    if pack.layout.nbytes > engine.disk.buffer_bytes:
-        return False
-    if pack.file is not None and not pack.file.spill:  # a store's file: it holds the bytes, unless a LoRA rewrote them
-        return not pack.rewritten
-    return _spill_of(engine, key[0]) is not None
+def _may_leave(engine, pack) -> bool:
+    """Whether ``pack`` can go to disk: it fits the ring's buffers and no fused LoRA wrote into it (unfusing a pack on
+    disk is refused: it would stay fused)."""
+    return pack.layout.nbytes <= engine.disk.buffer_bytes and not pack.rewritten
 
 
-def _spill_of(engine, name: str):
-    """Component ``name``'s spill file (None when none of its packs was spilled at enable)."""
-    return next((p.file for p in engine.packed[name].packs if p.file is not None and p.file.spill), None)
+def _file_for(engine, name: str, pack):
+    """The file ``pack`` of component ``name`` leaves for, and whether its bytes must be written there: its store's
+    file (which holds them), else the component's spill file, made now if none of its packs spilled at enable."""
+    if pack.file is not None and not pack.file.spill:
+        return pack.file, False
+    spill = next((p.file for p in engine.packed[name].packs if p.file is not None and p.file.spill), None)
+    if spill is None:
+        spill = spill_files(engine.spill_dir, {name: pack.layout.nbytes})[name]
+    return spill, True
 
 
 def _swap(engine, leaving_key, leaving, arriving_key, arriving, runtimes) -> int:
     """``leaving`` goes to disk, ``arriving`` is read into its slot; returns the bytes read."""
     ring = engine.disk
-    spill = leaving.file if leaving.file is not None and leaving.file.spill else None
-    if leaving.file is None or spill is not None:
-        spill = spill or _spill_of(engine, leaving_key[0])
-        spill.write(leaving, leaving.data)  # a full disk stops here, nothing changed
+    file, write = _file_for(engine, leaving_key[0], leaving)
+    if write:
+        file.write(leaving, leaving.data)  # a full disk stops here, this pack unchanged
     slot = leaving.data
-    home = _arena_of(engine, slot)
+    home = arena_holding(engine.packed, leaving)
     with interrupts_held():
         runtimes[id(leaving)].rehome(ring.arena)
-        leaving.file = leaving.file or spill
-        leaving.data = None
+        leaving.file, leaving.data = file, None
         ring.owners[id(leaving)] = leaving_key[0]
+        ring.forget(leaving)  # a buffer may hold what it read of it before an earlier move brought it in
     view = slot[: arriving.layout.nbytes]
     try:
         arriving.file.read(arriving, view)
@@ -133,14 +139,5 @@ def _swap(engine, leaving_key, leaving, arriving_key, arriving, runtimes) -> int
     with interrupts_held():
         runtimes[id(arriving)].rehome(home)
         arriving.data = view
+        ring.forget(arriving)  # held now: a buffer would keep a stale copy should it leave again
     return arriving.layout.nbytes
-
-
-def _arena_of(engine, view: torch.Tensor):
-    """The component arena ``view`` lies in."""
-    start = view.data_ptr()
-    for packed in engine.packed.values():
-        base = packed.arena.buffer.data_ptr()
-        if packed.arena.nbytes and base <= start < base + packed.arena.nbytes:
-            return packed.arena
-    raise RuntimeError(f"no arena holds the host address {start:#x}; this is a tritoff bug")

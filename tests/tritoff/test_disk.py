@@ -733,3 +733,20 @@ def test_recovery_frees_what_an_interrupt_left_taken_or_being_read(tmp_path):
             ring.give_back(index)
     finally:
         ring.close()
+
+
+def test_a_pack_forgotten_by_the_ring_is_read_again_from_its_file(tmp_path):
+    # a pack moved into host memory and out again (rehold.py): what a buffer kept of it is not served again
+    held, packs, file = _ring_packs(tmp_path)
+    ring = DiskRing(2, max(p.layout.nbytes for p in packs), register=False, threaded=False, owners={})
+    try:
+        index, _ = ring.take(packs[0])
+        ring.give_back(index)
+        ring.forget(packs[0])
+        index, data = ring.take(packs[0])
+        assert file.reads == [packs[0].name] * 2 and torch.equal(data, pack_bytes(held.packs[0]))
+        ring.forget(packs[0])  # in use: kept until given back
+        assert ring.buffers[index].state == "ready"
+        ring.give_back(index)
+    finally:
+        ring.close()

@@ -105,7 +105,7 @@ def test_an_expert_the_steps_never_reach_is_held_last(tmp_path):
 def test_of_a_denoisers_resident_blocks_those_a_larger_reserve_streams_are_held_first():
     # enable plans with its default reserve; the first call re-plans with the traced one, usually larger, which
     # streams some of the blocks enable kept resident: those are the resident blocks worth holding first
-    from tritoff.host_plan import _rank, hold_plan
+    from tritoff.host_plan import _rank, hold_order, hold_plan
 
     engine = tritoff.enable(
         wan(num_layers=8), mode="group", budget="5MB", reserve=100_000, progress=False, kernels="reference"
@@ -126,7 +126,27 @@ def test_of_a_denoisers_resident_blocks_those_a_larger_reserve_streams_are_held_
         for group, layout in zip(groups, layouts[name], strict=True)
         if _rank(name, group, engine.plan, looped[name]) <= 1
     )
+    order = hold_order(group_lists, layouts, engine.plan, looped, first + align(block, PAGE))
+    assert len(order) == len(set(order))  # each pack held once, its bytes counted once
     held = hold_plan(group_lists, layouts, engine.plan, looped, first + align(block, PAGE))
     assert newly[0] in held["transformer"]
     streamed_later = {name for name, tier in later.items() if tier == "stream"}
     assert streamed_later <= held["transformer"]  # every block the larger reserve streams is held
+
+
+def test_a_streamed_layer_too_large_for_what_is_left_does_not_keep_smaller_ones_out():
+    # leaf mode streams layers of many sizes: the first in module order (a 100 MiB embedder linear in Wan-14B) may
+    # not fit where the smaller ones after it do
+    from types import SimpleNamespace
+
+    from tritoff.groups import Group
+    from tritoff.host_plan import hold_plan
+
+    mib = 2**20
+    sizes = {"big": 100 * mib, "a": 25 * mib, "b": 25 * mib, "c": 40 * mib}
+    groups = {"transformer": [Group(name) for name in sizes]}
+    layouts = {"transformer": [SimpleNamespace(nbytes=n) for n in sizes.values()]}
+    phase = SimpleNamespace(modes={"transformer": "group"}, tiers={"transformer": dict.fromkeys(sizes, "stream")})
+    the_plan = SimpleNamespace(phases={"transformer": phase})
+    held = hold_plan(groups, layouts, the_plan, {"transformer": True}, 70 * mib)
+    assert held == {"transformer": {"a", "b"}}  # 50 MiB of streamed layers held, not none

@@ -165,7 +165,7 @@ def test_a_read_error_for_the_arriving_pack_puts_the_leaving_one_back(tmp_path, 
     assert {name: _held(engine, name) for name in engine.packed} == placed
 
 
-def test_a_pack_a_fused_lora_rewrote_never_leaves_for_a_store_file(tmp_path):
+def test_a_pack_a_fused_lora_rewrote_never_leaves(tmp_path):
     from tritoff.rehold import _may_leave
 
     store = tmp_path / "store"
@@ -173,9 +173,9 @@ def test_a_pack_a_fused_lora_rewrote_never_leaves_for_a_store_file(tmp_path):
     probe.save(store)
     engine = _enable(_pipe(), store=str(store), host_budget=4 * _block_bytes(probe))
     held = next(p for p in engine.packed["transformer"].packs if not p.on_disk)
-    assert _may_leave(engine, ("transformer", held.name), held)
+    assert _may_leave(engine, held)
     held.rewritten = True  # as lora's fuse marks it
-    assert not _may_leave(engine, ("transformer", held.name), held)
+    assert not _may_leave(engine, held)
 
 
 def test_nothing_moves_inside_another_components_forward(tmp_path):
@@ -217,3 +217,42 @@ def test_moves_pair_each_wanted_pack_with_one_read_less_often_of_at_least_its_si
     assert plan_moves([("t2", "c")], {("t2", "d")}, classes, sizes, lambda key: True) == []
     # nor one that may not leave (a rewritten pack bound for a store file, one larger than the ring's buffers)
     assert plan_moves(wanted, held, classes, sizes, lambda key: key != ("t", "f")) == [(("t2", "d"), ("t", "a"))]
+
+
+def _arenas_hold_their_packs(engine):
+    """Each group's runtime names the arena its pack's bytes lie in (zero-copy maps its views through it)."""
+    for comp in engine._runtimes:
+        for g in comp.groups:
+            if g.pack.on_disk:
+                assert g.arena is engine.disk.arena, g.name
+                continue
+            start = g.pack.data.data_ptr() - g.arena.buffer.data_ptr()
+            assert 0 <= start <= g.arena.nbytes - g.layout.nbytes, g.name
+
+
+def test_a_re_enable_after_moves_finds_each_pack_in_the_arena_it_lies_in(tmp_path, expected):
+    pipe, engine = _scenario(tmp_path)
+    assert torch.equal(_run(pipe), expected)
+    assert engine.stats["total"]["reheld_bytes"] > 0
+    _arenas_hold_their_packs(engine)
+    again = _enable(pipe)  # the same groups: the packs are taken over where they lie
+    _arenas_hold_their_packs(again)
+    assert torch.equal(_run(pipe), expected)
+
+
+def test_a_component_held_whole_at_enable_gets_a_spill_file_at_its_first_move_out(tmp_path, expected):
+    # the first expert wholly held, the rest of the budget on the second's streamed blocks: once the first call
+    # re-plans, the first expert's resident blocks (read once per phase entry) give their places to the second's
+    # streamed blocks, read at every call
+    probe = _enable(_pipe())
+    whole = sum(align(p.layout.nbytes, PAGE) for p in probe.packed["transformer"].packs)
+    pipe = _pipe()
+    engine = _enable(pipe, host_budget=whole + 3 * _block_bytes(probe), spill_dir=str(tmp_path))
+    assert not any(p.on_disk for p in engine.packed["transformer"].packs)
+    assert not any(p.file for p in engine.packed["transformer"].packs)
+    assert torch.equal(_run(pipe), expected)
+    left = [p for p in engine.packed["transformer"].packs if p.on_disk]
+    assert left and all(p.file.spill for p in left)
+    assert _streamed(engine, "transformer_2") & _held(engine, "transformer_2")
+    _arenas_hold_their_packs(engine)
+    assert torch.equal(_run(pipe), expected)
