@@ -41,11 +41,11 @@ def rehold(engine, name: str) -> int:
     if any(comp.active for comp in manager.components.values()):
         return 0
     group_lists = engine._group_lists
-    layouts = {name: [p.layout for p in packed.packs] for name, packed in engine.packed.items()}
-    packs = {
-        (name, pack.name): pack
-        for name, packed in engine.packed.items()
-        for pack, group in zip(packed.packs, group_lists[name], strict=True)
+    layouts = {component: [p.layout for p in packed.packs] for component, packed in engine.packed.items()}
+    packs = {  # (component, group) -> pack, lookup tables aside (mapped, never moved)
+        (component, pack.name): pack
+        for component, packed in engine.packed.items()
+        for pack, group in zip(packed.packs, group_lists[component], strict=True)
         if not is_host(group)
     }
     pairs = plan_moves(
