@@ -60,6 +60,7 @@ def rehold(engine, name: str) -> int:
     runtimes = {id(g.pack): g for comp in engine._runtimes for g in comp.groups}
     if engine.options.device.type == "cuda":
         torch.cuda.synchronize(engine.options.device)  # no copy is still reading a leaving pack's bytes
+    ring.want([])  # the reader reads nothing ahead while the moves read (the manager names the next packs again)
     read = 0
     try:
         for leaving, arriving in pairs:
@@ -69,7 +70,6 @@ def rehold(engine, name: str) -> int:
     finally:
         for comp in engine._runtimes:
             comp.reads_disk = any(g.pack.on_disk for g in comp.blocks)
-        ring.want([])  # packs now held may have been wanted: the manager names the next ones again
         engine.reheld_bytes += read
     return read
 
