@@ -1022,10 +1022,13 @@ def test_packs_moved_between_memory_and_disk_after_a_replan_stream_exactly(tmp_p
     from tritoff.pack import align
 
     expected = run(dequantized_pipeline(wan, num_layers=8, two_experts=True).to("cuda"))
-    options = dict(mode="group", budget="5MB", reserve=100_000, transport=transport, progress=False)
+    options = dict(mode="group", reserve=100_000, transport=transport, progress=False)
+    probe = tritoff.enable(wan(num_layers=8, two_experts=True), budget="1GB", **options)
+    block = align(probe.packed["transformer"].packs[0].layout.nbytes, PAGE)
+    # room for about half the blocks of each expert as fp8 packs, beside the smallest ring of slots
+    options["budget"] = _minimum(wan(num_layers=8, two_experts=True), reserve=100_000, transport=transport) + 4 * block
     probe = tritoff.enable(wan(num_layers=8, two_experts=True), **options)
     streamed = sum(probe.plan.tier_counts(name)["stream"] for name in ("transformer", "transformer_2"))
-    block = align(probe.packed["transformer"].packs[0].layout.nbytes, PAGE)
     pipe = wan(num_layers=8, two_experts=True)
     engine = tritoff.enable(pipe, **options, host_budget=streamed * block, spill_dir=str(tmp_path))
     assert torch.equal(run(pipe), expected)  # the reader thread and its events have run before the moves
@@ -1038,9 +1041,11 @@ def test_packs_moved_between_memory_and_disk_after_a_replan_stream_exactly(tmp_p
         for out, p in zip(copies, held, strict=True):
             out.copy_(p.data, non_blocking=True)
     # the next call's estimate stands in for a larger call's: each phase is re-planned around it inside that call
-    larger = engine.manager.components["transformer"].plan.reserve + 3 * block
+    larger = engine.manager.components["transformer"].plan.reserve + 2 * block
     monkeypatch.setattr(tritoff.manager, "estimate", lambda *args, **kwargs: larger)
     engine.manager.auto_reserve = True
+    for comp in engine.manager.components.values():  # the first call's measured peaks (cuBLAS workspaces) left aside
+        comp.measured = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # phases the larger reserve does not fit keep their plans, warned
         assert torch.equal(run(pipe), expected)
