@@ -9,7 +9,8 @@ and last the packs of an expert the steps never reach. Within a rank, the expert
 first (Wan 2.2, ``tritoff/experts.py``: the high-noise ``transformer`` under T2V-A14B's defaults, ``transformer_2``
 under I2V-A14B's), then components in pipeline order. Where only some of a component's streamed blocks fit, the held
 ones are spread evenly through its blocks, so each block read from disk has the compute of held blocks around it to
-hide behind.
+hide behind. ``enable`` places the packs from its own plan; after each re-plan ``tritoff/rehold.py`` moves them toward
+the placement the new plans give.
 """
 
 from __future__ import annotations
