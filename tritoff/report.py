@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from tritoff.arena import PAGE
 from tritoff.budget import format_bytes
+from tritoff.pack import align
 from tritoff.planner import mode_label
 from tritoff.storage import describe_storage
 
@@ -45,6 +47,11 @@ class Report:
                 "hook_us_per_group": (s.hook_ns / s.hook_calls / 1e3) if s.hook_calls else None,
                 "tiers": engine.plan.tier_counts(comp.name) if comp.mode == "group" else {},
                 "host_arena_bytes": engine.packed[comp.name].arena.nbytes,
+                # its packs held in host memory, page by page: a pack moved after a re-plan (rehold.py) may lie in
+                # another component's arena, so this is not always its own arena's size
+                "host_held_pack_bytes": sum(
+                    align(p.layout.nbytes, PAGE) for p in engine.packed[comp.name].packs if not p.on_disk
+                ),
                 "packed_bytes": engine.packed[comp.name].packed_bytes,
                 "entry_bytes": s.entry_bytes,
                 "replans": s.replans,
@@ -117,7 +124,7 @@ class Report:
         ]
         header = (
             f"  {'component':<16}{'mode':<10}{'calls':>6}{'H2D':>12}{'onloads':>9}{'sync':>6}{'entries':>8}"
-            f"{'hook us':>9}{'arena':>12}{'activations est / measured':>30}"
+            f"{'hook us':>9}{'held':>12}{'activations est / measured':>30}"
         )
         lines.append(header)
         for name, c in d["components"].items():
@@ -129,7 +136,7 @@ class Report:
             )
             lines.append(
                 f"  {name:<16}{c['mode']:<10}{c['calls']:>6}{format_bytes(c['bytes_h2d']):>12}{c['onloads']:>9}"
-                f"{c['sync_onloads']:>6}{c['pool_loads']:>8}{hook:>9}{format_bytes(c['host_arena_bytes']):>12}"
+                f"{c['sync_onloads']:>6}{c['pool_loads']:>8}{hook:>9}{format_bytes(c['host_held_pack_bytes']):>12}"
                 f"{activations:>30}"
             )
         t = d["total"]

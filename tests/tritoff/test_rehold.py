@@ -87,6 +87,7 @@ def test_blocks_a_replan_streams_come_into_memory_in_place_of_the_second_experts
     first, second = _streamed(engine, "transformer"), _streamed(engine, "transformer_2")
     assert first <= _held(engine, "transformer") and second <= _held(engine, "transformer_2")
     arena = engine.stats["total"]["host_arena_bytes"]
+    held = {name: c["host_held_pack_bytes"] for name, c in engine.stats["components"].items()}
 
     assert torch.equal(_run(pipe), expected)  # the first call re-plans both experts: each streams more blocks
     more = _streamed(engine, "transformer")
@@ -98,6 +99,9 @@ def test_blocks_a_replan_streams_come_into_memory_in_place_of_the_second_experts
     stats = engine.stats["total"]
     assert stats["reheld_bytes"] == moved * engine.packed["transformer"].packs[0].layout.nbytes
     assert stats["host_arena_bytes"] == arena  # in place: the memory held does not grow
+    components = engine.stats["components"]  # the report's "held" follows the packs, not the arenas they lie in
+    assert components["transformer"]["host_held_pack_bytes"] == held["transformer"] + moved * _block_bytes(engine)
+    assert components["transformer_2"]["host_held_pack_bytes"] == held["transformer_2"] - moved * _block_bytes(engine)
     assert "moved into memory after re-plans" in engine.report()
 
     frames, reads = _second_run_reads(pipe, engine)
