@@ -75,19 +75,17 @@ def placements(preset: str, budget: str, host_budget: str) -> dict:
     for sizes, budget_bytes, (mode, prefetch, _, staged, fraction, fixed) in planned:
         reserve = int(gpu * ENABLE_RESERVE)
         at_enable[sizes[0].name] = phase_plan(sizes, budget_bytes, mode, prefetch, reserve, staged, fraction, fixed)
-    rows = {row.components[0]: row for row in result.phases}
-    pairs = {name: list(zip(groups[name], layouts[name], strict=True)) for name in groups}
-    sizes = {(name, g.name): lay.nbytes for name in groups for g, lay in pairs[name] if not is_host(g)}
+    sizes = {
+        (name, g.name): lay.nbytes
+        for name in groups
+        for g, lay in zip(groups[name], layouts[name], strict=True)
+        if not is_host(g)
+    }
+    preview_bytes = result.as_dict()["disk_bytes_per_run"]  # as the preview places the packs
 
-    def per_run(held: dict) -> int:
-        total = 0
-        for name in groups:
-            tiers = traced[name].tiers.get(name, {})
-            off = [(g, lay) for g, lay in pairs[name] if g.name not in held[name] and not is_host(g)]
-            streamed = sum(lay.nbytes for g, lay in off if tiers.get(g.name) == "stream")
-            entry = sum(lay.nbytes for _, lay in off) - streamed
-            total += streamed * rows[name].calls_per_run + (entry if rows[name].entry_bytes else 0)
-        return total
+    def per_run(held: dict) -> int:  # what the preview counts for another placement, under the traced tiers
+        preview.reads_for(result, groups, layouts, traced, held)
+        return result.as_dict()["disk_bytes_per_run"]
 
     enable_held = hold_plan(groups, layouts, SimpleNamespace(phases=at_enable), looped, held_budget, shares)
     held = {name: set(names) for name, names in enable_held.items()}
@@ -106,16 +104,14 @@ def placements(preset: str, budget: str, host_budget: str) -> dict:
             held[leaving].discard(leaving_group)
             held[arriving].add(arriving_group)
             moved += sizes[arriving, arriving_group]
-    preview_held = hold_plan(groups, layouts, SimpleNamespace(phases=traced), looped, held_budget, shares)
     return {
         "model": preset,
         "budget": budget,
         "host_budget": host_budget,
-        "preview_bytes_per_run": per_run(preview_held),
+        "preview_bytes_per_run": preview_bytes,
         "enable_kept_bytes_per_run": per_run(enable_held),
         "enable_moved_bytes_per_run": per_run(held),
         "moved_bytes_once": moved,
-        "preview_says_bytes_per_run": result.as_dict()["disk_bytes_per_run"],
     }
 
 

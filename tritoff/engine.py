@@ -65,6 +65,7 @@ from tritoff.packer import (
 from tritoff.packer import dequantized as _dequantized  # a module name of its own: tests watch what disable reads
 from tritoff.planner import ComponentSize, PhasedPlan, Plan, plan
 from tritoff.preflight import ENGINE_ATTR, ENGINES
+from tritoff.rehold import rehold
 from tritoff.report import Report
 from tritoff.sizing import check_callable, groups_for, hooked_modules, looped, plan_for, sizes_of
 from tritoff.skip import SkipRules, skip_patterns, warn_unmatched
@@ -166,7 +167,7 @@ class Engine:
                     g.tier = "pool"
                     comp.unit.append(g)
                 comp.groups.append(g)
-            comp.reads_disk = any(g.pack.on_disk for g in comp.blocks)
+            comp.note_disk()
             runtimes.append(comp)
         _share_versions(runtimes)
         for comp in runtimes:
@@ -218,8 +219,6 @@ class Engine:
 
     def _rehold(self, name: str) -> None:
         """After component ``name``'s phase was planned again: the packs the host budget holds placed again."""
-        from tritoff.rehold import rehold
-
         rehold(self, name)
 
     def _hook(self, module: nn.Module, hook) -> None:

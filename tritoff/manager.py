@@ -103,7 +103,7 @@ class ComponentRuntime:
     blocks: list[GroupRuntime] = field(default_factory=list)  # split blocks, whatever their tier
     unit: list[GroupRuntime] = field(default_factory=list)  # loaded whole when the phase is entered
     host: list[HostTable] = field(default_factory=list)  # lookup tables kept in host memory
-    reads_disk: bool = False  # some streamed block is served from disk
+    reads_disk: bool = False  # some block is served from disk (kept, not derived: the hooks ask at every block)
     order: list[int] = field(default_factory=list)  # module order until the first forward is traced
     orders: dict = field(default_factory=dict)  # _call_key -> the order traced on the first call with that key
     default_order: list[int] = field(default_factory=list)  # the first call's: for keys without an order of their own
@@ -127,6 +127,10 @@ class ComponentRuntime:
     steady: bool = False
     stats: ComponentStats = field(default_factory=ComponentStats)
     stalls: StallClock = field(default_factory=StallClock)
+
+    def note_disk(self) -> None:
+        """Set :attr:`reads_disk` from where its blocks' packs are now (built, or moved: ``tritoff/rehold.py``)."""
+        self.reads_disk = any(g.pack.on_disk for g in self.blocks)
 
     def check_unchanged(self) -> None:
         """Refuse, in one line, a managed weight replaced, written in place or given new data since enable."""

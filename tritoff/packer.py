@@ -62,6 +62,12 @@ class PackedModel:
         return sum(p.layout.nbytes for p in self.packs if p.on_disk)
 
     @property
+    def held_bytes(self) -> int:
+        """Host memory of the packs held in an arena, page by page (a pack moved after a re-plan, ``rehold.py``, may
+        lie in another component's arena)."""
+        return sum(align(p.layout.nbytes, PAGE) for p in self.packs if not p.on_disk)
+
+    @property
     def layout_bytes(self) -> int:
         """Bytes of every pack laid out page by page (the size of a store file's data)."""
         return pack_offsets([p.layout for p in self.packs])[1]

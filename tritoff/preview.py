@@ -572,6 +572,12 @@ def _disk_reads(preview: Preview, group_lists, layouts, phases, looped, shares) 
         for g, lay in zip(group_lists[name], lays, strict=True)
         if g.name in held[name]
     )
+    reads_for(preview, group_lists, layouts, phases, held)
+
+
+def reads_for(preview: Preview, group_lists, layouts, phases, held: dict[str, set[str]]) -> None:
+    """Set what each phase of ``preview`` reads from disk per call and per entry where the host holds ``held``
+    ({component: group names}; ``bench/host_placement.py`` counts other placements with it)."""
     for row in preview.phases:
         (name,) = row.components
         tiers = phases[name].tiers.get(name, {})

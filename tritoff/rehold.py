@@ -69,7 +69,7 @@ def rehold(engine, name: str) -> int:
         warn(f"tritoff could not move packs between host memory and disk after a re-plan ({err}); they stay as placed")
     finally:
         for comp in engine._runtimes:
-            comp.reads_disk = any(g.pack.on_disk for g in comp.blocks)
+            comp.note_disk()
         engine.reheld_bytes += read
     return read
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tritoff.arena import PAGE
 from tritoff.budget import format_bytes
-from tritoff.pack import align
 from tritoff.planner import mode_label
 from tritoff.storage import describe_storage
 
@@ -47,11 +45,8 @@ class Report:
                 "hook_us_per_group": (s.hook_ns / s.hook_calls / 1e3) if s.hook_calls else None,
                 "tiers": engine.plan.tier_counts(comp.name) if comp.mode == "group" else {},
                 "host_arena_bytes": engine.packed[comp.name].arena.nbytes,
-                # its packs held in host memory, page by page: a pack moved after a re-plan (rehold.py) may lie in
-                # another component's arena, so this is not always its own arena's size
-                "host_held_pack_bytes": sum(
-                    align(p.layout.nbytes, PAGE) for p in engine.packed[comp.name].packs if not p.on_disk
-                ),
+                # not always its own arena's size: a pack moved after a re-plan may lie in another component's arena
+                "host_held_pack_bytes": engine.packed[comp.name].held_bytes,
                 "packed_bytes": engine.packed[comp.name].packed_bytes,
                 "entry_bytes": s.entry_bytes,
                 "replans": s.replans,
