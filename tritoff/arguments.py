@@ -17,17 +17,18 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
-def at_least(minimum: int):
-    """An argument type: an integer >= ``minimum``."""
+def at_least(minimum: int, at_most: int | None = None):
+    """An argument type: an integer >= ``minimum`` (and <= ``at_most``, when given)."""
+    wanted = f"an integer >= {minimum}" if at_most is None else f"an integer from {minimum} to {at_most}"
 
     def parse(value: str) -> int:
         try:
             number = int(value)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value!r}") from None
-        if number < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value!r}")
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {value!r}") from None
+        if number < minimum or (at_most is not None and number > at_most):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {value!r}")
         return number
 
-    parse.__name__ = f"integer >= {minimum}"
+    parse.__name__ = wanted.removeprefix("an ")
     return parse

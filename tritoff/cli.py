@@ -29,12 +29,14 @@ from tritoff.allocator import prefer_expandable_segments
 from tritoff.arguments import EXIT_USAGE, OneLineParser, at_least
 from tritoff.atomic import can_create_in, nearest_existing
 from tritoff.planner import MODES
+from tritoff.shapes import LIMITS
 
 EXIT_INTERRUPTED = 130
 _MODEL_IS_A_FILE = "is a file: give the diffusers pipeline directory that holds model_index.json"
 # tritoff.options.TRANSPORTS and tritoff.formats.FORMATS, known without importing torch, so that a typo is answered at
 # once (a test keeps them equal)
 TRANSPORTS = ("auto", "staged", "zero_copy")
+MAX_FPS = 1_000  # beyond any player's rate (ffmpeg refuses a rate past 2^31 only after the whole run)
 STORAGES = ("fp8_e4m3", "fp8_e5m2", "bf16", "fp16")
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --dtype: torch's names
 STORAGE_HELP = (
@@ -722,8 +724,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="run a small locally built Wan pipeline through tritoff; write the video", **kw)
     demo.add_argument("--storage", default="fp8_e4m3", help=STORAGE_HELP)
     demo.add_argument("--budget", default=None, help="GPU memory budget (default: 1.2x the smallest that works)")
-    demo.add_argument("--steps", type=at_least(1), default=4, help="denoising steps")
-    demo.add_argument("--frames", type=at_least(1), default=9, help="frames to generate")
+    demo.add_argument("--steps", type=at_least(1, LIMITS["steps"]), default=4, help="denoising steps")
+    demo.add_argument("--frames", type=at_least(1, LIMITS["frames"]), default=9, help="frames to generate")
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     demo.add_argument("--out", type=_path, default="tritoff-demo.mp4", help="video path, .mp4 or .gif")
     demo.set_defaults(func=_cmd_demo)
@@ -752,13 +754,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="GPU memory kept for activations, e.g. 2GB or 25%% of the budget (default: traced per phase)",
     )
     run.add_argument("--transport", default="auto", choices=TRANSPORTS, help="how streamed packs reach the GPU")
-    run.add_argument("--steps", type=at_least(1), default=30, help="denoising steps")
-    run.add_argument("--frames", type=at_least(1), default=None, help="frames to generate (default: the pipeline's)")
-    run.add_argument("--height", type=at_least(1), default=None, help="(default: the pipeline's)")
-    run.add_argument("--width", type=at_least(1), default=None, help="(default: the pipeline's)")
+    run.add_argument("--steps", type=at_least(1, LIMITS["steps"]), default=30, help="denoising steps")
+    run.add_argument(
+        "--frames",
+        type=at_least(1, LIMITS["frames"]),
+        default=None,
+        help="frames to generate (default: the pipeline's)",
+    )
+    run.add_argument("--height", type=at_least(1, LIMITS["height"]), default=None, help="(default: the pipeline's)")
+    run.add_argument("--width", type=at_least(1, LIMITS["width"]), default=None, help="(default: the pipeline's)")
     run.add_argument("--seed", type=_seed, default=0, help="random seed of the initial noise")
     run.add_argument("--guidance", type=_finite, default=5.0, help="classifier-free guidance scale")
-    run.add_argument("--fps", type=at_least(1), default=16, help="frames per second of the video")
+    run.add_argument("--fps", type=at_least(1, MAX_FPS), default=16, help="frames per second of the video")
     run.add_argument("--dtype", choices=tuple(DTYPE_NAMES), default="bf16", help="the pipeline's compute dtype")
     run.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     run.add_argument("--out", type=_path, default="video.mp4", help="video path, .mp4 or .gif")
@@ -816,10 +823,10 @@ def build_parser() -> argparse.ArgumentParser:
     preview.add_argument(
         "--host-budget", default=None, help="host memory the packs may hold; the rest is read from disk (default: all)"
     )
-    preview.add_argument("--frames", type=at_least(1), default=81, help="frames to generate")
-    preview.add_argument("--height", type=at_least(1), default=480, help="video height")
-    preview.add_argument("--width", type=at_least(1), default=832, help="video width")
-    preview.add_argument("--steps", type=at_least(1), default=50, help="denoising steps")
+    preview.add_argument("--frames", type=at_least(1, LIMITS["frames"]), default=81, help="frames to generate")
+    preview.add_argument("--height", type=at_least(1, LIMITS["height"]), default=480, help="video height")
+    preview.add_argument("--width", type=at_least(1, LIMITS["width"]), default=832, help="video width")
+    preview.add_argument("--steps", type=at_least(1, LIMITS["steps"]), default=50, help="denoising steps")
     preview.add_argument("--storage", default="fp8_e4m3", help=STORAGE_HELP)
     preview.add_argument("--mode", default="auto", choices=MODES, help="how components are split")
     preview.add_argument("--prefetch", type=at_least(1), default=2, help="blocks in flight ahead of the running one")

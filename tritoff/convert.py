@@ -13,6 +13,7 @@ files it was made from, so ``tritoff run MODEL --store DIR`` can refuse a store 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -49,7 +50,7 @@ def empty_diffusers_component(directory: Path, class_name: str, dtype: torch.dty
             f"cannot load {directory}: diffusers {diffusers.__version__} has no model class {class_name!r} (named in "
             "model_index.json): fix the name, or upgrade diffusers"
         )
-    with init_empty_weights(include_buffers=False):
+    with init_empty_weights(include_buffers=False), config_errors(Path(directory) / "config.json"):
         module = cls.from_config(cls.load_config(directory))
     if isinstance(dtype, torch.dtype):
         module = cast_like_from_pretrained(module, dtype)
@@ -158,16 +159,33 @@ def from_pretrained(model, dtype: torch.dtype, pipeline: str | None = None, **co
         return cls.from_pretrained(model, torch_dtype=dtype, **components)
 
 
-# what diffusers raises on missing or malformed files (an unknown class, a config of the wrong types), or a package
-# the pipeline needs
-LOAD_ERRORS = (OSError, ValueError, ImportError, AttributeError, TypeError)
+# what diffusers raises on missing or malformed files (an unknown class, a config of the wrong types, a size the
+# model cannot be built with: torch's RuntimeError), or a package the pipeline needs
+LOAD_ERRORS = (OSError, ValueError, ImportError, AttributeError, TypeError, RuntimeError)
+
+
+@contextlib.contextmanager
+def config_errors(config: Path):
+    """Around building a model from ``config`` (a config.json): what its constructor raises on values it cannot take
+    (a string where a count goes, a negative size) becomes a one-line ValueError naming the file."""
+    try:
+        yield
+    except Exception as err:
+        # the machine's errors, and one naming the file already (diffusers: a config.json it cannot parse), stay
+        if isinstance(err, (MemoryError, torch.OutOfMemoryError, OSError)) or str(config) in str(err):
+            raise
+        raise ValueError(f"cannot build a model from {config}: {_one_line(err)}; fix the config") from err
+
+
+def _one_line(err: BaseException) -> str:
+    message = " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+    return message[:400] + ("..." if len(message) > 400 else "")
 
 
 def cannot_load(model, err: BaseException) -> str:
     """The one-line message for ``model``, which :func:`from_pretrained` could not load (``err``, every line of it:
     some libraries list their reasons below the first), cut at 400 characters."""
-    message = " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
-    return f"cannot load {model}: {message[:400]}{'...' if len(message) > 400 else ''}"
+    return f"cannot load {model}: {_one_line(err)}"
 
 
 def convert_pipeline(

@@ -8,6 +8,7 @@ parameter changes; a failure after that gives the modules their weights back."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
@@ -1007,6 +1008,10 @@ def disable(target, device: str | torch.device | None = None) -> None:
     delattr(engine.target, ENGINE_ATTR)
     engine._release_packs()
     reset_placeholders()  # a fill into one of this engine's placeholders no forward refused
+    # the runtime's objects refer to each other (hooks and groups, the manager's callbacks): without a collection
+    # the packs' host memory and spill files would stay until Python's collector ran, and an enable right after
+    # (a re-enable packing again calls this first) would hold a second copy of the model or find its disk full
+    gc.collect()
 
 
 __all__ = ["Engine", "disable", "enable", "format_bytes"]

@@ -26,7 +26,7 @@ from tritoff.groups import is_host
 from tritoff.host_default import host_by_default
 from tritoff.planner import BudgetError, fit_together, mode_label
 from tritoff.planner import plan as phase_plan
-from tritoff.shapes import check_dimensions, latent_channels, positive_int, spatial_scale, temporal_multiple
+from tritoff.shapes import LIMITS, check_dimensions, latent_channels, positive_int, spatial_scale, temporal_multiple
 from tritoff.store import fingerprint
 
 # the call a pipeline makes per component, by family: prompt tokens, CFG as separate calls (Wan) or one batch of two
@@ -188,6 +188,7 @@ class Preview:
 def _load_directory(path: Path) -> tuple[str, dict[str, nn.Module], str, PipelineCalls]:
     """(family, meta components, pipeline class, how it calls them) of a local diffusers pipeline directory, from its
     configs."""
+    from tritoff.convert import config_errors
     from tritoff.presets import as_loaded
 
     index_file = path / "model_index.json"
@@ -231,7 +232,7 @@ def _load_directory(path: Path) -> tuple[str, dict[str, nn.Module], str, Pipelin
             continue
         if not (path / name / "config.json").is_file():
             raise ValueError(f"{path / name / 'config.json'} is missing: the plan needs every model's config")
-        with torch.device("meta"):
+        with torch.device("meta"), config_errors(path / name / "config.json"):
             if library == "diffusers":
                 built = cls.from_config(cls.load_config(path / name))
             else:
@@ -422,8 +423,8 @@ def plan(
     if not isinstance(target, (str, os.PathLike)):
         raise ValueError(f"target must be a preset name or a pipeline directory, got {type(target).__name__}")
     for what, value in (("frames", frames), ("height", height), ("width", width), ("steps", steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= LIMITS[what]:
+            raise ValueError(f"{what} must be an integer from 1 to {LIMITS[what]}, got {value!r}")
     check_prefetch(prefetch)
     if vae_dtype is not None and not isinstance(vae_dtype, torch.dtype):
         raise ValueError(f"vae_dtype must be a torch dtype such as torch.float32, got {vae_dtype!r}")

@@ -113,14 +113,20 @@ BAD = [
     (["run", "{pipe}", "--prompt", "x", "--mode", "layer"], "invalid choice: 'layer'"),
     (["run", "{pipe}", "--prompt", "x", "--transport", "fast"], "invalid choice: 'fast'"),
     (["run", "{pipe}", "--prompt", "x", "--prefetch", "0"], "--prefetch: must be an integer >= 1, got '0'"),
-    (["run", "{pipe}", "--prompt", "x", "--height", "-64"], "--height: must be an integer >= 1, got '-64'"),
+    (["run", "{pipe}", "--prompt", "x", "--height", "-64"], "--height: must be an integer from 1 to 16384, got '-64'"),
     (["run", "{pipe}", "--prompt", "x", "--height", "20"], "--height 20 is not a multiple of 16"),
     (["run", "{pipe}", "--prompt", "x", "--width", "8"], "--width 8 is not a multiple of 16"),
-    (["run", "{pipe}", "--prompt", "x", "--frames", "0"], "--frames: must be an integer >= 1"),
-    (["run", "{pipe}", "--prompt", "x", "--steps", "0"], "--steps: must be an integer >= 1"),
-    (["run", "{pipe}", "--prompt", "x", "--steps", "two"], "--steps: expected an integer >= 1, got 'two'"),
+    (["run", "{pipe}", "--prompt", "x", "--frames", "0"], "--frames: must be an integer from 1 to 10000"),
+    (["run", "{pipe}", "--prompt", "x", "--steps", "0"], "--steps: must be an integer from 1 to 1000"),
+    (["run", "{pipe}", "--prompt", "x", "--steps", "two"], "--steps: expected an integer from 1 to 1000, got 'two'"),
     (["run", "{pipe}", "--prompt", "x", "--guidance", "nan"], "--guidance: must be a finite number"),
     (["run", "{pipe}", "--prompt", "x", "--seed", "-1"], "--seed: must be an integer >= 0"),
+    # beyond any model's shape: refused at once, not after loading (steps), the whole run (fps) or hours of tracing
+    (["run", "{pipe}", "--prompt", "x", "--steps", "1" + "0" * 20], "--steps: must be an integer from 1 to 1000"),
+    (["run", "{pipe}", "--prompt", "x", "--fps", "10" * 6], "--fps: must be an integer from 1 to 1000, got"),
+    (["run", "{pipe}", "--prompt", "x", "--height", "16400"], "--height: must be an integer from 1 to 16384"),
+    (["plan", "wan2.1-t2v-14b", "--frames", "400000000001"], "--frames: must be an integer from 1 to 10000"),
+    (["demo", "--frames", "10005"], "--frames: must be an integer from 1 to 10000"),
     (["run", "{pipe}", "--prompt", "x", "--device", "tpu"], "unknown device 'tpu'"),
     (["run", "{pipe}", "--prompt", "x", "--device", "cuda"], "CUDA is not available"),
     (["run", "{pipe}", "--prompt", "x", "--budget", "80%", "--device", "cpu"], "is a share of GPU memory"),
@@ -154,8 +160,8 @@ BAD = [
     (["run", "{pipe}"], "the following arguments are required: --prompt"),
     (["demo", "--budget", "abc"], "invalid budget 'abc'"),
     (["demo", "--budget", "0.5"], "invalid budget '0.5': that is less than one byte; give a unit"),
-    (["demo", "--steps", "0"], "--steps: must be an integer >= 1"),
-    (["demo", "--frames", "0"], "--frames: must be an integer >= 1"),
+    (["demo", "--steps", "0"], "--steps: must be an integer from 1 to 1000"),
+    (["demo", "--frames", "0"], "--frames: must be an integer from 1 to 10000"),
     (["demo", "--frames", "4"], "--frames 4 is not one more than a multiple of 4 (the VAE compresses time 4x after"),
     (["run", "{pipe}", "--prompt", "x", "--frames", "6"], "--frames 6 is not one more than a multiple of 4"),
     (["run", "{pipe}", "--prompt", "x", "--store", "{tmp}/nosuch"], "nosuch does not exist; create a store there"),
@@ -465,6 +471,39 @@ def test_a_config_that_cannot_be_read_is_named(work, tmp_path, command, broken):
     if command == "convert":
         argv.append(str(tmp_path / "store"))
     assert_one_line_error(*tritoff(*argv), f"cannot read {tmp_path / 'pipe' / broken}: Expecting value")
+    assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("command", ["run", "convert", "plan"])
+@pytest.mark.parametrize(
+    "config, key, value, said",
+    [
+        ("transformer/config.json", "num_layers", "two", "'str' object cannot be interpreted as an integer"),
+        ("vae/config.json", "z_dim", -3, "negative dimension"),
+    ],
+)
+def test_a_config_whose_values_build_no_model_is_a_bad_input_in_one_line(
+    work, tmp_path, command, config, key, value, said
+):
+    # parsed, but the model's constructor fails on the values: the input's fault, not an unexpected error
+    import shutil
+
+    shutil.copytree(work[0] / "pipe", tmp_path / "pipe")
+    path = tmp_path / "pipe" / config
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
+    argv = {
+        "run": ["run", tmp_path / "pipe", *RUN],
+        "convert": ["convert", tmp_path / "pipe", tmp_path / "store"],
+        "plan": ["plan", tmp_path / "pipe", "--budget", "1GB"],
+    }[command]
+    code, out, err = tritoff(*argv)
+    if command == "run":  # loaded by diffusers (its progress bars first), which names no file
+        last = err.replace("\r", "\n").strip().splitlines()[-1]
+        assert code == 2 and "Traceback" not in err and out == "", err
+        assert last.startswith(f"tritoff: error: cannot load {tmp_path / 'pipe'}: ") and said in last, err
+    else:  # built from the config, before anything loads
+        assert_one_line_error(code, out, err, f"cannot build a model from {path}: ")
+        assert said in err and err.rstrip().endswith("fix the config")
     assert not (tmp_path / "store").exists()
 
 

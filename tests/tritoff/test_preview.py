@@ -148,7 +148,7 @@ def test_a_host_budget_smaller_than_the_packs_holds_what_enable_holds_and_reads_
     [
         (["no-such-model"], "neither a local pipeline directory nor a preset"),
         (["cogvideox-5b", "--budget", "50%"], "--budget: give bytes"),
-        (["cogvideox-5b", "--frames", "0"], "--frames: must be an integer >= 1"),
+        (["cogvideox-5b", "--frames", "0"], "--frames: must be an integer from 1 to 10000"),
     ],
 )
 def test_bad_input_is_one_line(argv, message):
@@ -198,7 +198,10 @@ def test_the_command_prints_json_with_the_promised_fields():
     [
         (dict(prefetch=0), r"prefetch must be an integer >= 1, got 0"),
         (dict(prefetch=2.5), r"prefetch must be an integer >= 1, got 2\.5"),
-        (dict(frames=True), r"frames must be an integer >= 1, got True"),
+        (dict(frames=True), r"frames must be an integer from 1 to 10000, got True"),
+        # past them a plan would trace the VAE's decode for hours, frame by frame
+        (dict(frames=400_000_000_001), r"frames must be an integer from 1 to 10000, got 400000000001"),
+        (dict(steps=10**20), r"steps must be an integer from 1 to 1000"),
         (dict(vae_dtype="fp32"), r"vae_dtype must be a torch dtype such as torch\.float32, got 'fp32'"),
     ],
 )
