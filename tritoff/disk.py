@@ -59,6 +59,11 @@ class PackFile:
         self._lock = threading.Lock()
 
     @property
+    def disk_bytes(self) -> int:
+        """Bytes the file takes on its disk (its blocks: a spill file written in part holds fewer than its size)."""
+        return os.fstat(self.fd).st_blocks * 512
+
+    @property
     def spill(self) -> bool:
         """Whether this is a private spill file (written at enable, gone with the process), not a store's."""
         return self._owner is not None
@@ -168,11 +173,14 @@ class PackFile:
             pass
 
 
-def spill_files(directory, sizes: dict[str, int], warn_tmpfs: bool = True) -> dict[str, PackFile]:
+def spill_files(
+    directory, sizes: dict[str, int], warn_tmpfs: bool = True, freed: list[PackFile] = ()
+) -> dict[str, PackFile]:
     """A private, already unlinked file per component of ``sizes`` (its bytes of packs beyond the host budget) in
     ``directory`` (default: ``$XDG_CACHE_HOME/tritoff``, else ``~/.cache/tritoff``): they disappear when the process
     ends, however it ends. The directory and its free space (for all of them together) are checked first, with
-    one-line errors."""
+    one-line errors; the space of ``freed`` (spill files closed before the new ones are written: a re-enable that
+    packs again) counts as free where they are on the same file system."""
     import shutil
     import tempfile
 
@@ -183,6 +191,7 @@ def spill_files(directory, sizes: dict[str, int], warn_tmpfs: bool = True) -> di
         return {}
     directory = spill_directory(directory)
     free, total = shutil.disk_usage(directory).free, sum(sizes.values())
+    free += sum(f.disk_bytes for f in freed if f.fd >= 0 and os.fstat(f.fd).st_dev == os.stat(directory).st_dev)
     if free < total:
         raise ValueError(
             f"the packs beyond host_budget need {format_bytes(total)} of disk in {directory}, which has "

@@ -382,6 +382,12 @@ def _spills_elsewhere(previous: Engine, directory) -> bool:
     return spilled and _spill_path(directory) != _spill_path(previous.spill_dir)
 
 
+def _spill_files_of(engine: Engine) -> list[disk.PackFile]:
+    """The spill files ``engine``'s packs are in (each once)."""
+    files = {id(p.file): p.file for packed in engine.packed.values() for p in packed.packs if p.on_disk}
+    return [f for f in files.values() if f.spill]
+
+
 def _move_buffers(module: nn.Module, device: torch.device) -> None:
     for sub in module.modules():
         for name, buf in list(sub._buffers.items()):
@@ -553,7 +559,9 @@ def enable(
             pairs = zip(group_lists[name], layouts[name], strict=True)
             kept[name] = [lay for g, lay in pairs if in_ram is None or g.name in in_ram[name]]
         spilled = {n: sum(lay.nbytes for lay in layouts[n]) - sum(lay.nbytes for lay in kept[n]) for n in components}
-        spills = spill_files(spill_dir, spilled)
+        # a re-enable packing again disables first, which frees the enabled engine's spill files
+        freed = _spill_files_of(previous) if previous is not None else []
+        spills = spill_files(spill_dir, spilled, freed=freed)
     ring = None  # the disk ring: made now, where it can still be refused, except on a re-plan (see _disk_ring)
     if reuse:
         preflight.check_zero_copy(options, previous.packed)

@@ -247,6 +247,26 @@ def test_without_a_store_the_packs_beyond_the_budget_go_to_a_private_spill_file(
     assert torch.equal(run(pipe), expected)
 
 
+def test_a_re_enable_packing_again_counts_the_spill_files_it_frees_as_free(tmp_path, monkeypatch):
+    import shutil
+
+    pipe = wan()
+    engine = tritoff.enable(pipe, budget="4MB", host_budget=1, spill_dir=tmp_path, progress=False, kernels="reference")
+    before = run(pipe)
+    files = {id(p.file): p.file for packed in engine.packed.values() for p in packed.packs if p.on_disk}
+    held = sum(os.fstat(f.fd).st_blocks * 512 for f in files.values())
+    assert held > 10**5
+    # the disk holds the enabled engine's spill files and 4 KiB more: a re-pack (other groups) frees them first
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=4096))
+    tritoff.enable(pipe, mode="leaf", budget="4MB", spill_dir=tmp_path, progress=False, kernels="reference")
+    assert engine.packed == {}  # released: its spill files closed
+    assert torch.equal(run(pipe), before)
+    # what those 4 KiB leave a pipeline no engine spilled for: refused
+    with pytest.raises(ValueError, match=r"the packs beyond host_budget need .* which has 4\.00 KiB free"):
+        tritoff.enable(wan(), mode="leaf", budget="4MB", host_budget=1, spill_dir=tmp_path, progress=False)
+
+
 def test_a_disk_filling_up_while_packing_gives_every_weight_back(tmp_path, monkeypatch):
     import errno
 
