@@ -57,6 +57,7 @@ class PackFile:
         self._verified: set[int] = set()
         self._maps: list[mmap.mmap] = []
         self._lock = threading.Lock()
+        self._replaced_fds: list[int] = []  # descriptors of the file ``path`` named before (see _reopen_if_replaced)
 
     @property
     def disk_bytes(self) -> int:
@@ -76,26 +77,44 @@ class PackFile:
     def read(self, pack, out: torch.Tensor, recheck: bool = False) -> None:
         """Read ``pack``'s bytes into the uint8 CPU tensor ``out`` (at least the pack's size), checking its hash on
         the first read, or on this one (``recheck``: bytes handed back as a model's weights, which a file changed
-        in place since its first read must not give)."""
+        in place since its first read must not give). A store file found damaged that was written again since it
+        was opened (``tritoff convert --overwrite`` puts a new file in its place) is opened again and read from."""
         nbytes = pack.layout.nbytes
         if out.numel() < nbytes:
             raise ValueError(f"pack {pack.name} needs {nbytes} bytes, and the buffer it is read into has {out.numel()}")
+        from tritoff.store import StoreError
+
         view = memoryview(out[:nbytes].numpy())
+        try:
+            self._read_checked(pack, view, recheck)
+        except StoreError:
+            if not self._reopen_if_replaced():
+                raise
+            self._read_checked(pack, view, recheck=True)
+
+    def _read_checked(self, pack, view: memoryview, recheck: bool) -> None:
+        nbytes, fd = len(view), self.fd  # one file throughout, should another thread open a replacing one meanwhile
         position, done = self.data_offset + pack.offset, 0
         while done < nbytes:
             try:
-                got = os.preadv(self.fd, [view[done:]], position + done)
+                got = os.preadv(fd, [view[done:]], position + done)
             except OSError as err:  # the OS names no file: say which, and which pack
                 raise OSError(err.errno, f"reading pack {pack.name} from {self.path} failed: {err.strerror}") from err
             if got == 0:
-                raise OSError(f"{self.path} ended early while reading pack {pack.name}; the file was truncated")
+                if self.spill:  # tritoff's own, unlinked: no store to recreate
+                    raise OSError(f"{self.path} ended early while reading pack {pack.name}; the file was truncated")
+                from tritoff.store import RECREATE, StoreError
+
+                raise StoreError(
+                    f"{self.path} ended early while reading pack {pack.name}: it was truncated; {RECREATE}"
+                )
             done += got
         if self._unchecked(pack, recheck):
             # the hash covers the pack's page-aligned span: with the header's, every byte of the file is checked
             hasher = xxhash.xxh3_128(view)
             padding = align(nbytes, PAGE) - nbytes
             if padding:
-                hasher.update(os.pread(self.fd, padding, position + nbytes))
+                hasher.update(os.pread(fd, padding, position + nbytes))
             self._accept(pack, hasher.hexdigest())
 
     def check(self, pack, chunk: int = 64 << 20) -> None:
@@ -108,6 +127,25 @@ class PackFile:
             hasher.update(os.pread(self.fd, min(chunk, span - at), start + at))
         self.drop_cache(pack)
         self._accept(pack, hasher.hexdigest())
+
+    def _reopen_if_replaced(self) -> bool:
+        """Whether ``path`` now names another file than the one open (a store written again), which is then opened
+        in its place, every pack to be checked again; only for checked store files, whose hashes tell a repair from
+        another conversion."""
+        if not self.verify or self.spill:
+            return False
+        with self._lock:
+            try:
+                now, held = os.stat(self.path), os.fstat(self.fd)
+                if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+                    return False
+                fd = os.open(self.path, os.O_RDONLY)
+            except OSError:  # gone, or unreadable: the damaged file's error stands
+                return False
+            # a read on another thread (the disk ring's) may still use the old descriptor: closed with the file
+            self._replaced_fds.append(self.fd)
+            self.fd, self._verified = fd, set()
+        return True
 
     def _unchecked(self, pack, recheck: bool = False) -> bool:
         """Whether ``pack``'s bytes are to be checked against its hash: on the first read, or again (``recheck``)."""
@@ -165,6 +203,8 @@ class PackFile:
         elif self.fd >= 0:
             os.close(self.fd)
         self.fd = -1
+        while self._replaced_fds:
+            os.close(self._replaced_fds.pop())
 
     def __del__(self):
         try:

@@ -121,6 +121,7 @@ class Engine:
         self.loops = {name: looped(name) for name in components}  # whether a component is called at every step
         self.shares: dict[str, float] | None = None  # the steps' share of each of two experts (host placement)
         self.reheld_bytes = 0  # read from disk moving packs into host memory after re-plans (rehold.py)
+        self.rehold_failed = False  # a move failed (a full disk, a read error): the packs stay as placed from then on
         self._torn_down = False
         self._guards: list | None = None  # what teardown leaves refusing to run its placeholders (torn_down.py)
 

@@ -32,9 +32,10 @@ from tritoff.warn import warn
 def rehold(engine, name: str) -> int:
     """After component ``name``'s phase was planned again, before its forward: move ``engine``'s packs between its
     arenas and disk to the placement the plans now give; returns the bytes read from disk. A failure (a full disk, a
-    read error) stops the moves, warned, and the forward goes on."""
+    read error) stops the moves for the engine's life, warned once (the next re-plan would try the same moves), and
+    the forward goes on."""
     ring, budget, manager = engine.disk, engine.options.host_budget, engine.manager
-    if ring is None or budget is None or manager is None:
+    if ring is None or budget is None or manager is None or engine.rehold_failed:
         return 0
     if manager.running_blocks or any(c.name != name for c in manager.running):
         return 0  # called inside another component's forward, whose packs may be in use
@@ -66,7 +67,11 @@ def rehold(engine, name: str) -> int:
         for leaving, arriving in pairs:
             read += _swap(engine, leaving, packs[leaving], arriving, packs[arriving], runtimes)
     except Exception as err:  # a full disk, a read error: the packs stay where they are recorded
-        warn(f"tritoff could not move packs between host memory and disk after a re-plan ({err}); they stay as placed")
+        engine.rehold_failed = True
+        warn(
+            f"tritoff could not move packs between host memory and disk after a re-plan ({err}); they stay as placed "
+            "until the pipeline is enabled again"
+        )
     finally:
         for comp in engine._runtimes:
             comp.note_disk()

@@ -372,29 +372,39 @@ def test_a_corrupt_lookup_table_served_from_disk_is_refused_at_enable(store, tmp
     assert torch.isfinite(run(pipe)).all()
 
 
-def test_disable_checks_a_pack_again_that_the_store_file_changed_in_place_since_it_was_first_read(store, tmp_path):
+@pytest.mark.parametrize("repair", ["in place", "written anew"])
+def test_disable_checks_a_pack_again_that_the_store_file_changed_in_place_since_it_was_first_read(
+    store, tmp_path, repair
+):
     import shutil
 
     from tritoff.store import read_index
 
     copy = tmp_path / "store"
     shutil.copytree(store, copy)
+    file = copy / "transformer.safetensors"
+    good = file.read_bytes()
     pipe = wan(**BIG)
     engine = _enable(pipe, store=copy, host_budget=0)
     out = run(pipe)  # every pack read from the file, and checked
     pack = next(p for p in engine.packed["transformer"].packs if p.on_disk)
     position = read_index(copy)["components"]["transformer"]["data_offset"] + pack.offset + 100
-    with open(copy / "transformer.safetensors", "r+b") as f:  # the same file, changed in place
+    with open(file, "r+b") as f:  # the same file, changed in place
         f.seek(position)
-        byte = f.read(1)
-        f.seek(position)
-        f.write(bytes([byte[0] ^ 0x40]))
+        f.write(bytes([good[position] ^ 0x40]))
     with pytest.raises(StoreError, match=rf"transformer\.safetensors is corrupt .*pack {pack.name} differs"):
         tritoff.disable(pipe)
     assert hasattr(pipe, "_tritoff_engine")  # still enabled, as it was: nothing wrong handed back
-    with open(copy / "transformer.safetensors", "r+b") as f:  # repaired, the same engine serves it again
-        f.seek(position)
-        f.write(byte)
+    with open(file, "r+b") as f:  # truncated: said as a damaged store, with what to do
+        f.truncate(position)
+    with pytest.raises(StoreError, match=r"ended early while reading pack .*truncated; recreate the store"):
+        run(pipe)
+    if repair == "in place":  # copied over the damaged file
+        file.write_bytes(good)
+    else:  # a new file put in its place, as tritoff convert --overwrite does: the engine opens it again
+        (tmp_path / "new").write_bytes(good)
+        os.replace(tmp_path / "new", file)
+    # repaired, the same engine serves it again
     assert torch.equal(run(pipe), out)
     tritoff.disable(pipe)
     assert torch.equal(run(pipe), out)

@@ -7,12 +7,13 @@ call unless they take the place of the second expert's.
 """
 
 import errno
+import warnings
 
 import pytest
 import torch
 
 import tritoff
-from tritoff import disk
+from tritoff import disk, rehold
 from tritoff.arena import PAGE
 from tritoff.engine import Engine
 from tritoff.pack import align
@@ -144,11 +145,19 @@ def test_a_full_disk_while_a_pack_leaves_changes_nothing_and_warns(tmp_path, exp
         raise OSError(errno.ENOSPC, f"no space left on the disk of {self.path} {self.no_space}")
 
     monkeypatch.setattr(disk.PackFile, "write_at", full)
-    with pytest.warns(UserWarning, match="could not move packs between host memory and disk.*no space left"):
+    with pytest.warns(UserWarning, match="could not move packs between host memory and disk.*no space left") as said:
         frames = _run(pipe)
     assert torch.equal(frames, expected)
     assert {name: _held(engine, name) for name in engine.packed} == placed
     assert engine.stats["total"]["reheld_bytes"] == 0
+    # said once: the next re-plans (the second expert's, the next calls') would try the same moves, failing again
+    assert len([w for w in said if "could not move packs" in str(w.message)]) == 1
+    tried = []
+    monkeypatch.setattr(rehold, "plan_moves", lambda *args: tried.append(args) or [])
+    assert rehold.rehold(engine, "transformer") == 0 and not tried
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(_run(pipe), expected)
 
 
 def test_a_read_error_for_the_arriving_pack_puts_the_leaving_one_back(tmp_path, expected, monkeypatch):
