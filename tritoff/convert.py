@@ -171,8 +171,9 @@ def config_errors(config: Path):
     try:
         yield
     except Exception as err:
-        # the machine's errors, and one naming the file already (diffusers: a config.json it cannot parse), stay
-        if isinstance(err, (MemoryError, torch.OutOfMemoryError, OSError)) or str(config) in str(err):
+        # the machine's errors, a package missing, and one naming the file already (diffusers: a config.json it cannot
+        # parse) stay as they are
+        if isinstance(err, (MemoryError, torch.OutOfMemoryError, OSError, ImportError)) or str(config) in str(err):
             raise
         raise ValueError(f"cannot build a model from {config}: {_one_line(err)}; fix the config") from err
 
