@@ -85,16 +85,16 @@ class PackFile:
         from tritoff.store import StoreError
 
         view = memoryview(out[:nbytes].numpy())
+        fd = self.fd  # one file throughout, should another thread open a replacing one meanwhile
         try:
-            self._read_checked(pack, view, recheck)
+            self._read_checked(pack, view, recheck, fd)
         except StoreError:
-            if not self._reopen_if_replaced():
+            if not self._reopen_if_replaced(fd):
                 raise
-            self._read_checked(pack, view, recheck=True)
+            self._read_checked(pack, view, True, self.fd)
 
-    def _read_checked(self, pack, view: memoryview, recheck: bool) -> None:
-        nbytes, fd = len(view), self.fd  # one file throughout, should another thread open a replacing one meanwhile
-        position, done = self.data_offset + pack.offset, 0
+    def _read_checked(self, pack, view: memoryview, recheck: bool, fd: int) -> None:
+        nbytes, position, done = len(view), self.data_offset + pack.offset, 0
         while done < nbytes:
             try:
                 got = os.preadv(fd, [view[done:]], position + done)
@@ -115,26 +115,28 @@ class PackFile:
             padding = align(nbytes, PAGE) - nbytes
             if padding:
                 hasher.update(os.pread(fd, padding, position + nbytes))
-            self._accept(pack, hasher.hexdigest())
+            self._accept(pack, hasher.hexdigest(), fd)
 
     def check(self, pack, chunk: int = 64 << 20) -> None:
         """Read ``pack`` through once in chunks and check its hash, unless that was done (or is not asked for)."""
         if not self._unchecked(pack):
             return
-        hasher = xxhash.xxh3_128()
+        hasher, fd = xxhash.xxh3_128(), self.fd
         start, span = self.data_offset + pack.offset, align(pack.layout.nbytes, PAGE)
         for at in range(0, span, chunk):
-            hasher.update(os.pread(self.fd, min(chunk, span - at), start + at))
+            hasher.update(os.pread(fd, min(chunk, span - at), start + at))
         self.drop_cache(pack)
-        self._accept(pack, hasher.hexdigest())
+        self._accept(pack, hasher.hexdigest(), fd)
 
-    def _reopen_if_replaced(self) -> bool:
-        """Whether ``path`` now names another file than the one open (a store written again), which is then opened
-        in its place, every pack to be checked again; only for checked store files, whose hashes tell a repair from
-        another conversion."""
+    def _reopen_if_replaced(self, fd: int) -> bool:
+        """Whether ``path`` now names another file than ``fd``, the one a read found damaged (a store written again),
+        which is then opened in its place (unless another read did so already), every pack to be checked again; only
+        for checked store files, whose hashes tell a repair from another conversion."""
         if not self.verify or self.spill:
             return False
         with self._lock:
+            if self.fd != fd:  # another thread's read opened the file now at the path: read from it
+                return self.fd >= 0
             try:
                 now, held = os.stat(self.path), os.fstat(self.fd)
                 if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
@@ -151,8 +153,9 @@ class PackFile:
         """Whether ``pack``'s bytes are to be checked against its hash: on the first read, or again (``recheck``)."""
         return self.verify and pack.hash is not None and (recheck or pack.offset not in self._verified)
 
-    def _accept(self, pack, digest: str) -> None:
-        """Remember ``pack`` as checked if ``digest`` is its hash; refuse the file, naming it, otherwise."""
+    def _accept(self, pack, digest: str, fd: int) -> None:
+        """Remember ``pack`` as checked if ``digest``, read from ``fd``, is its hash (and ``fd`` is still the file's:
+        a check of the file a repair replaced says nothing of the new one); refuse the file, naming it, otherwise."""
         if digest != pack.hash:
             from tritoff.store import RECREATE, StoreError
 
@@ -161,7 +164,8 @@ class PackFile:
                 f"{RECREATE}"
             )
         with self._lock:
-            self._verified.add(pack.offset)
+            if fd == self.fd:
+                self._verified.add(pack.offset)
 
     def write(self, pack, data: torch.Tensor) -> None:
         """Write ``data`` (the pack's bytes) at the pack's place (a spill file, a store file being written)."""

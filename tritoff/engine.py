@@ -383,6 +383,13 @@ def _spills_elsewhere(previous: Engine, directory) -> bool:
     return spilled and _spill_path(directory) != _spill_path(previous.spill_dir)
 
 
+def _check_unchanged(engine: Engine) -> None:
+    """Refuse a weight of ``engine`` replaced, changed or gone since it was enabled. A function of its own: a loop
+    variable left in ``enable`` naming a runtime would keep its packs past the disable a re-pack starts with."""
+    for comp in engine._runtimes:
+        comp.check_unchanged()
+
+
 def _spill_files_of(engine: Engine) -> list[disk.PackFile]:
     """The spill files ``engine``'s packs are in (each once)."""
     files = {id(p.file): p.file for packed in engine.packed.values() for p in packed.packs if p.on_disk}
@@ -509,8 +516,7 @@ def enable(
         )
     fmts = {name: get_format(fmt) for name, fmt in options.storage.items()}
     if previous is not None:  # a weight replaced, changed or gone since: refused now, before anything changes
-        for comp in previous._runtimes:
-            comp.check_unchanged()
+        _check_unchanged(previous)
         preflight.check_still_there(components, previous)
     if reuse:
         group_lists = previous._group_lists
@@ -560,9 +566,9 @@ def enable(
             pairs = zip(group_lists[name], layouts[name], strict=True)
             kept[name] = [lay for g, lay in pairs if in_ram is None or g.name in in_ram[name]]
         spilled = {n: sum(lay.nbytes for lay in layouts[n]) - sum(lay.nbytes for lay in kept[n]) for n in components}
-        # a re-enable packing again disables first, which frees the enabled engine's spill files
-        freed = _spill_files_of(previous) if previous is not None else []
-        spills = spill_files(spill_dir, spilled, freed=freed)
+        # a re-enable packing again disables first, which frees the enabled engine's spill files (not named here: a
+        # reference kept to them would keep them, and their disk space, past that disable)
+        spills = spill_files(spill_dir, spilled, freed=_spill_files_of(previous) if previous is not None else [])
     ring = None  # the disk ring: made now, where it can still be refused, except on a re-plan (see _disk_ring)
     if reuse:
         preflight.check_zero_copy(options, previous.packed)

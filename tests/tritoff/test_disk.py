@@ -67,6 +67,40 @@ def test_a_corrupt_pack_is_refused_when_read(tmp_path):
         pack_bytes(pack)
 
 
+def test_a_read_that_found_the_file_damaged_after_another_read_opened_its_repair_reads_the_repair(tmp_path):
+    import xxhash
+
+    from tritoff.arena import PAGE
+    from tritoff.pack import align
+
+    held, _ = _spilled(tmp_path)
+    path = tmp_path / "packs.bin"
+    good = held.arena.buffer.numpy().tobytes()
+    path.write_bytes(good)
+    file = PackFile.open(path, 0)
+    digest = lambda p: xxhash.xxh3_128_hexdigest(good[p.offset : p.offset + align(p.layout.nbytes, PAGE)])  # noqa: E731
+    first, second = (type(p)(p.name, p.layout, p.offset, None, file, digest(p)) for p in held.packs[:2])
+    damaged = bytearray(good)
+    damaged[first.offset + 7] ^= 0x40
+    damaged[second.offset + 7] ^= 0x40
+    path.write_bytes(bytes(damaged))  # in place: the open file is damaged
+    old = file.fd
+    (tmp_path / "new").write_bytes(good)
+    os.replace(tmp_path / "new", path)  # the repair, a new file at the path
+    assert torch.equal(pack_bytes(second), held.packs[1].data)  # found damaged, the repair opened and read
+    assert file.fd != old
+    out = torch.empty(first.layout.nbytes, dtype=torch.uint8)
+    # a read of the first pack that began on the old file (the reader thread's) fails there, and retries on the repair
+    with pytest.raises(StoreError, match="differs from its hash"):
+        file._read_checked(first, memoryview(out.numpy()), False, old)
+    assert file._reopen_if_replaced(old) and file.fd != old
+    file._accept(first, digest(first), old)  # a check made on the old file counts for nothing on the new one
+    assert first.offset not in file._verified
+    assert torch.equal(pack_bytes(first), held.packs[0].data)
+    assert first.offset in file._verified
+    file.close()
+
+
 def test_a_read_error_names_the_file_and_the_pack(tmp_path, monkeypatch):
     import errno
 
@@ -248,7 +282,9 @@ def test_without_a_store_the_packs_beyond_the_budget_go_to_a_private_spill_file(
 
 
 def test_a_re_enable_packing_again_counts_the_spill_files_it_frees_as_free(tmp_path, monkeypatch):
+    import gc
     import shutil
+    import weakref
 
     pipe = wan()
     engine = tritoff.enable(pipe, budget="4MB", host_budget=1, spill_dir=tmp_path, progress=False, kernels="reference")
@@ -256,11 +292,17 @@ def test_a_re_enable_packing_again_counts_the_spill_files_it_frees_as_free(tmp_p
     files = {id(p.file): p.file for packed in engine.packed.values() for p in packed.packs if p.on_disk}
     held = sum(os.fstat(f.fd).st_blocks * 512 for f in files.values())
     assert held > 10**5
+    files = [weakref.ref(f) for f in files.values()]
     # the disk holds the enabled engine's spill files and 4 KiB more: a re-pack (other groups) frees them first
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=4096))
-    tritoff.enable(pipe, mode="leaf", budget="4MB", spill_dir=tmp_path, progress=False, kernels="reference")
-    assert engine.packed == {}  # released: its spill files closed
+    gc.disable()  # freed by the re-enable itself, before it writes the new files, not by a later collection
+    try:
+        tritoff.enable(pipe, mode="leaf", budget="4MB", spill_dir=tmp_path, progress=False, kernels="reference")
+        assert not any(ref() for ref in files)
+    finally:
+        gc.enable()
+    assert engine.packed == {}
     assert torch.equal(run(pipe), before)
     # what those 4 KiB leave a pipeline no engine spilled for: refused
     with pytest.raises(ValueError, match=r"the packs beyond host_budget need .* which has 4\.00 KiB free"):
