@@ -235,7 +235,8 @@ def spill_files(
         return {}
     directory = spill_directory(directory)
     free, total = shutil.disk_usage(directory).free, sum(sizes.values())
-    free += sum(f.disk_bytes for f in freed if f.fd >= 0 and os.fstat(f.fd).st_dev == os.stat(directory).st_dev)
+    device = os.stat(directory).st_dev
+    free += sum(f.disk_bytes for f in freed if f.fd >= 0 and os.fstat(f.fd).st_dev == device)
     if free < total:
         raise ValueError(
             f"the packs beyond host_budget need {format_bytes(total)} of disk in {directory}, which has "

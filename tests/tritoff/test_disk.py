@@ -78,7 +78,10 @@ def test_a_read_that_found_the_file_damaged_after_another_read_opened_its_repair
     good = held.arena.buffer.numpy().tobytes()
     path.write_bytes(good)
     file = PackFile.open(path, 0)
-    digest = lambda p: xxhash.xxh3_128_hexdigest(good[p.offset : p.offset + align(p.layout.nbytes, PAGE)])  # noqa: E731
+
+    def digest(pack):  # a store's hash: the pack and its padding to the next page
+        return xxhash.xxh3_128_hexdigest(good[pack.offset : pack.offset + align(pack.layout.nbytes, PAGE)])
+
     first, second = (type(p)(p.name, p.layout, p.offset, None, file, digest(p)) for p in held.packs[:2])
     damaged = bytearray(good)
     damaged[first.offset + 7] ^= 0x40
