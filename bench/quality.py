@@ -16,7 +16,7 @@ import math
 import warnings
 
 import torch
-from common import markdown_table, plot_lines, write_result
+from common import markdown_table, out_directory, plot_lines, write_result
 
 import tritoff
 from tritoff.arguments import OneLineParser
@@ -166,10 +166,13 @@ def _psnr(reference: torch.Tensor, frames: torch.Tensor) -> float:
 
 
 def main() -> None:
-    """Measure, print tables, write bench/results/quality.json."""
+    """Measure, print tables, write quality.json (or vae_psnr.json) into ``--out`` (default: bench/results)."""
     parser = OneLineParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="tiny models and two gains only (CI)")
     parser.add_argument("--vae", action="store_true", help="only the PSNR of VAEs in fp8 against VAEs kept")
+    parser.add_argument(
+        "--out", type=out_directory, default=None, help="directory for the JSON and the plot (default: bench/results)"
+    )
     args = parser.parse_args()
     if args.vae:
         result = vae_psnr()
@@ -177,7 +180,7 @@ def main() -> None:
         header = ["family", "VAE fp8 vs kept", "VAE kept vs plain", "VAE fp8 vs plain"]
         keys = ("vae_fp8_vs_vae_kept", "vae_kept_vs_plain", "vae_fp8_vs_plain")
         print(markdown_table(header, [[r["family"], *(f"{r[k]:.1f}" for k in keys)] for r in result["rows"]]))
-        print(f"\nwrote {write_result('vae_psnr', result)}")
+        print(f"\nwrote {write_result('vae_psnr', result, out=args.out)}")
         return
     names = ["wan-tiny", "cogvideox-tiny"] if args.smoke else list(SIZES)
     gains = (1.0, 0.1) if args.smoke else GAINS
@@ -192,7 +195,8 @@ def main() -> None:
     psnr = pipeline_psnr(steps=2 if args.smoke else 4)
     print("\nPSNR (dB) of a tiny Wan pipeline's frames against bf16, same seed")
     print(markdown_table(["method", "PSNR dB"], [[k, f"{v:.1f}"] for k, v in psnr.items()]))
-    path = write_result("quality", {"unit": "dB", "output_snr": rows, "pipeline_psnr": psnr}, smoke=args.smoke)
+    result = {"unit": "dB", "output_snr": rows, "pipeline_psnr": psnr}
+    path = write_result("quality", result, smoke=args.smoke, out=args.out)
     print(f"\nwrote {path}")
     biggest = names[-1] if args.smoke else "wan-mid"
     series = {
@@ -207,6 +211,7 @@ def main() -> None:
         f"{biggest}: transformer output SNR against bf16",
         logx=True,
         smoke=args.smoke,
+        out=args.out,
     )
     if plot:
         print(f"wrote {plot}")

@@ -7,7 +7,7 @@ same with a few outlier rows (1% of rows 30x larger). Runs on CPU. Usage: python
 from __future__ import annotations
 
 import torch
-from common import markdown_table, write_result
+from common import markdown_table, out_directory, write_result
 
 from tritoff.arguments import OneLineParser
 from tritoff.formats import get_format
@@ -47,9 +47,12 @@ def measure(rows: int, cols: int, seed: int = 0) -> list[dict]:
 
 
 def main() -> None:
-    """Measure, print markdown tables, write bench/results/weights_snr.json."""
+    """Measure, print markdown tables, write weights_snr.json into ``--out`` (default: bench/results)."""
     parser = OneLineParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
+    parser.add_argument(
+        "--out", type=out_directory, default=None, help="directory for the JSON (default: bench/results)"
+    )
     args = parser.parse_args()
     rows, cols = (64, 64) if args.smoke else (2048, 2048)
     results = measure(rows, cols)
@@ -69,7 +72,8 @@ def main() -> None:
                 ]
                 table.append([sigma, *cells])
             print(markdown_table(["sigma", *METHODS], table))
-    path = write_result("weights_snr", {"shape": [rows, cols], "unit": "dB", "results": results}, smoke=args.smoke)
+    result = {"shape": [rows, cols], "unit": "dB", "results": results}
+    path = write_result("weights_snr", result, smoke=args.smoke, out=args.out)
     print(f"\nwrote {path}")
 
 

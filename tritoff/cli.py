@@ -122,9 +122,9 @@ def _check_budget(budget: str | None, what: str = "budget", percent: bool = True
 def _check_reserve(reserve: str | None) -> None:
     from tritoff.budget import percentage
 
-    _check_budget(reserve, what="reserve")
-    if reserve is not None and (percentage(reserve) or 0) >= 1:
+    if reserve is not None and 1 <= (percentage(reserve) or 0) < math.inf:  # parse_size takes up to 100%
         raise CliError(f"--reserve {reserve} leaves nothing of the budget for weights: use less than 100%")
+    _check_budget(reserve, what="reserve")
 
 
 def _check_spill_dir(args) -> None:
@@ -379,7 +379,7 @@ def _load_pipeline(model: str, dtype, store: str | None, pipeline: str | None = 
     ``pipeline``: the diffusers class to load it as (default: the one model_index.json names)."""
     import torch
 
-    from tritoff.convert import LOAD_ERRORS, cannot_load, from_pretrained
+    from tritoff.convert import LOAD_ERRORS, cannot_load, config_fault, from_pretrained
 
     local = _check_model(model)
     kwargs = {}
@@ -396,7 +396,9 @@ def _load_pipeline(model: str, dtype, store: str | None, pipeline: str | None = 
     try:
         pipe = from_pretrained(model, dtype, pipeline=pipeline, **kwargs)
     except LOAD_ERRORS as err:
-        raise CliError(cannot_load(model, err)) from None
+        # diffusers names no file when a model's constructor refuses its config's values: find the file
+        fault = config_fault(local) if not isinstance(err, (OSError, ImportError)) and local.is_dir() else None
+        raise CliError(fault or cannot_load(model, err)) from None
     if not any(isinstance(getattr(pipe, n, None), torch.nn.Module) for n in ("transformer", "unet")):
         raise CliError(f"{model} has no transformer or unet: tritoff runs diffusion pipelines")
     return pipe
@@ -1020,6 +1022,15 @@ def _full_option(token: str, options: list[str]) -> str | None:
     return matches[0] if len(matches) == 1 else None
 
 
+def _print_traceback(err: BaseException) -> None:
+    """``err``'s traceback (and those it was raised from) on stderr, for ``TRITOFF_TRACEBACK=1``: printed, not
+    raised, so the command still ends with its one-line error and its exit code."""
+    import traceback
+
+    sys.stderr.write("".join(traceback.format_exception(type(err), err, err.__traceback__)))
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tritoff`` console script."""
     global _interrupted, _running
@@ -1051,7 +1062,7 @@ def main(argv: list[str] | None = None) -> int:
             return _interrupted_exit()
         if os.environ.get("TRITOFF_TRACEBACK") and not _own_check(err):
             err.__suppress_context__ = False  # the library's error a one-line message stood for, shown too
-            raise
+            _print_traceback(err)
         _say(f"tritoff: error: {_one_line(err)}")
         # an OSError a library raised about the input (diffusers: a model directory without its weights) carries no
         # errno; the machine's errors (a full disk, an I/O error) do
@@ -1061,7 +1072,9 @@ def main(argv: list[str] | None = None) -> int:
         if _interrupted:
             return _interrupted_exit()
         if os.environ.get("TRITOFF_TRACEBACK"):
-            raise
+            _print_traceback(err)
+            _say(f"tritoff: error: {type(err).__name__}: {_one_line(err)} (unexpected: its traceback is above)")
+            return 1
         _say(
             f"tritoff: error: {type(err).__name__}: {_one_line(err)} (unexpected; set TRITOFF_TRACEBACK=1 for where "
             "it came from)"

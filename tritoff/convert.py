@@ -178,6 +178,40 @@ def config_errors(config: Path):
         raise ValueError(f"cannot build a model from {config}: {_one_line(err)}; fix the config") from err
 
 
+def build_from_config(directory: Path, library: str, cls: type) -> nn.Module:
+    """``cls`` (a ``library`` model class: ``"diffusers"`` or ``"transformers"``) built on the meta device from the
+    config saved in ``directory``; values it cannot be built with are a one-line ValueError naming the file."""
+    with torch.device("meta"), config_errors(directory / "config.json"):
+        if library == "diffusers":
+            return cls.from_config(cls.load_config(directory))
+        from transformers import AutoConfig
+
+        return cls(AutoConfig.from_pretrained(directory))
+
+
+def config_fault(directory: Path) -> str | None:
+    """The one-line message of the first model of the pipeline saved in ``directory`` whose config builds no model
+    (:func:`config_errors`), or None: what a failed ``from_pretrained`` cannot say, since diffusers names no file."""
+    try:
+        index = json.loads((directory / "model_index.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    for name, spec in index.items() if isinstance(index, dict) else ():
+        if not (isinstance(spec, list) and len(spec) == 2 and spec[0] in ("diffusers", "transformers")):
+            continue
+        cls = getattr(__import__(spec[0]), spec[1], None) if isinstance(spec[1], str) else None
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module) and (directory / name / "config.json").is_file()):
+            continue
+        try:
+            build_from_config(directory / name, spec[0], cls)
+        except ValueError as err:
+            if str(err).startswith("cannot build a model from"):
+                return str(err)
+        except Exception:  # noqa: BLE001 - a fault of another kind: from_pretrained's own message says it
+            continue
+    return None
+
+
 def _one_line(err: BaseException) -> str:
     message = " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
     return message[:400] + ("..." if len(message) > 400 else "")

@@ -3,6 +3,7 @@ says what to use, before anything changes."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -103,9 +104,9 @@ def resolve(
         # a percentage is checked for syntax only: of a budget too small it is less than a byte, which the planner
         # then refuses naming the smallest budget that works
         fraction = percentage(reserve)
-        reserve_bytes = parse_size(reserve, what="reserve", total=budget_bytes if fraction is None else 2**50)
-        if fraction is not None and fraction >= 1:
+        if fraction is not None and 1 <= fraction < math.inf:  # before parse_size, which takes up to 100%
             raise ValueError(f"reserve {reserve!r} leaves nothing of the budget for weights: use less than 100%")
+        reserve_bytes = parse_size(reserve, what="reserve", total=budget_bytes if fraction is None else 2**50)
     # a fraction of the budget is computed as the planner computes it when it names the smallest budget that works
     if fraction is not None:
         reserve_bytes = int(budget_bytes * fraction)

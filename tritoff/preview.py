@@ -188,7 +188,7 @@ class Preview:
 def _load_directory(path: Path) -> tuple[str, dict[str, nn.Module], str, PipelineCalls]:
     """(family, meta components, pipeline class, how it calls them) of a local diffusers pipeline directory, from its
     configs."""
-    from tritoff.convert import config_errors
+    from tritoff.convert import build_from_config
     from tritoff.presets import as_loaded
 
     index_file = path / "model_index.json"
@@ -232,13 +232,7 @@ def _load_directory(path: Path) -> tuple[str, dict[str, nn.Module], str, Pipelin
             continue
         if not (path / name / "config.json").is_file():
             raise ValueError(f"{path / name / 'config.json'} is missing: the plan needs every model's config")
-        with torch.device("meta"), config_errors(path / name / "config.json"):
-            if library == "diffusers":
-                built = cls.from_config(cls.load_config(path / name))
-            else:
-                from transformers import AutoConfig
-
-                built = cls(AutoConfig.from_pretrained(path / name))
+        built = build_from_config(path / name, library, cls)
         if isinstance(built, nn.Module):
             components[name] = as_loaded(built, torch.bfloat16)  # as ``tritoff run`` loads it
     boundary = index.get("boundary_ratio")

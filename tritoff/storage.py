@@ -61,7 +61,8 @@ def describe_storage(storages: dict[str, str]) -> str:
     """A few words for reports: the storage of most components, then the others', e.g. ``fp8_e4m3 (vae: own
     dtype)``; ``mixed (...)`` naming each component's when no storage is held by more components than any other."""
     # bf16 and fp16 keep every tensor as the model has it: named after the format, a bf16 model read "fp16"
-    shown = {name: fmt if fmt in FP8 else "own dtype" for name, fmt in storages.items()}
+    # by name: the pipeline's order of components differs with how they were given
+    shown = {name: fmt if fmt in FP8 else "own dtype" for name, fmt in sorted(storages.items())}
     by_format: dict[str, list[str]] = {}
     for name, fmt in shown.items():
         by_format.setdefault(fmt, []).append(name)

@@ -47,6 +47,8 @@ def test_zero_copy_reads_the_host_only_on_cuda():
         (dict(kernels="cuda"), "unknown kernels 'cuda': use one of auto, triton, reference"),
         (dict(granularity="column"), "granularity"),
         (dict(budget="1GB", reserve="100%"), "leaves nothing of the budget for weights"),
+        # above 100% too: not "at most 100%", which 100% itself then contradicts
+        (dict(budget="1GB", reserve="150%"), "reserve '150%' leaves nothing of the budget for weights: use less than"),
         (dict(prefetch=0), "prefetch must be an integer >= 1, got 0"),
     ],
 )

@@ -119,6 +119,10 @@ def test_the_reports_storage_names_the_majority_or_says_mixed():
     assert describe_storage({"text_encoder": "bf16", "transformer": "bf16"}) == "own dtype"
     assert describe_storage({"text_encoder": "fp16", "transformer": "fp16", "vae": "bf16"}) == "own dtype"
     # one component each: none of them is the pipeline's storage
-    assert describe_storage({"text_encoder": "fp8_e4m3", "transformer": "bf16", "vae": "fp8_e5m2"}) == (
+    # each component named in the order of their names, whatever the pipeline's order
+    assert describe_storage({"vae": "fp8_e5m2", "text_encoder": "fp8_e4m3", "transformer": "bf16"}) == (
         "mixed (text_encoder: fp8_e4m3, transformer: own dtype, vae: fp8_e5m2)"
     )
+    assert describe_storage(
+        {"vae": "bf16", "transformer": "bf16", "text_encoder": "fp8_e4m3", "a": "fp8_e4m3", "b": "fp8_e4m3"}
+    ) == ("fp8_e4m3 (transformer: own dtype, vae: own dtype)")
