@@ -81,6 +81,8 @@ class PackedModel:
 def arena_holding(packed: dict[str, PackedModel], pack: Pack) -> HostArena:
     """The arena of ``packed`` (component name -> packs) that holds ``pack``'s bytes: its own component's, unless a
     move after a re-plan (``tritoff/rehold.py``) put it in the slot of another component's pack."""
+    if pack.layout.nbytes == 0:  # no bytes to lie anywhere (its view's address is 0): its own component's
+        return next(m.arena for m in packed.values() if any(p is pack for p in m.packs))
     start = pack.data.data_ptr()
     for model in packed.values():
         base = model.arena.buffer.data_ptr()

@@ -746,6 +746,8 @@ def _sampled_rows_differ(pack, params: dict, granularity: str) -> str | None:
     layout = pack.layout
     fmt = layout.storage
     for e in layout.entries:
+        if e.numel == 0:  # no values to differ
+            continue
         t = params[e.name].detach()
         rows = t.shape[0] if t.dim() else 1
         width = e.numel // max(rows, 1)

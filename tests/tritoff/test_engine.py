@@ -1064,3 +1064,48 @@ def test_enabling_a_model_never_sets_the_counts_of_another_engines_weights(monke
     monkeypatch.setattr(onload, "_set_versions", lambda tensors, v: touched.extend(tensors) or real(tensors, v))
     _enable(stack(seed=1), mode="group", budget=80_000)
     assert touched and not any(id(t) in theirs for t in touched)
+
+
+class _WithEmpty(torch.nn.Module):
+    """A block whose zero-size parameter sits beside a Linear: packs with an empty entry."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.empty = torch.nn.Parameter(torch.zeros(0, 4))
+
+    def forward(self, x):
+        return self.linear(x) + self.empty.sum()
+
+
+@pytest.mark.parametrize("mode", ["auto", "group", "leaf"])
+@pytest.mark.parametrize("host_budget", [None, 0])
+def test_zero_size_parameters_make_empty_packs_that_run_save_and_load(tmp_path, mode, host_budget):
+    # a Linear(16, 0) packs to no bytes (its view of the arena has address 0, inside no arena); in leaf mode the
+    # zero-size parameter is a group of its own
+    def model():
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(16, 16), torch.nn.Linear(16, 0), torch.nn.Linear(0, 16), _WithEmpty()]
+        return torch.nn.Sequential(*layers).eval()
+
+    x = torch.randn(2, 16)
+    m = model()
+    with torch.no_grad():
+        expected = m(x)
+    options = dict(mode=mode, device="cpu", storage="bf16", host_budget=host_budget, progress=False)
+    with pytest.raises(BudgetError) as small:
+        tritoff.enable(m, budget=1, **options)
+    engine = tritoff.enable(m, budget=small.value.minimum, **options)
+    (packed,) = engine.packed.values()
+    assert any(p.layout.nbytes == 0 for p in packed.packs)
+    with torch.no_grad():
+        assert all(torch.equal(m(x), expected) for _ in range(2))
+    engine.save(tmp_path / "store")
+    tritoff.disable(m)
+    with torch.no_grad():
+        assert torch.equal(m(x), expected)
+    stored = model()
+    tritoff.enable(stored, store=str(tmp_path / "store"), **{k: v for k, v in options.items() if k != "storage"})
+    with torch.no_grad():
+        assert torch.equal(stored(x), expected)
+    tritoff.disable(stored)

@@ -1061,3 +1061,26 @@ def test_packs_moved_between_memory_and_disk_after_a_replan_stream_exactly(tmp_p
     # enabled again, the packs are taken over where they lie: zero-copy maps each through the arena holding it
     tritoff.enable(pipe, **options, host_budget=streamed * block, spill_dir=str(tmp_path))
     assert torch.equal(run(pipe), expected)
+
+
+@pytest.mark.parametrize("transport", ["staged", "zero_copy"])
+def test_empty_packs_of_zero_size_parameters_launch_nothing_and_run_exactly(transport):
+    # a group of zero-size tensors alone packs to no bytes: no copy, and no launch of zero programs (an error on CUDA)
+    import copy
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(256, 256), nn.Linear(256, 0), nn.Linear(0, 256), nn.Linear(256, 256)]
+    model = nn.Sequential(*layers).to(torch.bfloat16).eval()
+    twin = dequantize_in_place(copy.deepcopy(model)).cuda()
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = twin(x)
+    with pytest.raises(tritoff.BudgetError) as small:
+        tritoff.enable(model, mode="leaf", budget=1, transport=transport, progress=False)
+    engine = tritoff.enable(model, mode="leaf", budget=small.value.minimum, transport=transport, progress=False)
+    (name,) = engine.packed
+    assert engine.plan.tier_counts(name)["stream"] > 0
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), expected)
+    tritoff.disable(model)
