@@ -165,13 +165,20 @@ def block_groups(model: nn.Module) -> list[Group]:
 
 def leaf_groups(model: nn.Module) -> list[Group]:
     """One group per Linear/Conv layer (smallest memory), then the large embedding tables kept on the host, then the
-    rest of the model (with any parameter tied across layers, as in :func:`block_groups`)."""
+    rest of the model (with any parameter tied across layers, as in :func:`block_groups`, and the layers whose parent
+    reads their weights without calling them: ``nn.MultiheadAttention``'s ``out_proj``)."""
     from tritoff.skip import QUANTIZABLE_LAYERS
 
     owner: dict[int, str] = {}
     host = _host_groups(model, owner)
     groups: list[Group] = []
-    layers = [(name, m) for name, m in named_modules(model) if name and isinstance(m, QUANTIZABLE_LAYERS)]
+    # layers whose weights their parent reads without calling them: no hook of theirs would run before the read
+    uncalled = {id(m.out_proj) for _, m in named_modules(model) if isinstance(m, nn.MultiheadAttention)}
+    layers = [
+        (name, m)
+        for name, m in named_modules(model)
+        if name and isinstance(m, QUANTIZABLE_LAYERS) and id(m) not in uncalled
+    ]
     holders = _holders(model, {id(m): name for name, m in layers})
     for name, module in layers:
         params = [

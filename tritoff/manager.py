@@ -853,9 +853,23 @@ def _called_inside_itself(group: GroupRuntime) -> RefusedUnchanged:
 
 def _blocks_never_called(comp: ComponentRuntime) -> RuntimeError:
     """A component's forward ran without calling any of its blocks: its model calls what is inside them directly
-    (``block.attn(x)``), so the blocks' hooks never ran, and the layers computed without their weights."""
+    (``block.attn(x)``), or reads a layer's weights without calling it, so the blocks' hooks never ran, and the
+    layers computed without their weights."""
+    from tritoff.skip import QUANTIZABLE_LAYERS
+
+    first = comp.blocks[0].name
+    try:
+        leaf = isinstance(comp.module.get_submodule(first), QUANTIZABLE_LAYERS)  # leaf mode: layers are the blocks
+    except AttributeError:
+        leaf = False
+    if leaf:
+        return RuntimeError(
+            f"{comp.name}'s forward called none of its layers ({first}, ...) but read their weights: tritoff's hooks "
+            "on the layers never ran, so they had no weights; enable it with mode='model', or a budget that keeps "
+            "them resident"
+        )
     return RuntimeError(
-        f"{comp.name}'s forward called none of its blocks ({comp.blocks[0].name}, ...) but what is inside them: "
+        f"{comp.name}'s forward called none of its blocks ({first}, ...) but what is inside them: "
         "tritoff's hooks on the blocks never ran, so its layers had no weights; enable it with mode='leaf' (a hook on "
         "each layer) or mode='model'"
     )

@@ -73,3 +73,17 @@ def test_a_list_of_lists_is_no_block_list_its_elements_are_never_called():
 def test_messages_name_a_block_by_its_path_and_the_rest_as_outside_the_blocks():
     assert group_label("transformer", Group("blocks.3")) == "transformer.blocks.3"
     assert group_label("transformer", Group(REST)) == "transformer outside its blocks"
+
+
+def test_a_multihead_attentions_out_proj_joins_the_rest_in_leaf_mode():
+    # nn.MultiheadAttention reads out_proj's weight without calling it: a hook on out_proj would never run
+    import torch.nn as nn
+
+    from tritoff.groups import leaf_groups
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.MultiheadAttention(8, 2), nn.Linear(8, 8))
+    groups = leaf_groups(model)
+    assert [g.name for g in groups] == ["0", "2", REST]
+    assert {n for n, _ in groups[-1].params} == {"1.in_proj_weight", "1.in_proj_bias", "1.out_proj.weight",
+                                                 "1.out_proj.bias"}  # fmt: skip
+    _check_partition(model, groups)

@@ -1626,3 +1626,51 @@ def test_the_activation_estimate_reported_is_the_latest_calls():
         run(pipe, height=size, width=size, num_inference_steps=1)
         seen.append(engine.stats["components"]["transformer"]["activation_estimate_bytes"])
     assert seen[0] != seen[1] and seen[2] == seen[0]
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.ff = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.ff(x + self.attn(x, x, x, need_weights=False)[0])
+
+
+def test_multihead_attention_streams_in_leaf_mode_exactly():
+    # its out_proj is read, never called: in leaf mode it moves with the rest, not as a layer of its own
+    def model():
+        torch.manual_seed(0)
+        return realistic_init(torch.nn.Sequential(_Attention(), _Attention(), torch.nn.Linear(16, 16))).eval()
+
+    x = torch.randn(1, 3, 16)
+    reference = dequantize_in_place(model())
+    enabled = model()
+    options = dict(mode="leaf", reserve=1000, progress=False, kernels="reference")
+    with pytest.raises(BudgetError) as small:
+        tritoff.enable(enabled, budget=1000, **options)
+    engine = tritoff.enable(enabled, budget=small.value.minimum, **options)
+    assert engine.plan.tier_counts("model")["stream"] > 0
+    for _ in range(2):
+        assert torch.equal(_output(enabled, x), _output(reference, x))
+
+
+def test_a_layer_read_but_never_called_in_leaf_mode_names_model_mode():
+    class Reads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 16)
+
+        def forward(self, x):  # the layer's weight read directly: its hook never runs
+            return torch.nn.functional.linear(x, self.proj.weight, self.proj.bias)
+
+    torch.manual_seed(0)
+    model = realistic_init(torch.nn.Sequential(Reads(), Reads())).to(torch.bfloat16).eval()
+    options = dict(mode="leaf", reserve=1000, progress=False, kernels="reference")
+    with pytest.raises(BudgetError) as small:
+        tritoff.enable(model, budget=1000, **options)
+    tritoff.enable(model, budget=small.value.minimum, **options)
+    with pytest.raises(RuntimeError, match=r"^model's forward called none of its layers \(0.proj, ...\).*'model'") as e:
+        _output(model, torch.randn(4, 16, dtype=torch.bfloat16))
+    assert "'leaf'" not in str(e.value)
