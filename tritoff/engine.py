@@ -68,7 +68,15 @@ from tritoff.planner import ComponentSize, PhasedPlan, Plan, plan
 from tritoff.preflight import ENGINE_ATTR, ENGINES
 from tritoff.rehold import rehold
 from tritoff.report import Report
-from tritoff.sizing import check_callable, groups_for, hooked_modules, looped, plan_for, sizes_of
+from tritoff.sizing import (
+    check_callable,
+    check_weight_hooks,
+    groups_for,
+    hooked_modules,
+    looped,
+    plan_for,
+    sizes_of,
+)
 from tritoff.skip import SkipRules, skip_patterns, warn_unmatched
 from tritoff.snr import LOST_DB
 from tritoff.storage import describe_storage, resolve_storage
@@ -542,7 +550,9 @@ def enable(
         _check_kernel_dtypes(layouts, group_lists)
     sizes = sizes_of(components, group_lists, layouts, options.mode)
     check_callable(components, sizes)
-    operations.check_compiled(hooked_modules(components, group_lists, sizes), components)
+    hooked = hooked_modules(components, group_lists, sizes)
+    check_weight_hooks(hooked, components)
+    operations.check_compiled(hooked, components)
     operations.check_compiled_wrappers(preflight.wrapped_components(target))
     the_plan, chunks = plan_for(sizes, group_lists, layouts, components, options, fixed_groups=store is not None)
     loops = {name: looped(name) for name in components}

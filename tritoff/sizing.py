@@ -215,6 +215,27 @@ def hooked_modules(components: dict[str, nn.Module], group_lists: dict, sizes: l
     return hooked
 
 
+def check_weight_hooks(hooked: dict[str, list[nn.Module]], components: dict[str, nn.Module]) -> None:
+    """Refuse a module tritoff hooks (:func:`hooked_modules`) that computes its weight in a forward pre-hook of
+    ``torch.nn.utils.weight_norm`` or ``spectral_norm``: ``nn.Module.__call__`` runs such a hook before the forward
+    tritoff hooks loads the weights it reads, so it would compute from placeholders (NaN)."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    for name, modules in hooked.items():
+        for module in modules:
+            for hook in module._forward_pre_hooks.values():
+                if isinstance(hook, (WeightNorm, SpectralNorm)):
+                    fn = "weight_norm" if isinstance(hook, WeightNorm) else "spectral_norm"
+                    path = next(n for n, m in components[name].named_modules() if m is module)
+                    raise ValueError(
+                        f"{name}{'.' + path if path else ''} computes its weight in torch.nn.utils.{fn}'s forward "
+                        f"pre-hook, which runs before tritoff loads the weights it reads; use "
+                        f"torch.nn.utils.parametrizations.{fn} (computed inside the forward) or call "
+                        f"torch.nn.utils.remove_{fn} on it before enable"
+                    )
+
+
 def check_callable(components: dict[str, nn.Module], sizes: list[ComponentSize]) -> None:
     """A component moving whole is loaded when its root is called: refuse a root without a forward of its own."""
     for size in sizes:

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import tritoff
 from tritoff.formats import get_format
 from tritoff.groups import REST
 from tritoff.packer import plan_layouts
@@ -76,3 +77,41 @@ def test_the_minimum_named_plans_and_one_byte_less_does_not(mode, prefetch):
     plan_phases(sizes, minimum, mode, prefetch, reserves, True, None, fixed)
     with pytest.raises(BudgetError):
         plan_phases(sizes, minimum - 1, mode, prefetch, reserves, True, None, fixed)
+
+
+def _weight_normed(make, n=3):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[make(torch.nn.Linear(16, 16)) for _ in range(n)]).eval()
+
+
+@pytest.mark.parametrize("fn", ["weight_norm", "spectral_norm"])
+def test_a_hooked_module_computing_its_weight_in_a_pre_hook_is_refused_and_left_as_it_was(fn):
+    # nn.Module.__call__ runs torch.nn.utils.weight_norm's pre-hook before the forward tritoff hooks: it would read
+    # placeholders (NaN on the first call)
+    make = getattr(torch.nn.utils, fn)
+    x = torch.randn(2, 16)
+    for model, mode, where in (
+        (make(torch.nn.Linear(16, 16)).eval(), "auto", "model"),
+        (_weight_normed(make), "leaf", "model.0"),
+    ):
+        with torch.no_grad():
+            expected = model(x)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(
+            ValueError, match=rf"^{where} computes its weight in torch.nn.utils.{fn}'s forward pre-hook"
+        ):
+            tritoff.enable(model, mode=mode, device="cpu", progress=False)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        with torch.no_grad():
+            assert torch.equal(model(x), expected)
+    # inside a block (mode "group"), the layer's hook runs inside the block's forward, after its weights are loaded
+    model = torch.nn.Sequential(*[torch.nn.Sequential(_weight_normed(make, 1), torch.nn.ReLU()) for _ in range(3)])
+    with torch.no_grad():
+        expected = model.eval()(x)
+    options = dict(mode="group", device="cpu", storage="bf16", progress=False)
+    with pytest.raises(tritoff.BudgetError) as small:
+        tritoff.enable(model, budget=1, **options)
+    engine = tritoff.enable(model, budget=small.value.minimum, **options)
+    assert engine.plan.tier_counts("model")["stream"] > 0
+    with torch.no_grad():
+        assert all(torch.equal(model(x), expected) for _ in range(2))
