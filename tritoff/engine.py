@@ -478,6 +478,7 @@ def enable(
     if previous is None:
         preflight.check_no_foreign_hooks(components)
         preflight.check_not_inference(components)
+        preflight.check_packable(components)
     from tritoff.store import fingerprint
 
     # taken before any parameter changes (and reused on re-plans, when parameters hold placeholders)

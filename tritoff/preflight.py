@@ -233,6 +233,36 @@ def check_not_inference(components: dict[str, nn.Module]) -> None:
                 )
 
 
+def check_packable(components: dict[str, nn.Module]) -> None:
+    """Refuse what packs cannot hold or hooks cannot serve, before anything changes: a TorchScript module (its
+    compiled code calls no Python hooks), a sparse or conjugate-view weight (packs hold dense bytes), an embedding
+    with ``max_norm`` (each lookup renormalises its table in place, which tritoff refuses at every call)."""
+    for name, component in components.items():
+        for path, module in component.named_modules():
+            where = f"{name}.{path}" if path else name
+            if isinstance(module, torch.jit.ScriptModule):
+                raise ValueError(
+                    f"{where} is a TorchScript module, whose compiled code calls no hooks: enable tritoff on the "
+                    "Python module (torch.compile works with tritoff)"
+                )
+            if isinstance(module, nn.Embedding) and module.max_norm is not None:
+                raise ValueError(
+                    f"{where} is an nn.Embedding with max_norm, which rewrites its table in place at each lookup: "
+                    "set its max_norm to None before enable (renormalising the table once first, if its rows exceed it)"
+                )
+        for pname, param in named_parameters(component):
+            if param.layout != torch.strided:
+                raise ValueError(
+                    f"{name}.{pname} is a sparse tensor, and packs hold dense weights: make it dense "
+                    "(nn.Parameter(weight.to_dense())) before enable"
+                )
+            if param.is_conj():
+                raise ValueError(
+                    f"{name}.{pname} is a conjugate view, which packs cannot hold: resolve it "
+                    "(nn.Parameter(weight.resolve_conj())) before enable"
+                )
+
+
 def check_loaded(module: nn.Module, component: str) -> None:
     """Refuse a module whose weights are on the meta device: there are no values to pack."""
     for name, tensor in (*named_parameters(module), *module.named_buffers()):

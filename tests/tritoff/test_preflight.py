@@ -103,3 +103,43 @@ def test_weights_made_under_inference_mode_are_refused_before_anything_changes()
     )
     assert not hasattr(model, preflight.ENGINE_ATTR)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def _sparse_weight():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    model[0].weight = torch.nn.Parameter(model[0].weight.detach().to_sparse())
+    return model
+
+
+def _conjugate_weight():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4).to(torch.complex64))
+    model[0].weight = torch.nn.Parameter(model[0].weight.detach().conj())
+    return model
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda: torch.jit.script(torch.nn.Sequential(torch.nn.Linear(4, 4))),
+            r"^model is a TorchScript module, whose compiled code calls no hooks: enable tritoff on the Python module",
+        ),
+        (
+            lambda: torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=1.0), torch.nn.Linear(4, 4)),
+            r"^model.0 is an nn.Embedding with max_norm, which rewrites its table in place at each lookup: set its",
+        ),
+        (_sparse_weight, r"^model.0.weight is a sparse tensor, and packs hold dense weights: make it dense"),
+        (_conjugate_weight, r"^model.0.weight is a conjugate view, which packs cannot hold: resolve it"),
+    ],
+)
+def test_what_packs_cannot_hold_or_hooks_cannot_serve_is_refused_before_anything_changes(make, message):
+    # each failed deep inside enable with PyTorch's own error (or, for max_norm, at every call once enabled)
+    model = make()
+    before = {k: (v.to_dense() if v.layout != torch.strided else v).resolve_conj().clone()
+              for k, v in model.state_dict().items()}  # fmt: skip
+    _one_line(lambda: tritoff.enable(model, device="cpu", progress=False), ValueError, message)
+    after = {
+        k: (v.to_dense() if v.layout != torch.strided else v).resolve_conj() for k, v in model.state_dict().items()
+    }
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert not hasattr(model, "_tritoff_engine") and not getattr(model, "_forward_pre_hooks", None)
