@@ -24,10 +24,10 @@ def storage_name(name) -> str:
 
 def is_vae(name: str, module=None) -> bool:
     """Whether the pipeline component ``name`` (``module``, when known) is a VAE: named ``vae`` / ``*_vae``, or a
-    module with ``encode`` and ``decode``."""
+    module whose class has ``encode`` and ``decode`` methods (submodules of those names make no VAE)."""
     if name == "vae" or name.endswith("_vae"):
         return True
-    return module is not None and all(callable(getattr(module, m, None)) for m in ("encode", "decode"))
+    return module is not None and all(callable(getattr(type(module), m, None)) for m in ("encode", "decode"))
 
 
 def resolve_storage(storage, components: dict) -> dict[str, str]:

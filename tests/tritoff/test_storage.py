@@ -126,3 +126,22 @@ def test_the_reports_storage_names_the_majority_or_says_mixed():
     assert describe_storage(
         {"vae": "bf16", "transformer": "bf16", "text_encoder": "fp8_e4m3", "a": "fp8_e4m3", "b": "fp8_e4m3"}
     ) == ("fp8_e4m3 (transformer: own dtype, vae: own dtype)")
+
+
+def test_a_vae_is_told_by_its_class_methods_not_by_submodules_named_encode_and_decode():
+    import torch.nn as nn
+
+    class Codec(nn.Module):  # an autoencoder-like module whose halves are submodules: not a VAE kept in its dtype
+        def __init__(self):
+            super().__init__()
+            self.encode, self.decode = nn.Linear(4, 2), nn.Linear(2, 4)
+
+    class Vae(nn.Module):
+        def encode(self, x):
+            return x
+
+        def decode(self, z):
+            return z
+
+    assert resolve_storage(None, {"model": Codec()}) == {"model": "fp8_e4m3"}
+    assert resolve_storage(None, {"model": Vae()}) == {"model": "bf16"}
