@@ -379,7 +379,7 @@ def _load_pipeline(model: str, dtype, store: str | None, pipeline: str | None = 
     ``pipeline``: the diffusers class to load it as (default: the one model_index.json names)."""
     import torch
 
-    from tritoff.convert import LOAD_ERRORS, cannot_load, config_fault, from_pretrained
+    from tritoff.convert import from_pretrained, load_error
 
     local = _check_model(model)
     kwargs = {}
@@ -395,10 +395,12 @@ def _load_pipeline(model: str, dtype, store: str | None, pipeline: str | None = 
                 kwargs[name] = _empty_component(local, name, spec[1], store)
     try:
         pipe = from_pretrained(model, dtype, pipeline=pipeline, **kwargs)
-    except LOAD_ERRORS as err:
+    except Exception as err:
         # diffusers names no file when a model's constructor refuses its config's values: find the file
-        fault = config_fault(local) if not isinstance(err, (OSError, ImportError)) and local.is_dir() else None
-        raise CliError(fault or cannot_load(model, err)) from None
+        error = load_error(model, err, local)
+        if error is None:
+            raise
+        raise CliError(str(error)) from None
     if not any(isinstance(getattr(pipe, n, None), torch.nn.Module) for n in ("transformer", "unet")):
         raise CliError(f"{model} has no transformer or unet: tritoff runs diffusion pipelines")
     return pipe
@@ -1022,6 +1024,11 @@ def _full_option(token: str, options: list[str]) -> str | None:
     return matches[0] if len(matches) == 1 else None
 
 
+def _traceback_asked() -> bool:
+    """Whether ``TRITOFF_TRACEBACK`` asks for tracebacks (set, and not to ``0``)."""
+    return os.environ.get("TRITOFF_TRACEBACK", "").strip() not in ("", "0")
+
+
 def _print_traceback(err: BaseException) -> None:
     """``err``'s traceback (and those it was raised from) on stderr, for ``TRITOFF_TRACEBACK=1``: printed, not
     raised, so the command still ends with its one-line error and its exit code."""
@@ -1060,7 +1067,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, ValueError, OSError) as err:
         if _interrupted:
             return _interrupted_exit()
-        if os.environ.get("TRITOFF_TRACEBACK") and not _own_check(err):
+        if _traceback_asked() and not _own_check(err):
             err.__suppress_context__ = False  # the library's error a one-line message stood for, shown too
             _print_traceback(err)
         _say(f"tritoff: error: {_one_line(err)}")
@@ -1071,7 +1078,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # what no check foresaw (a library's error on these inputs, a bug): still one line
         if _interrupted:
             return _interrupted_exit()
-        if os.environ.get("TRITOFF_TRACEBACK"):
+        if _traceback_asked():
             _print_traceback(err)
             _say(f"tritoff: error: {type(err).__name__}: {_one_line(err)} (unexpected: its traceback is above)")
             return 1

@@ -184,9 +184,11 @@ def build_from_config(directory: Path, library: str, cls: type) -> nn.Module:
     with torch.device("meta"), config_errors(directory / "config.json"):
         if library == "diffusers":
             return cls.from_config(cls.load_config(directory))
-        from transformers import AutoConfig
-
-        return cls(AutoConfig.from_pretrained(directory))
+        # the class's own config class, as its from_pretrained reads it (AutoConfig needs a model_type it does not)
+        config_class = getattr(cls, "config_class", None)
+        if config_class is None:
+            from transformers import AutoConfig as config_class
+        return cls(config_class.from_pretrained(directory))
 
 
 def config_fault(directory: Path) -> str | None:
@@ -210,6 +212,20 @@ def config_fault(directory: Path) -> str | None:
         except Exception:  # noqa: BLE001 - a fault of another kind: from_pretrained's own message says it
             continue
     return None
+
+
+def load_error(model, err: Exception, directory: Path | None) -> ValueError | None:
+    """The one-line error for ``err``, which ``from_pretrained`` raised loading ``model`` (saved in ``directory``, a
+    local pipeline directory, or None): the config whose values build no model where :func:`config_fault` finds one
+    (transformers' configs raise their own exception types on a bad value), else :func:`cannot_load` for the
+    ``LOAD_ERRORS``; None for running out of memory and the unforeseen, which stay as they are."""
+    if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
+        return None
+    if directory is not None and not isinstance(err, (OSError, ImportError)) and directory.is_dir():
+        fault = config_fault(directory)
+        if fault is not None:
+            return ValueError(fault)
+    return ValueError(cannot_load(model, err)) if isinstance(err, LOAD_ERRORS) else None
 
 
 def _one_line(err: BaseException) -> str:
@@ -266,8 +282,12 @@ def convert_pipeline(
     # everything else loads normally (the streamed components are passed as None so they are not read)
     try:
         loaded = from_pretrained(model, dtype, **dict.fromkeys(readers))
-    except (ImportError, AttributeError, TypeError) as err:  # the input's fault (OSError and ValueError say so)
-        raise ValueError(cannot_load(model, err)) from err
+    except Exception as err:
+        error = load_error(model, err, directory)
+        # OSError and ValueError say what is wrong themselves, unless a config turned out to be at fault
+        if error is None or (isinstance(err, (OSError, ValueError)) and "fix the config" not in str(error)):
+            raise
+        raise error from err
     for name, module in components_of(loaded).items():
         components.setdefault(name, module)
     components = {n: components[n] for n in sorted(components)}

@@ -166,14 +166,21 @@ def block_groups(model: nn.Module) -> list[Group]:
 def leaf_groups(model: nn.Module) -> list[Group]:
     """One group per Linear/Conv layer (smallest memory), then the large embedding tables kept on the host, then the
     rest of the model (with any parameter tied across layers, as in :func:`block_groups`, and the layers whose parent
-    reads their weights without calling them: ``nn.MultiheadAttention``'s ``out_proj``)."""
+    reads their weights without calling them: ``nn.MultiheadAttention``'s ``out_proj``, the layers of an
+    ``nn.TransformerEncoderLayer``)."""
     from tritoff.skip import QUANTIZABLE_LAYERS
 
     owner: dict[int, str] = {}
     host = _host_groups(model, owner)
     groups: list[Group] = []
-    # layers whose weights their parent reads without calling them: no hook of theirs would run before the read
-    uncalled = {id(m.out_proj) for _, m in named_modules(model) if isinstance(m, nn.MultiheadAttention)}
+    # layers whose weights their parent reads without calling them, so no hook of theirs would run before the read:
+    # an attention's out_proj, and every layer of an encoder layer (PyTorch's fast path in eval reads them all)
+    uncalled = set()
+    for _, m in named_modules(model):
+        if isinstance(m, nn.TransformerEncoderLayer):
+            uncalled.update(id(sub) for sub in m.modules())
+        elif isinstance(m, nn.MultiheadAttention):
+            uncalled.add(id(m.out_proj))
     layers = [
         (name, m)
         for name, m in named_modules(model)

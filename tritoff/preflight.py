@@ -234,13 +234,14 @@ def check_not_inference(components: dict[str, nn.Module]) -> None:
 
 
 def check_packable(components: dict[str, nn.Module]) -> None:
-    """Refuse what packs cannot hold or hooks cannot serve, before anything changes: a TorchScript module (its
-    compiled code calls no Python hooks), a sparse or conjugate-view weight (packs hold dense bytes), an embedding
-    with ``max_norm`` (each lookup renormalises its table in place, which tritoff refuses at every call)."""
+    """Refuse what packs cannot hold or hooks cannot serve, before anything changes: a TorchScript module holding
+    weights (its compiled code calls no Python hooks), a sparse or conjugate-view weight (packs hold dense bytes),
+    an embedding with ``max_norm`` (each lookup renormalises its table in place, which tritoff refuses at every
+    call)."""
     for name, component in components.items():
         for path, module in component.named_modules():
             where = f"{name}.{path}" if path else name
-            if isinstance(module, torch.jit.ScriptModule):
+            if isinstance(module, torch.jit.ScriptModule) and any(True for _ in module.parameters()):
                 raise ValueError(
                     f"{where} is a TorchScript module, whose compiled code calls no hooks: enable tritoff on the "
                     "Python module (torch.compile works with tritoff)"

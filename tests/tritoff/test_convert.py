@@ -377,3 +377,25 @@ def test_a_component_built_from_its_config_keeps_its_saved_buffers(tmp_path, dty
         built = empty_diffusers_component(tmp_path, "CogVideoXTransformer3DModel", stored)
     saved, got = model.patch_embed.pos_embedding, built.patch_embed.pos_embedding
     assert torch.equal(got, saved.to(got.dtype)) and not torch.equal(saved, torch.zeros_like(saved))
+
+
+def test_a_config_is_blamed_only_when_the_model_cannot_be_built_from_it(two_pipelines, tmp_path):
+    # the text encoder's class reads its config as from_pretrained does: a config without model_type (which
+    # AutoConfig would need) builds, so a failure elsewhere is not blamed on it
+    import shutil
+
+    from tritoff.convert import config_fault, load_error
+
+    model = tmp_path / "a"
+    shutil.copytree(two_pipelines / "a", model)
+    config = model / "text_encoder" / "config.json"
+    values = json.loads(config.read_text())
+    config.write_text(json.dumps({k: v for k, v in values.items() if k != "model_type"}))
+    assert config_fault(model) is None
+    failure = RuntimeError("blocks.0.ffn.net.0.proj.bias expected shape [64], got [32]")
+    assert str(load_error(model, failure, model)) == f"cannot load {model}: {failure}"
+    # a value the config class refuses (transformers raises its own exception type): named, whatever was raised
+    config.write_text(json.dumps({**values, "num_heads": "x"}))
+    said = str(load_error(model, Exception("Validation error for field 'num_heads'"), model))
+    assert said.startswith(f"cannot build a model from {config}: ") and said.endswith("fix the config"), said
+    assert load_error(model, MemoryError(), model) is None  # the machine's: as it is

@@ -1674,3 +1674,20 @@ def test_a_layer_read_but_never_called_in_leaf_mode_names_model_mode():
     with pytest.raises(RuntimeError, match=r"^model's forward called none of its layers \(0.proj, ...\).*'model'") as e:
         _output(model, torch.randn(4, 16, dtype=torch.bfloat16))
     assert "'leaf'" not in str(e.value)
+
+
+def test_transformer_encoder_layers_stream_in_leaf_mode_exactly():
+    # PyTorch's fast path in eval reads every layer of an encoder layer without calling it: in leaf mode they move
+    # with the rest, not as layers of their own (whose hooks never ran: NaN, silently, beside the layers called)
+    torch.manual_seed(0)
+    layers = [torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True) for _ in range(3)]
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), *layers, torch.nn.Linear(32, 32)).eval()
+    x = torch.randn(2, 5, 32)
+    expected = _output(model, x)
+    options = dict(mode="leaf", storage="bf16", reserve=1000, progress=False, kernels="reference")
+    with pytest.raises(BudgetError) as small:
+        tritoff.enable(model, budget=1000, **options)
+    engine = tritoff.enable(model, budget=small.value.minimum, **options)
+    assert engine.plan.tier_counts("model")["stream"] > 0
+    for _ in range(2):
+        assert torch.equal(_output(model, x), expected)

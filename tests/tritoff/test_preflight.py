@@ -143,3 +143,20 @@ def test_what_packs_cannot_hold_or_hooks_cannot_serve_is_refused_before_anything
     }
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert not hasattr(model, "_tritoff_engine") and not getattr(model, "_forward_pre_hooks", None)
+
+
+def test_a_scripted_module_without_weights_inside_a_block_is_served():
+    # its compiled code calls no hooks, but it reads no weight either: only a scripted module holding weights is refused
+    model = stack().to(torch.float32)
+    for block in model.blocks:
+        block.append(torch.jit.script(torch.nn.GELU()))
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        expected = model(x)
+    options = dict(mode="group", device="cpu", storage="bf16", progress=False)
+    with pytest.raises(tritoff.BudgetError) as small:
+        tritoff.enable(model, budget=1, **options)
+    engine = tritoff.enable(model, budget=small.value.minimum, **options)
+    assert engine.plan.tier_counts("model")["stream"] > 0
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
