@@ -862,7 +862,9 @@ def load_store(
     ``verify=False`` only when the files are verified elsewhere: a corrupt store then gives wrong outputs).
 
     Only headers are read: every pack starts on disk (:attr:`Pack.on_disk`), and :func:`tritoff.packer.hold_packs`
-    reads those the host budget holds. A format-4 pack is checked against its own hash when first read."""
+    reads those the host budget holds. A format-4 pack is checked against its own hash when first read.
+    ``group_lists`` (each component's groups for the mode asked for) takes the groups a block store holds where they
+    differ for a model without block lists (see :func:`groups_for`)."""
     from tritoff.arena import HostArena
     from tritoff.disk import PackFile
     from tritoff.formats import get_format
@@ -908,7 +910,18 @@ def load_store(
         hashed = _verified.get(_identity(path)) == info["hash"]  # hashed whole by this process, unchanged since
         file = PackFile.open(path, info["data_offset"], verify=verify and not hashed)
         groups = group_lists[name]
-        if [p["name"] for p in meta["packs"]] != [g.name for g in groups]:
+        names = [p["name"] for p in meta["packs"]]
+        if names != [g.name for g in groups] and index["grouping"] == "block":
+            # a model without block lists: a block store holds its layers (convert and mode group stream them) or
+            # its whole rest (saved from mode auto or model); either serves every mode but leaf
+            from tritoff.groups import block_groups
+            from tritoff.sizing import groups_for
+
+            for other in (groups_for(components[name], "group"), block_groups(components[name])):
+                if names == [g.name for g in other]:
+                    groups = group_lists[name] = other
+                    break
+        if names != [g.name for g in groups]:
             raise StoreError(f"{directory}: the groups of {name} differ from the store's; recreate it")
         packs = []
         for p in meta["packs"]:

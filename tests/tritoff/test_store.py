@@ -590,3 +590,35 @@ def test_a_model_built_without_weights_fills_from_its_store_under_inference_mode
     tritoff.disable(empty)
     with torch.no_grad():
         assert torch.equal(empty(x), expected)
+
+
+class _TwoLayers(torch.nn.Module):
+    """No block list: mode group streams its layers, modes auto and model move it as one group."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("saved_in", ["group", "auto"])
+def test_a_block_store_of_a_model_without_block_lists_serves_every_mode_but_leaf(tmp_path, saved_in):
+    # the store holds the layers (mode group) or the whole rest (auto): either is read in the other modes
+    def model():
+        torch.manual_seed(0)
+        return _TwoLayers().eval()
+
+    x = torch.randn(2, 16)
+    source = model()
+    with torch.no_grad():
+        expected = source(x)
+    engine = tritoff.enable(source, mode=saved_in, device="cpu", storage="bf16", progress=False)
+    engine.save(tmp_path / "store")
+    for mode in (None, "auto", "model", "group"):
+        target = model()
+        tritoff.enable(target, store=str(tmp_path / "store"), mode=mode, device="cpu", progress=False)
+        with torch.no_grad():
+            assert torch.equal(target(x), expected), mode
+        tritoff.disable(target)
