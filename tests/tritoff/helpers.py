@@ -113,6 +113,18 @@ class Stack(torch.nn.Module):
         return self.head(x)
 
 
+def enable_at_minimum(model, tried=1, **options):
+    """``tritoff.enable(model, **options)`` at the smallest budget it takes (named by the refusal of ``tried``): every
+    group that can stream does."""
+    import pytest
+
+    import tritoff
+
+    with pytest.raises(tritoff.BudgetError) as small:
+        tritoff.enable(model, budget=tried, **options)
+    return tritoff.enable(model, budget=small.value.minimum, **options)
+
+
 def stack(seed=0, **kwargs):
     """A bf16 :class:`Stack` with weights drawn reproducibly from ``seed``."""
     from tritoff.tiny import realistic_init

@@ -14,7 +14,7 @@ from tritoff.planner import BudgetError
 from tritoff.tiny import realistic_init, tiny_umt5
 from tritoff.warn import TritoffWarning
 
-from .helpers import dequantize_in_place, dequantized_pipeline, in_threads, run, wan
+from .helpers import dequantize_in_place, dequantized_pipeline, enable_at_minimum, in_threads, run, wan
 
 pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
 
@@ -1647,10 +1647,7 @@ def test_multihead_attention_streams_in_leaf_mode_exactly():
     x = torch.randn(1, 3, 16)
     reference = dequantize_in_place(model())
     enabled = model()
-    options = dict(mode="leaf", reserve=1000, progress=False, kernels="reference")
-    with pytest.raises(BudgetError) as small:
-        tritoff.enable(enabled, budget=1000, **options)
-    engine = tritoff.enable(enabled, budget=small.value.minimum, **options)
+    engine = enable_at_minimum(enabled, 1000, mode="leaf", reserve=1000, progress=False, kernels="reference")
     assert engine.plan.tier_counts("model")["stream"] > 0
     for _ in range(2):
         assert torch.equal(_output(enabled, x), _output(reference, x))
@@ -1667,10 +1664,7 @@ def test_a_layer_read_but_never_called_in_leaf_mode_names_model_mode():
 
     torch.manual_seed(0)
     model = realistic_init(torch.nn.Sequential(Reads(), Reads())).to(torch.bfloat16).eval()
-    options = dict(mode="leaf", reserve=1000, progress=False, kernels="reference")
-    with pytest.raises(BudgetError) as small:
-        tritoff.enable(model, budget=1000, **options)
-    tritoff.enable(model, budget=small.value.minimum, **options)
+    enable_at_minimum(model, 1000, mode="leaf", reserve=1000, progress=False, kernels="reference")
     with pytest.raises(RuntimeError, match=r"^model's forward called none of its layers \(0.proj, ...\).*'model'") as e:
         _output(model, torch.randn(4, 16, dtype=torch.bfloat16))
     assert "'leaf'" not in str(e.value)
@@ -1685,9 +1679,7 @@ def test_transformer_encoder_layers_stream_in_leaf_mode_exactly():
     x = torch.randn(2, 5, 32)
     expected = _output(model, x)
     options = dict(mode="leaf", storage="bf16", reserve=1000, progress=False, kernels="reference")
-    with pytest.raises(BudgetError) as small:
-        tritoff.enable(model, budget=1000, **options)
-    engine = tritoff.enable(model, budget=small.value.minimum, **options)
+    engine = enable_at_minimum(model, 1000, **options)
     assert engine.plan.tier_counts("model")["stream"] > 0
     for _ in range(2):
         assert torch.equal(_output(model, x), expected)

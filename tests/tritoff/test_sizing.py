@@ -11,7 +11,7 @@ from tritoff.planner import BudgetError, plan_phases
 from tritoff.sizing import groups_for, looped, minimum_for, shared_bytes, sizes_of
 from tritoff.skip import SkipRules
 
-from .helpers import stack
+from .helpers import enable_at_minimum, stack
 
 
 def _layouts(components, group_lists):
@@ -108,10 +108,7 @@ def test_a_hooked_module_computing_its_weight_in_a_pre_hook_is_refused_and_left_
     model = torch.nn.Sequential(*[torch.nn.Sequential(_weight_normed(make, 1), torch.nn.ReLU()) for _ in range(3)])
     with torch.no_grad():
         expected = model.eval()(x)
-    options = dict(mode="group", device="cpu", storage="bf16", progress=False)
-    with pytest.raises(tritoff.BudgetError) as small:
-        tritoff.enable(model, budget=1, **options)
-    engine = tritoff.enable(model, budget=small.value.minimum, **options)
+    engine = enable_at_minimum(model, mode="group", device="cpu", storage="bf16", progress=False)
     assert engine.plan.tier_counts("model")["stream"] > 0
     with torch.no_grad():
         assert all(torch.equal(model(x), expected) for _ in range(2))
