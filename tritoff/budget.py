@@ -123,6 +123,13 @@ def cgroup_memory_limits(proc: Path = Path("/proc/self/cgroup"), root: Path = Pa
     return limits
 
 
+def reserves_everything(reserve) -> bool:
+    """Whether ``reserve`` is a percentage of 100 or more, which leaves nothing of the budget for weights (checked
+    before :func:`parse_size`, which takes up to 100%; ``inf%`` is left to its finite-number error)."""
+    fraction = percentage(reserve)
+    return fraction is not None and 1 <= fraction < math.inf
+
+
 def percentage(value) -> float | None:
     """The fraction a valid size ``value`` such as ``"20%"`` names (0.2), or None when it is not a percentage."""
     match = _PATTERN.match(value) if isinstance(value, str) else None

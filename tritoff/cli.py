@@ -120,9 +120,9 @@ def _check_budget(budget: str | None, what: str = "budget", percent: bool = True
 
 
 def _check_reserve(reserve: str | None) -> None:
-    from tritoff.budget import percentage
+    from tritoff.budget import reserves_everything
 
-    if reserve is not None and 1 <= (percentage(reserve) or 0) < math.inf:  # parse_size takes up to 100%
+    if reserves_everything(reserve):
         raise CliError(f"--reserve {reserve} leaves nothing of the budget for weights: use less than 100%")
     _check_budget(reserve, what="reserve")
 

@@ -164,10 +164,14 @@ def from_pretrained(model, dtype: torch.dtype, pipeline: str | None = None, **co
 LOAD_ERRORS = (OSError, ValueError, ImportError, AttributeError, TypeError, RuntimeError)
 
 
+class ConfigError(ValueError):
+    """A config.json whose values build no model (:func:`config_errors`)."""
+
+
 @contextlib.contextmanager
 def config_errors(config: Path):
     """Around building a model from ``config`` (a config.json): what its constructor raises on values it cannot take
-    (a string where a count goes, a negative size) becomes a one-line ValueError naming the file."""
+    (a string where a count goes, a negative size) becomes a one-line :class:`ConfigError` naming the file."""
     try:
         yield
     except Exception as err:
@@ -175,7 +179,7 @@ def config_errors(config: Path):
         # parse) stay as they are
         if isinstance(err, (MemoryError, torch.OutOfMemoryError, OSError, ImportError)) or str(config) in str(err):
             raise
-        raise ValueError(f"cannot build a model from {config}: {_one_line(err)}; fix the config") from err
+        raise ConfigError(f"cannot build a model from {config}: {_one_line(err)}; fix the config") from err
 
 
 def build_from_config(directory: Path, library: str, cls: type) -> nn.Module:
@@ -191,8 +195,8 @@ def build_from_config(directory: Path, library: str, cls: type) -> nn.Module:
         return cls(config_class.from_pretrained(directory))
 
 
-def config_fault(directory: Path) -> str | None:
-    """The one-line message of the first model of the pipeline saved in ``directory`` whose config builds no model
+def config_fault(directory: Path) -> ConfigError | None:
+    """The error of the first model of the pipeline saved in ``directory`` whose config builds no model
     (:func:`config_errors`), or None: what a failed ``from_pretrained`` cannot say, since diffusers names no file."""
     try:
         index = json.loads((directory / "model_index.json").read_text())
@@ -206,26 +210,26 @@ def config_fault(directory: Path) -> str | None:
             continue
         try:
             build_from_config(directory / name, spec[0], cls)
-        except ValueError as err:
-            if str(err).startswith("cannot build a model from"):
-                return str(err)
+        except ConfigError as err:
+            return err
         except Exception:  # noqa: BLE001 - a fault of another kind: from_pretrained's own message says it
             continue
     return None
 
 
-def load_error(model, err: Exception, directory: Path | None) -> ValueError | None:
+def load_error(model, err: Exception, directory: Path | None, kept: tuple[type, ...] = ()) -> ValueError | None:
     """The one-line error for ``err``, which ``from_pretrained`` raised loading ``model`` (saved in ``directory``, a
     local pipeline directory, or None): the config whose values build no model where :func:`config_fault` finds one
     (transformers' configs raise their own exception types on a bad value), else :func:`cannot_load` for the
-    ``LOAD_ERRORS``; None for running out of memory and the unforeseen, which stay as they are."""
+    ``LOAD_ERRORS``; None for running out of memory, the unforeseen, and errors of the types ``kept`` that no config
+    explains, which stay as they are."""
     if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
         return None
     if directory is not None and not isinstance(err, (OSError, ImportError)) and directory.is_dir():
         fault = config_fault(directory)
         if fault is not None:
-            return ValueError(fault)
-    return ValueError(cannot_load(model, err)) if isinstance(err, LOAD_ERRORS) else None
+            return fault
+    return ValueError(cannot_load(model, err)) if isinstance(err, LOAD_ERRORS) and not isinstance(err, kept) else None
 
 
 def _one_line(err: BaseException) -> str:
@@ -283,9 +287,9 @@ def convert_pipeline(
     try:
         loaded = from_pretrained(model, dtype, **dict.fromkeys(readers))
     except Exception as err:
-        error = load_error(model, err, directory)
         # OSError and ValueError say what is wrong themselves, unless a config turned out to be at fault
-        if error is None or (isinstance(err, (OSError, ValueError)) and "fix the config" not in str(error)):
+        error = load_error(model, err, directory, kept=(OSError, ValueError))
+        if error is None:
             raise
         raise error from err
     for name, module in components_of(loaded).items():

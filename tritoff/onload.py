@@ -487,8 +487,6 @@ class GroupRuntime:
 
     def _upcast(self, src: torch.Tensor, dst: torch.Tensor, launch: int, stream=None) -> None:
         table_cpu, table, n_programs = self._launches[launch]
-        if not n_programs:  # zero-size tensors alone: a launch of no programs is an error on CUDA
-            return
         zero_copy = launch == 1 and self.zero_copy
         if not self.use_triton:
             upcast_pack_reference(src, dst, table_cpu, self.layout.out_dtype, self.storage)

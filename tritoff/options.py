@@ -3,13 +3,19 @@ says what to use, before anything changes."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from tritoff.budget import default_budget, device_memory, parse_host_budget, parse_size, percentage
+from tritoff.budget import (
+    default_budget,
+    device_memory,
+    parse_host_budget,
+    parse_size,
+    percentage,
+    reserves_everything,
+)
 from tritoff.formats import check_granularity, get_format
 from tritoff.kernels import backend
 from tritoff.planner import MODES
@@ -104,7 +110,7 @@ def resolve(
         # a percentage is checked for syntax only: of a budget too small it is less than a byte, which the planner
         # then refuses naming the smallest budget that works
         fraction = percentage(reserve)
-        if fraction is not None and 1 <= fraction < math.inf:  # before parse_size, which takes up to 100%
+        if reserves_everything(reserve):
             raise ValueError(f"reserve {reserve!r} leaves nothing of the budget for weights: use less than 100%")
         reserve_bytes = parse_size(reserve, what="reserve", total=budget_bytes if fraction is None else 2**50)
     # a fraction of the budget is computed as the planner computes it when it names the smallest budget that works

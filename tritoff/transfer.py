@@ -124,8 +124,8 @@ class Transfer:
         On CUDA, nothing is written into ``dst`` before ``after`` (an event marking the end of its previous use);
         callers that need the result record an event on :attr:`upcast_stream` after this call.
         """
-        if not group.packed_bytes:  # zero-size tensors alone: nothing to copy, launch or wait for
-            return 0
+        if not group.packed_bytes:  # zero-size tensors alone: nothing to copy or wait for, and a launch of no programs
+            return 0  # is an error on CUDA
         if not self.cuda:
             with self._synchronous():
                 return self._fill_now(group, dst)
