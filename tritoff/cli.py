@@ -379,7 +379,7 @@ def _load_pipeline(model: str, dtype, store: str | None, pipeline: str | None = 
     ``pipeline``: the diffusers class to load it as (default: the one model_index.json names)."""
     import torch
 
-    from tritoff.convert import from_pretrained, load_error
+    from tritoff.convert import ConfigError, from_pretrained, held_load_output, load_error
 
     local = _check_model(model)
     kwargs = {}
@@ -393,14 +393,17 @@ def _load_pipeline(model: str, dtype, store: str | None, pipeline: str | None = 
             spec = libraries.get(name)
             if isinstance(spec, list) and spec[0] == "diffusers":
                 kwargs[name] = _empty_component(local, name, spec[1], store)
-    try:
-        pipe = from_pretrained(model, dtype, pipeline=pipeline, **kwargs)
-    except Exception as err:
-        # diffusers names no file when a model's constructor refuses its config's values: find the file
-        error = load_error(model, err, local)
-        if error is None:
-            raise
-        raise CliError(str(error)) from None
+    with held_load_output() as held:
+        try:
+            pipe = from_pretrained(model, dtype, pipeline=pipeline, **kwargs)
+        except Exception as err:
+            # diffusers names no file when a model's constructor refuses its config's values: find the file
+            error = load_error(model, err, local)
+            if error is None:
+                raise
+            if isinstance(error, ConfigError):
+                held.drop()
+            raise CliError(str(error)) from None
     if not any(isinstance(getattr(pipe, n, None), torch.nn.Module) for n in ("transformer", "unet")):
         raise CliError(f"{model} has no transformer or unet: tritoff runs diffusion pipelines")
     return pipe

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -125,6 +127,47 @@ class CheckpointReader:
                     out[name] = f.get_tensor(name).to(dtype)
         return out
 
+    def float_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of every floating-point tensor, from the files' headers (nothing is read)."""
+        shapes = {}
+        for file in sorted(set(self.files.values())):
+            with _open(file) as f:
+                for name in f.keys():
+                    if self.files.get(name) == file:
+                        tensor = f.get_slice(name)
+                        if tensor.get_dtype() in _FLOAT_DTYPES:
+                            shapes[name] = tuple(tensor.get_shape())
+        return shapes
+
+
+# safetensors' names of the floating-point dtypes (packed or quantized weights, stored as integers, are not compared)
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
+def shape_fault(directory: Path, model: nn.Module, reader: CheckpointReader | None = None) -> ConfigError | None:
+    """A :class:`ConfigError` naming the first tensor of the checkpoint in ``directory`` (read through ``reader``, or
+    found there) whose shape is not that of ``model``'s tensor of the same name (``model`` built from the directory's
+    config.json, on any device), or None: a config that does not describe its weights. Tensors of names the model
+    lacks, and non-floating ones, are not compared."""
+    if reader is None:
+        try:
+            reader = CheckpointReader(directory)
+        except (OSError, ValueError):  # no safetensors, or unreadable ones: from_pretrained says so itself
+            return None
+    saved = reader.float_shapes()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name in saved and tuple(tensor.shape) != saved[name]:
+            return ConfigError(
+                f"{directory / 'config.json'} does not describe the weights beside it: {name} has shape "
+                f"{_shape(saved[name])} in the checkpoint, {_shape(tensor.shape)} in the model the config builds; "
+                "fix the config"
+            )
+    return None
+
+
+def _shape(shape) -> str:
+    return "(" + ", ".join(str(n) for n in shape) + ")"
+
 
 def _open(file: Path):
     """``safe_open`` with a one-line error naming the file when it is not a readable safetensors file."""
@@ -144,8 +187,6 @@ def from_pretrained(model, dtype: torch.dtype, pipeline: str | None = None, **co
     The class itself, not ``DiffusionPipeline``: called through ``DiffusionPipeline``, diffusers reads the optional
     components of ``DiffusionPipeline`` (none), so a component the pipeline declares optional (Wan's transformer) is
     loaded from its files whatever is passed for it, a whole model read into RAM where it was to be built empty."""
-    import warnings
-
     import diffusers
 
     cls = diffusers.DiffusionPipeline
@@ -157,6 +198,59 @@ def from_pretrained(model, dtype: torch.dtype, pipeline: str | None = None, **co
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
         return cls.from_pretrained(model, torch_dtype=dtype, **components)
+
+
+class HeldLoadOutput:
+    """Python warnings and diffusers' and transformers' log records held during a load (:func:`held_load_output`):
+    shown when it ends, unless :meth:`drop` was called."""
+
+    def __init__(self):
+        self.warnings: list[warnings.WarningMessage] = []
+        self.records: list[logging.LogRecord] = []
+        self.dropped = False
+
+    def drop(self) -> None:
+        """Show none of them: the load failed with an error that says what they would have said."""
+        self.dropped = True
+
+
+class _Collector(logging.Handler):
+    def __init__(self, records: list):
+        super().__init__()
+        self.records = records
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@contextlib.contextmanager
+def held_load_output():
+    """Hold a load's warnings and diffusers' and transformers' log records until it ends, then show them (after its
+    progress bars) unless :meth:`HeldLoadOutput.drop` was called: when a config does not describe the weights beside
+    it, transformers prints a report of every mismatched tensor before failing, which the one-line error naming the
+    config replaces."""
+    import diffusers  # noqa: F401 - imported first: each library gives its logger its handler when imported
+    import transformers  # noqa: F401
+
+    held = HeldLoadOutput()
+    loggers = [logging.getLogger(name) for name in ("diffusers", "transformers")]
+    saved = [(logger.handlers[:], logger.propagate) for logger in loggers]
+    collector = _Collector(held.records)
+    for logger in loggers:
+        logger.handlers, logger.propagate = [collector], False
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            held.warnings = caught
+            yield held
+    finally:
+        for logger, (handlers, propagate) in zip(loggers, saved, strict=True):
+            added = [h for h in logger.handlers if h is not collector]  # by whatever the load configured
+            logger.handlers, logger.propagate = handlers + added, propagate
+        if not held.dropped:
+            for message in held.warnings:
+                warnings.warn_explicit(message.message, message.category, message.filename, message.lineno)
+            for record in held.records:
+                logging.getLogger(record.name).handle(record)
 
 
 # what diffusers raises on missing or malformed files (an unknown class, a config of the wrong types, a size the
@@ -197,7 +291,8 @@ def build_from_config(directory: Path, library: str, cls: type) -> nn.Module:
 
 def config_fault(directory: Path) -> ConfigError | None:
     """The error of the first model of the pipeline saved in ``directory`` whose config builds no model
-    (:func:`config_errors`), or None: what a failed ``from_pretrained`` cannot say, since diffusers names no file."""
+    (:func:`config_errors`) or one whose tensors do not have its weights' shapes (:func:`shape_fault`), or None: what
+    a failed ``from_pretrained`` cannot say, since diffusers and transformers name no file."""
     try:
         index = json.loads((directory / "model_index.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -209,11 +304,14 @@ def config_fault(directory: Path) -> ConfigError | None:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module) and (directory / name / "config.json").is_file()):
             continue
         try:
-            build_from_config(directory / name, spec[0], cls)
+            built = build_from_config(directory / name, spec[0], cls)
         except ConfigError as err:
             return err
         except Exception:  # noqa: BLE001 - a fault of another kind: from_pretrained's own message says it
             continue
+        fault = shape_fault(directory / name, built)
+        if fault is not None:
+            return fault
     return None
 
 
@@ -283,15 +381,21 @@ def convert_pipeline(
             ):
                 components[name] = empty_diffusers_component(sub, spec[1], dtype)
                 readers[name] = CheckpointReader(sub)
+                fault = shape_fault(sub, components[name], readers[name])
+                if fault is not None:  # found now, before anything is read or written
+                    raise fault
     # everything else loads normally (the streamed components are passed as None so they are not read)
-    try:
-        loaded = from_pretrained(model, dtype, **dict.fromkeys(readers))
-    except Exception as err:
-        # OSError and ValueError say what is wrong themselves, unless a config turned out to be at fault
-        error = load_error(model, err, directory, kept=(OSError, ValueError))
-        if error is None:
-            raise
-        raise error from err
+    with held_load_output() as held:
+        try:
+            loaded = from_pretrained(model, dtype, **dict.fromkeys(readers))
+        except Exception as err:
+            # OSError and ValueError say what is wrong themselves, unless a config turned out to be at fault
+            error = load_error(model, err, directory, kept=(OSError, ValueError))
+            if error is None:
+                raise
+            if isinstance(error, ConfigError):
+                held.drop()
+            raise error from err
     for name, module in components_of(loaded).items():
         components.setdefault(name, module)
     components = {n: components[n] for n in sorted(components)}

@@ -525,6 +525,31 @@ def test_a_config_whose_values_build_no_model_is_a_bad_input_in_one_line(
     assert not (tmp_path / "store").exists()
 
 
+@pytest.mark.parametrize(
+    "command, config, key, value, tensor",
+    [
+        # transformers prints a report of every mismatched tensor, then fails naming no file
+        ("run", "text_encoder/config.json", "num_heads", 0, "SelfAttention.q.weight has shape (32, 32)"),
+        # the streamed component: found before anything is read, where packing failed naming no file
+        ("convert", "transformer/config.json", "ffn_dim", 16, "blocks.0.ffn.net.0.proj.weight has shape (32, 24)"),
+    ],
+)
+def test_a_config_that_does_not_describe_its_weights_is_named_in_one_line(
+    work, tmp_path, command, config, key, value, tensor
+):
+    import shutil
+
+    shutil.copytree(work[0] / "pipe", tmp_path / "pipe")
+    path = tmp_path / "pipe" / config
+    path.write_text(json.dumps({**json.loads(path.read_text()), key: value}))
+    argv = ["run", tmp_path / "pipe", *RUN] if command == "run" else ["convert", tmp_path / "pipe", tmp_path / "store"]
+    code, out, err = tritoff(*argv)
+    last = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert code == 2 and out == "" and "Traceback" not in err and "REPORT" not in err, err
+    assert last.startswith(f"tritoff: error: {path} does not describe the weights beside it: ") and tensor in last
+    assert last.endswith("fix the config") and not (tmp_path / "store").exists()
+
+
 @pytest.mark.parametrize("command", ["run", "convert"])
 @pytest.mark.parametrize(
     "name, said",

@@ -399,3 +399,63 @@ def test_a_config_is_blamed_only_when_the_model_cannot_be_built_from_it(two_pipe
     said = str(load_error(model, Exception("Validation error for field 'num_heads'"), model))
     assert said.startswith(f"cannot build a model from {config}: ") and said.endswith("fix the config"), said
     assert load_error(model, MemoryError(), model) is None  # the machine's: as it is
+
+
+def test_a_config_that_does_not_describe_its_weights_is_named(two_pipelines, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tritoff.convert import ConfigError, config_fault, shape_fault
+
+    model = tmp_path / "a"
+    shutil.copytree(two_pipelines / "a", model)
+    config = model / "transformer" / "config.json"
+    values = json.loads(config.read_text())
+    config.write_text(json.dumps({**values, "ffn_dim": values["ffn_dim"] // 2}))
+    fault = config_fault(model)
+    assert isinstance(fault, ConfigError) and str(fault).startswith(f"{config} does not describe the weights beside")
+    assert "blocks.0.ffn.net.0.proj.weight has shape (32, 24) in the checkpoint, (16, 24) in the model" in str(fault)
+    # tensors stored as integers (packed or quantized weights) and names the model lacks are not compared
+    config.write_text(json.dumps(values))
+    (file,) = (model / "transformer").glob("*.safetensors")
+    tensors = load_file(file)
+    tensors["blocks.0.ffn.net.0.proj.weight"] = torch.zeros(7, dtype=torch.uint8)
+    tensors["extra.weight"] = torch.ones(3)
+    save_file(tensors, file)
+    assert shape_fault(model / "transformer", torch.nn.Module()) is None
+    assert config_fault(model) is None
+
+
+@pytest.mark.parametrize("dropped", [False, True])
+def test_a_load_s_warnings_and_log_records_are_shown_after_it_unless_dropped(dropped):
+    import logging
+    import warnings
+
+    from tritoff.convert import held_load_output
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    said, library = [], logging.getLogger("transformers")
+    import transformers  # noqa: F401 - its logger's own handler first, as when the library is loaded
+
+    seen = Seen()
+    library.addHandler(seen)
+    try:
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.simplefilter("always")
+            with held_load_output() as held:
+                warnings.warn("a load's warning", UserWarning, stacklevel=1)
+                logging.getLogger("transformers.modeling_utils").warning("a load report")
+                assert shown == [] and said == []  # held while it loads
+                if dropped:
+                    held.drop()
+        assert said == ([] if dropped else ["a load report"])
+        assert [str(w.message) for w in shown] == ([] if dropped else ["a load's warning"])
+        logging.getLogger("transformers.modeling_utils").warning("after the load")
+        assert said[-1] == "after the load"  # the handlers are back
+    finally:
+        library.removeHandler(seen)
