@@ -59,14 +59,15 @@ def test_every_mode_equals_the_dequantized_pipeline(wan_reference, mode, budget)
 
 
 def test_triton_end_to_end(wan_reference):
-    """The kernels (Triton interpreter on CPU) unpack every streamed group exactly like the reference."""
+    """The kernels (Triton interpreter on CPU) unpack every streamed group exactly like the reference. One step: its
+    two calls (CFG) are the traced first call, with synchronous fills, and a prefetched one."""
     from tritoff.kernels import triton_runs_on
 
     if not triton_runs_on("cuda" if torch.cuda.is_available() else "cpu"):
         pytest.skip("Triton cannot run here")
     pipe = wan()
     _enable(pipe, mode="group", budget="4MB", kernels="triton")
-    assert torch.equal(run(pipe, num_inference_steps=2), run(dequantized_pipeline(wan), num_inference_steps=2))
+    assert torch.equal(run(pipe, num_inference_steps=1), run(dequantized_pipeline(wan), num_inference_steps=1))
 
 
 def test_bf16_storage_equals_the_plain_pipeline():
