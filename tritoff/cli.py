@@ -379,34 +379,57 @@ def _load_pipeline(model: str, dtype, store: str | None, pipeline: str | None = 
     ``pipeline``: the diffusers class to load it as (default: the one model_index.json names)."""
     import torch
 
-    from tritoff.convert import ConfigError, from_pretrained, held_load_output, load_error
+    from tritoff.checkpoint import ConfigError
+    from tritoff.convert import from_pretrained, load_error
+    from tritoff.load_output import held_load_output
 
     local = _check_model(model)
     kwargs = {}
-    if store is not None and local.exists():
-        from tritoff.store import read_index
-
-        libraries = _json(local / "model_index.json")
-        for name in read_index(store)["components"]:
-            # diffusers models (the transformer: most of the bytes) are built without reading their weights;
-            # transformers encoders tie weights at load time, so they load normally and are replaced by the packs
-            spec = libraries.get(name)
-            if isinstance(spec, list) and spec[0] == "diffusers":
-                kwargs[name] = _empty_component(local, name, spec[1], store)
     with held_load_output() as held:
         try:
-            pipe = from_pretrained(model, dtype, pipeline=pipeline, **kwargs)
-        except Exception as err:
-            # diffusers names no file when a model's constructor refuses its config's values: find the file
-            error = load_error(model, err, local)
-            if error is None:
-                raise
-            if isinstance(error, ConfigError):
-                held.drop()
-            raise CliError(str(error)) from None
+            if store is not None and local.exists():
+                from tritoff.store import read_index
+
+                libraries = _json(local / "model_index.json")
+                for name in read_index(store)["components"]:
+                    # diffusers models (the transformer: most of the bytes) are built without reading their weights;
+                    # transformers encoders tie weights at load time, so they load normally and are replaced by the
+                    # packs
+                    spec = libraries.get(name)
+                    if isinstance(spec, list) and spec[0] == "diffusers":
+                        kwargs[name] = _empty_component(local, name, spec[1], store)
+            try:
+                pipe = from_pretrained(model, dtype, pipeline=pipeline, **kwargs)
+            except Exception as err:
+                # diffusers names no file when a model's constructor refuses its config's values: find the file
+                error = load_error(model, err, local)
+                if error is None:
+                    raise
+                raise (error if isinstance(error, ConfigError) else CliError(str(error))) from None
+            _check_loaded(pipe, local, kwargs)
+        except ConfigError as err:  # its one line says what the libraries' reports would have
+            held.drop()
+            raise CliError(str(err)) from None
     if not any(isinstance(getattr(pipe, n, None), torch.nn.Module) for n in ("transformer", "unet")):
         raise CliError(f"{model} has no transformer or unet: tritoff runs diffusion pipelines")
     return pipe
+
+
+def _check_loaded(pipe, local: Path, built: dict) -> None:
+    """Refuse, naming its config (:class:`ConfigError`), a component diffusers left parameters of on the meta device
+    (those its config builds but its checkpoint lacks), where ``enable`` would name no file; components in ``built``
+    are meant to be empty."""
+    import torch
+
+    from tritoff.checkpoint import checkpoint_fault
+
+    for name, component in pipe.components.items():
+        if name in built or not isinstance(component, torch.nn.Module) or not local.is_dir():
+            continue
+        if any(param.is_meta for param in component.parameters()):
+            fault = checkpoint_fault(local / name, component, missing=True)
+            if fault is not None:
+                raise fault
 
 
 def _empty_component(directory: Path, name: str, class_name: str, store: str):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import shutil
 import warnings
@@ -24,8 +23,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from tritoff.checkpoint import CheckpointReader, ConfigError, checkpoint_fault, index_fault, unused_tensors
 from tritoff.formats import get_format
 from tritoff.groups import Group
+from tritoff.load_output import held_load_output
 from tritoff.packer import PackedModel, pack_model, plan_layouts
 from tritoff.partial import finished, partial_store
 from tritoff.skip import SkipRules, warn_unmatched
@@ -39,10 +40,16 @@ from tritoff.store import (
 )
 
 
-def empty_diffusers_component(directory: Path, class_name: str, dtype: torch.dtype | dict[str, torch.dtype]):
+def empty_diffusers_component(
+    directory: Path,
+    class_name: str,
+    dtype: torch.dtype | dict[str, torch.dtype],
+    reader: CheckpointReader | None = None,
+):
     """The component saved in ``directory`` built from its config, parameters on the meta device (buffers computed for
     real). ``dtype``: the pipeline dtype, applied as ``from_pretrained`` does (``_keep_in_fp32_modules`` stay fp32),
-    or a dtype per parameter name (as a store recorded them)."""
+    or a dtype per parameter name (as a store recorded them). A config that does not describe the checkpoint beside it
+    (read through ``reader``, or found there) is a :class:`ConfigError` naming it."""
     import diffusers
     from accelerate import init_empty_weights
 
@@ -54,6 +61,10 @@ def empty_diffusers_component(directory: Path, class_name: str, dtype: torch.dty
         )
     with init_empty_weights(include_buffers=False), config_errors(Path(directory) / "config.json"):
         module = cls.from_config(cls.load_config(directory))
+    # before the saved buffers are copied in: a config of other sizes would fail there naming no file
+    fault = checkpoint_fault(Path(directory), module, reader, missing=True)
+    if fault is not None:
+        raise fault
     if isinstance(dtype, torch.dtype):
         module = cast_like_from_pretrained(module, dtype)
     else:
@@ -98,87 +109,6 @@ def cast_like_from_pretrained(model: nn.Module, dtype: torch.dtype) -> nn.Module
     return model
 
 
-class CheckpointReader:
-    """Tensors of a component's safetensors checkpoint (one file or shards with an index), read lazily by name."""
-
-    def __init__(self, directory: Path):
-        index = sorted(directory.glob("*.safetensors.index.json"))
-        if index:
-            weight_map = json.loads(index[0].read_text())["weight_map"]
-            self.files = {name: directory / file for name, file in weight_map.items()}
-        else:
-            files = sorted(directory.glob("*.safetensors"))
-            if len(files) != 1:
-                raise FileNotFoundError(f"{directory}: expected one safetensors file or an index, found {len(files)}")
-            with _open(files[0]) as f:
-                self.files = dict.fromkeys(f.keys(), files[0])
-
-    def read(self, names_and_dtypes: list[tuple[str, torch.dtype]]) -> dict[str, torch.Tensor]:
-        """The named tensors, cast to their dtypes."""
-        by_file: dict[Path, list] = {}
-        for name, dtype in names_and_dtypes:
-            if name not in self.files:
-                raise KeyError(f"{name} is not in the checkpoint")
-            by_file.setdefault(self.files[name], []).append((name, dtype))
-        out = {}
-        for file, items in by_file.items():
-            with _open(file) as f:
-                for name, dtype in items:
-                    out[name] = f.get_tensor(name).to(dtype)
-        return out
-
-    def float_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The shape of every floating-point tensor, from the files' headers (nothing is read)."""
-        shapes = {}
-        for file in sorted(set(self.files.values())):
-            with _open(file) as f:
-                for name in f.keys():
-                    if self.files.get(name) == file:
-                        tensor = f.get_slice(name)
-                        if tensor.get_dtype() in _FLOAT_DTYPES:
-                            shapes[name] = tuple(tensor.get_shape())
-        return shapes
-
-
-# safetensors' names of the floating-point dtypes (packed or quantized weights, stored as integers, are not compared)
-_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
-
-
-def shape_fault(directory: Path, model: nn.Module, reader: CheckpointReader | None = None) -> ConfigError | None:
-    """A :class:`ConfigError` naming the first tensor of the checkpoint in ``directory`` (read through ``reader``, or
-    found there) whose shape is not that of ``model``'s tensor of the same name (``model`` built from the directory's
-    config.json, on any device), or None: a config that does not describe its weights. Tensors of names the model
-    lacks, and non-floating ones, are not compared."""
-    if reader is None:
-        try:
-            reader = CheckpointReader(directory)
-        except (OSError, ValueError):  # no safetensors, or unreadable ones: from_pretrained says so itself
-            return None
-    saved = reader.float_shapes()
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if name in saved and tuple(tensor.shape) != saved[name]:
-            return ConfigError(
-                f"{directory / 'config.json'} does not describe the weights beside it: {name} has shape "
-                f"{_shape(saved[name])} in the checkpoint, {_shape(tensor.shape)} in the model the config builds; "
-                "fix the config"
-            )
-    return None
-
-
-def _shape(shape) -> str:
-    return "(" + ", ".join(str(n) for n in shape) + ")"
-
-
-def _open(file: Path):
-    """``safe_open`` with a one-line error naming the file when it is not a readable safetensors file."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        return safe_open(file, framework="pt")
-    except SafetensorError as err:
-        raise ValueError(f"cannot read {file}: {err}; is the checkpoint complete?") from None
-
-
 def from_pretrained(model, dtype: torch.dtype, pipeline: str | None = None, **components):
     """``from_pretrained`` of the pipeline class ``model`` names (or of diffusers' class ``pipeline``), without the
     ``torch_dtype`` rename warning of newer diffusers (older ones know only that name). ``components`` are passed as
@@ -200,66 +130,9 @@ def from_pretrained(model, dtype: torch.dtype, pipeline: str | None = None, **co
         return cls.from_pretrained(model, torch_dtype=dtype, **components)
 
 
-class HeldLoadOutput:
-    """Python warnings and diffusers' and transformers' log records held during a load (:func:`held_load_output`):
-    shown when it ends, unless :meth:`drop` was called."""
-
-    def __init__(self):
-        self.warnings: list[warnings.WarningMessage] = []
-        self.records: list[logging.LogRecord] = []
-        self.dropped = False
-
-    def drop(self) -> None:
-        """Show none of them: the load failed with an error that says what they would have said."""
-        self.dropped = True
-
-
-class _Collector(logging.Handler):
-    def __init__(self, records: list):
-        super().__init__()
-        self.records = records
-
-    def emit(self, record):
-        self.records.append(record)
-
-
-@contextlib.contextmanager
-def held_load_output():
-    """Hold a load's warnings and diffusers' and transformers' log records until it ends, then show them (after its
-    progress bars) unless :meth:`HeldLoadOutput.drop` was called: when a config does not describe the weights beside
-    it, transformers prints a report of every mismatched tensor before failing, which the one-line error naming the
-    config replaces."""
-    import diffusers  # noqa: F401 - imported first: each library gives its logger its handler when imported
-    import transformers  # noqa: F401
-
-    held = HeldLoadOutput()
-    loggers = [logging.getLogger(name) for name in ("diffusers", "transformers")]
-    saved = [(logger.handlers[:], logger.propagate) for logger in loggers]
-    collector = _Collector(held.records)
-    for logger in loggers:
-        logger.handlers, logger.propagate = [collector], False
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            held.warnings = caught
-            yield held
-    finally:
-        for logger, (handlers, propagate) in zip(loggers, saved, strict=True):
-            added = [h for h in logger.handlers if h is not collector]  # by whatever the load configured
-            logger.handlers, logger.propagate = handlers + added, propagate
-        if not held.dropped:
-            for message in held.warnings:
-                warnings.warn_explicit(message.message, message.category, message.filename, message.lineno)
-            for record in held.records:
-                logging.getLogger(record.name).handle(record)
-
-
 # what diffusers raises on missing or malformed files (an unknown class, a config of the wrong types, a size the
 # model cannot be built with: torch's RuntimeError), or a package the pipeline needs
 LOAD_ERRORS = (OSError, ValueError, ImportError, AttributeError, TypeError, RuntimeError)
-
-
-class ConfigError(ValueError):
-    """A config.json whose values build no model (:func:`config_errors`)."""
 
 
 @contextlib.contextmanager
@@ -291,8 +164,8 @@ def build_from_config(directory: Path, library: str, cls: type) -> nn.Module:
 
 def config_fault(directory: Path) -> ConfigError | None:
     """The error of the first model of the pipeline saved in ``directory`` whose config builds no model
-    (:func:`config_errors`) or one whose tensors do not have its weights' shapes (:func:`shape_fault`), or None: what
-    a failed ``from_pretrained`` cannot say, since diffusers and transformers name no file."""
+    (:func:`config_errors`) or one whose tensors do not have its weights' shapes (:func:`checkpoint_fault`), or
+    None: what a failed ``from_pretrained`` cannot say, since diffusers and transformers name no file."""
     try:
         index = json.loads((directory / "model_index.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -309,7 +182,7 @@ def config_fault(directory: Path) -> ConfigError | None:
             return err
         except Exception:  # noqa: BLE001 - a fault of another kind: from_pretrained's own message says it
             continue
-        fault = shape_fault(directory / name, built)
+        fault = checkpoint_fault(directory / name, built)
         if fault is not None:
             return fault
     return None
@@ -318,13 +191,14 @@ def config_fault(directory: Path) -> ConfigError | None:
 def load_error(model, err: Exception, directory: Path | None, kept: tuple[type, ...] = ()) -> ValueError | None:
     """The one-line error for ``err``, which ``from_pretrained`` raised loading ``model`` (saved in ``directory``, a
     local pipeline directory, or None): the config whose values build no model where :func:`config_fault` finds one
-    (transformers' configs raise their own exception types on a bad value), else :func:`cannot_load` for the
+    (transformers' configs raise their own exception types on a bad value), or the shard index that is not one
+    (:func:`index_fault`: diffusers fails inside it with a KeyError or TypeError), else :func:`cannot_load` for the
     ``LOAD_ERRORS``; None for running out of memory, the unforeseen, and errors of the types ``kept`` that no config
     explains, which stay as they are."""
     if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
         return None
     if directory is not None and not isinstance(err, (OSError, ImportError)) and directory.is_dir():
-        fault = config_fault(directory)
+        fault = config_fault(directory) or index_fault(directory)
         if fault is not None:
             return fault
     return ValueError(cannot_load(model, err)) if isinstance(err, LOAD_ERRORS) and not isinstance(err, kept) else None
@@ -339,6 +213,33 @@ def cannot_load(model, err: BaseException) -> str:
     """The one-line message for ``model``, which :func:`from_pretrained` could not load (``err``, every line of it:
     some libraries list their reasons below the first), cut at 400 characters."""
     return f"cannot load {model}: {_one_line(err)}"
+
+
+def _streamed_components(directory: Path, dtype: torch.dtype) -> tuple[dict[str, nn.Module], dict]:
+    """The diffusers components of the pipeline saved in ``directory`` that have safetensors files, built from their
+    configs without weights, and a reader of each one's checkpoint: (components, readers). Tensors of a checkpoint
+    that its model has no place for are warned of (the store leaves them out)."""
+    from tritoff.warn import warn
+
+    components, readers = {}, {}
+    for name, spec in json.loads((directory / "model_index.json").read_text()).items():
+        sub = directory / name
+        if not (
+            isinstance(spec, list)
+            and spec[0] == "diffusers"
+            and (list(sub.glob("*.safetensors")) or list(sub.glob("*.safetensors.index.json")))
+        ):
+            continue
+        readers[name] = CheckpointReader(sub)
+        components[name] = empty_diffusers_component(sub, spec[1], dtype, readers[name])
+        unused = unused_tensors(sub, components[name], readers[name])
+        if unused:
+            tensors = f"{len(unused)} tensors" if len(unused) > 1 else "a tensor"
+            warn(
+                f"{sub}: {tensors} of its checkpoint ({unused[0]}{', ...' if len(unused) > 1 else ''}) have no place "
+                "in the model its config.json builds; the store leaves them out"
+            )
+    return components, readers
 
 
 def convert_pipeline(
@@ -371,31 +272,22 @@ def convert_pipeline(
         check_target(out_dir, overwrite, model=directory)
     components: dict[str, nn.Module] = {}
     readers: dict[str, CheckpointReader] = {}
-    if stream and (directory / "model_index.json").is_file():
-        for name, spec in json.loads((directory / "model_index.json").read_text()).items():
-            sub = directory / name
-            if (
-                isinstance(spec, list)
-                and spec[0] == "diffusers"
-                and (list(sub.glob("*.safetensors")) or list(sub.glob("*.safetensors.index.json")))
-            ):
-                components[name] = empty_diffusers_component(sub, spec[1], dtype)
-                readers[name] = CheckpointReader(sub)
-                fault = shape_fault(sub, components[name], readers[name])
-                if fault is not None:  # found now, before anything is read or written
-                    raise fault
-    # everything else loads normally (the streamed components are passed as None so they are not read)
     with held_load_output() as held:
         try:
-            loaded = from_pretrained(model, dtype, **dict.fromkeys(readers))
-        except Exception as err:
-            # OSError and ValueError say what is wrong themselves, unless a config turned out to be at fault
-            error = load_error(model, err, directory, kept=(OSError, ValueError))
-            if error is None:
-                raise
-            if isinstance(error, ConfigError):
-                held.drop()
-            raise error from err
+            if stream and (directory / "model_index.json").is_file():
+                components, readers = _streamed_components(directory, dtype)
+            # everything else loads normally (the streamed components are passed as None so they are not read)
+            try:
+                loaded = from_pretrained(model, dtype, **dict.fromkeys(readers))
+            except Exception as err:
+                # OSError and ValueError say what is wrong themselves, unless a config turned out to be at fault
+                error = load_error(model, err, directory, kept=(OSError, ValueError))
+                if error is None:
+                    raise
+                raise error from err
+        except ConfigError:  # its one line says what the libraries' reports would have
+            held.drop()
+            raise
     for name, module in components_of(loaded).items():
         components.setdefault(name, module)
     components = {n: components[n] for n in sorted(components)}

@@ -532,6 +532,8 @@ def test_a_config_whose_values_build_no_model_is_a_bad_input_in_one_line(
         ("run", "text_encoder/config.json", "num_heads", 0, "SelfAttention.q.weight has shape (32, 32)"),
         # the streamed component: found before anything is read, where packing failed naming no file
         ("convert", "transformer/config.json", "ffn_dim", 16, "blocks.0.ffn.net.0.proj.weight has shape (32, 24)"),
+        # a block the checkpoint lacks: diffusers left it on the meta device, which enable refused naming no file
+        ("run", "transformer/config.json", "num_layers", 3, "the model it builds has blocks.2."),
     ],
 )
 def test_a_config_that_does_not_describe_its_weights_is_named_in_one_line(

@@ -1,0 +1,151 @@
+"""tritoff/checkpoint.py: a component's checkpoint read as from_pretrained reads it, and a config that does not describe
+it named in one line."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tritoff.checkpoint import (
+    CheckpointReader,
+    ConfigError,
+    checkpoint_fault,
+    index_fault,
+    unused_tensors,
+)
+
+from .helpers import wan
+
+pytestmark = pytest.mark.filterwarnings("ignore:no CUDA device")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny Wan pipeline saved as from_pretrained reads it."""
+    root = tmp_path_factory.mktemp("saved")
+    wan().save_pretrained(root / "pipe")
+    return root / "pipe"
+
+
+def _copy(saved, tmp_path):
+    import shutil
+
+    shutil.copytree(saved, tmp_path / "pipe")
+    return tmp_path / "pipe"
+
+
+def _built(directory, library="diffusers", **changes):
+    """The component saved in ``directory`` built (on the meta device) from its config with ``changes``."""
+    from tritoff.convert import build_from_config
+
+    config = directory / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), **changes}))
+    cls = {"diffusers": "WanTransformer3DModel", "transformers": "UMT5EncoderModel"}[library]
+    return build_from_config(directory, library, getattr(__import__(library), cls))
+
+
+def test_reader_reads_only_what_it_is_asked(saved):
+    reader = CheckpointReader(saved / "transformer")
+    got = reader.read([("blocks.0.attn1.to_q.weight", torch.bfloat16)])
+    assert list(got) == ["blocks.0.attn1.to_q.weight"] and got["blocks.0.attn1.to_q.weight"].dtype == torch.bfloat16
+    with pytest.raises(KeyError, match="not in the checkpoint"):
+        reader.read([("nope.weight", torch.bfloat16)])
+    dtype, shape = reader.headers()["blocks.0.attn1.to_q.weight"]
+    assert shape == tuple(
+        load_file(next((saved / "transformer").glob("*.safetensors")))["blocks.0.attn1.to_q.weight"].shape
+    ) and dtype in ("BF16", "F32")
+
+
+def test_a_variant_beside_the_checkpoint_is_not_read_and_extra_files_are_named(saved, tmp_path):
+    # from_pretrained without a variant reads the plain file; the reader refused to choose
+    pipe = _copy(saved, tmp_path)
+    directory = pipe / "transformer"
+    (plain,) = directory.glob("*.safetensors")
+    save_file({"other": torch.ones(2)}, directory / "diffusion_pytorch_model.fp16.safetensors")
+    assert CheckpointReader(directory).files == dict.fromkeys(load_file(plain), plain)
+    save_file({"other": torch.ones(2)}, directory / "more.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"found 2 \(diffusion_pytorch_model.safetensors, more.safetensors\)"):
+        CheckpointReader(directory)
+
+
+@pytest.mark.parametrize(
+    "index, said",
+    [
+        ('{"weight_map": []}', "its weight_map does not map tensor names to file names"),
+        ('{"weight_map": {"a.weight": 5}}', "its weight_map does not map tensor names to file names"),
+        ('{"metadata": {}}', "it has no weight_map"),
+        ("[1]", "it has no weight_map"),
+        ('{"weight_map": ', "Expecting value"),
+    ],
+)
+def test_a_shard_index_that_is_not_one_is_named(saved, tmp_path, index, said):
+    # diffusers fails inside such an index with a KeyError, AttributeError or TypeError, naming no file
+    pipe = _copy(saved, tmp_path)
+    path = pipe / "transformer" / "diffusion_pytorch_model.safetensors.index.json"
+    path.write_text(index)
+    with pytest.raises(ValueError, match=f"cannot read {path}: {said}"):
+        CheckpointReader(pipe / "transformer")
+    assert str(index_fault(pipe)).startswith(f"cannot read {path}: {said}")
+    assert index_fault(saved) is None
+
+
+def test_a_tensor_of_another_shape_names_the_config(saved, tmp_path):
+    pipe = _copy(saved, tmp_path)
+    directory = pipe / "transformer"
+    assert checkpoint_fault(directory, _built(directory)) is None
+    ffn = json.loads((directory / "config.json").read_text())["ffn_dim"]
+    fault = checkpoint_fault(directory, _built(directory, ffn_dim=ffn // 2))
+    assert isinstance(fault, ConfigError), fault
+    assert str(fault).startswith(f"{directory / 'config.json'} does not describe the weights beside it: ")
+    assert f"blocks.0.ffn.net.0.proj.weight has shape ({ffn}, " in str(fault) and str(fault).endswith("fix the config")
+    # tensors stored as integers (packed or quantized weights) and names the model lacks are not compared
+    model = _built(directory, ffn_dim=ffn)
+    (file,) = directory.glob("*.safetensors")
+    tensors = load_file(file)
+    tensors["blocks.0.ffn.net.0.proj.weight"] = torch.zeros(7, dtype=torch.uint8)
+    tensors["extra.weight"] = torch.ones(3)
+    save_file(tensors, file)
+    assert checkpoint_fault(directory, model) is None
+    assert unused_tensors(directory, model, CheckpointReader(directory)) == ["extra.weight"]
+    file.write_bytes(file.read_bytes()[:100])  # unreadable: the load names the file, not this check
+    assert checkpoint_fault(directory, model) is None
+
+
+@pytest.mark.parametrize("first", ["transformer", "text_model"])
+def test_a_text_encoder_saved_under_other_names_is_matched_as_transformers_loads_it(saved, tmp_path, first):
+    # saved from a task model (its base_model_prefix first, "transformer" for UMT5) or under a first part transformers
+    # renames ("text_model." of CLIP text encoders): the tensors were compared with none
+    pipe = _copy(saved, tmp_path)
+    directory = pipe / "text_encoder"
+    (file,) = directory.glob("*.safetensors")
+    save_file({f"{first}.{name}": t for name, t in load_file(file).items()}, file, metadata={"format": "pt"})
+    d_ff = json.loads((directory / "config.json").read_text())["d_ff"]
+    fault = checkpoint_fault(directory, _built(directory, "transformers", d_ff=2 * d_ff))
+    assert isinstance(fault, ConfigError) and f"has shape ({d_ff}, " in str(fault), fault
+
+
+def test_parameters_the_checkpoint_lacks_are_named_when_asked(saved, tmp_path):
+    # diffusers leaves them on the meta device, which tritoff refuses to pack naming no file
+    pipe = _copy(saved, tmp_path)
+    directory = pipe / "transformer"
+    layers = json.loads((directory / "config.json").read_text())["num_layers"]
+    model = _built(directory, num_layers=layers + 1)
+    assert checkpoint_fault(directory, model) is None  # no tensor of another shape
+    fault = checkpoint_fault(directory, model, missing=True)
+    assert isinstance(fault, ConfigError)
+    assert f"the model it builds has blocks.{layers}." in str(fault) and "which the checkpoint lacks" in str(fault)
+    # a parameter tied under two names is there when either name is
+    model = _built(directory, num_layers=layers)
+    model.register_parameter("tied", model.blocks[0].norm2.weight)
+    assert checkpoint_fault(directory, model, missing=True) is None
+
+
+def test_unused_tensors_leave_out_those_the_class_ignores(saved, tmp_path):
+    pipe = _copy(saved, tmp_path)
+    directory = pipe / "transformer"
+    model = _built(directory, num_layers=1)
+    unused = unused_tensors(directory, model, CheckpointReader(directory))
+    assert unused and all(name.startswith("blocks.") and not name.startswith("blocks.0.") for name in unused)
+    model._keys_to_ignore_on_load_unexpected = [r"^blocks\.[1-9]"]
+    assert unused_tensors(directory, model, CheckpointReader(directory)) == []
