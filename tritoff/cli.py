@@ -423,8 +423,10 @@ def _check_loaded(pipe, local: Path, built: dict) -> None:
 
     from tritoff.checkpoint import checkpoint_fault
 
+    if not local.is_dir():
+        return
     for name, component in pipe.components.items():
-        if name in built or not isinstance(component, torch.nn.Module) or not local.is_dir():
+        if name in built or not isinstance(component, torch.nn.Module):
             continue
         if any(param.is_meta for param in component.parameters()):
             fault = checkpoint_fault(local / name, component, missing=True)
