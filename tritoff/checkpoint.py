@@ -21,26 +21,44 @@ class ConfigError(ValueError):
     """A config.json whose values build no model, or a model that does not match the weights beside it."""
 
 
+# the weight files diffusers and transformers read by default
+WEIGHTS_NAMES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
+
+
 class CheckpointReader:
     """Tensors of a component's safetensors checkpoint (one file or shards with an index), read lazily by name. As
-    ``from_pretrained`` without a variant, files of a variant (``model.fp16.safetensors``, an index ending in
-    ``.index.fp16.json``) are not read when the plain files are there."""
+    ``from_pretrained`` without a variant, the libraries' own file names come first, and files of a variant
+    (``model.fp16.safetensors``, an index ending in ``.index.fp16.json``) are not read when plain files are there."""
 
     def __init__(self, directory: Path):
-        index = sorted(directory.glob("*.safetensors.index.json"))
+        index = _preferred(sorted(directory.glob("*.safetensors.index.json")), ".index.json")
+        self.sharded = bool(index)
+        self.names: dict[str, str] = {}  # a model's name -> the checkpoint's, where they differ (rename_for)
         if index:
             self.files = _weight_map(index[0], directory)
             return
-        files = sorted(directory.glob("*.safetensors"))
-        files = [f for f in files if f.name.count(".") == 1] or files  # a variant's name has one dot more
+        files = _preferred(sorted(directory.glob("*.safetensors")), "")
         if len(files) != 1:
             names = ", ".join(f.name for f in files) or "none"
             raise FileNotFoundError(
-                f"{directory}: expected one safetensors file or an index, found {len(files)} ({names}): keep the "
-                "checkpoint's files alone there"
+                f"{directory}: expected one safetensors file or an index naming its shards, found {len(files)} "
+                f"({names})"
             )
         with open_safetensors(files[0]) as f:
             self.files = dict.fromkeys(f.keys(), files[0])
+
+    def rename_for(self, model: nn.Module) -> None:
+        """Read ``model``'s tensors under the names diffusers' ``from_pretrained`` gives them: the attention layers of
+        VAEs saved before diffusers renamed them (``query`` -> ``to_q``, ``proj_attn`` -> ``to_out.0``), in a
+        checkpoint of one file, as diffusers renames them."""
+        fix = getattr(model, "_fix_state_dict_keys_on_load", None)
+        if fix is None or self.sharded:
+            return
+        files = {self.names.get(name, name): file for name, file in self.files.items()}  # by the checkpoint's names
+        names = {name: name for name in files}
+        fix(names)  # renames the keys in place; the values stay the checkpoint's names
+        self.files = {name: files[saved] for name, saved in names.items()}
+        self.names = {name: saved for name, saved in names.items() if name != saved}
 
     def read(self, names_and_dtypes: list[tuple[str, torch.dtype]]) -> dict[str, torch.Tensor]:
         """The named tensors, cast to their dtypes."""
@@ -53,19 +71,32 @@ class CheckpointReader:
         for file, items in by_file.items():
             with open_safetensors(file) as f:
                 for name, dtype in items:
-                    out[name] = f.get_tensor(name).to(dtype)
+                    out[name] = f.get_tensor(self.names.get(name, name)).to(dtype)
         return out
 
     def headers(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Every tensor's safetensors dtype name and shape, from the files' headers (no tensor is read)."""
         found = {}
-        for file in sorted(set(self.files.values())):
+        for name, file in self.files.items():
+            found.setdefault(file, []).append(name)
+        headers = {}
+        for file, names in sorted(found.items()):
             with open_safetensors(file) as f:
-                for name in f.keys():
-                    if self.files.get(name) == file:
-                        tensor = f.get_slice(name)
-                        found[name] = (tensor.get_dtype(), tuple(tensor.get_shape()))
-        return found
+                there = set(f.keys())  # an index may name a tensor its shard lacks: loading it says so
+                for name in names:
+                    saved = self.names.get(name, name)
+                    if saved in there:
+                        tensor = f.get_slice(saved)
+                        headers[name] = (tensor.get_dtype(), tuple(tensor.get_shape()))
+        return headers
+
+
+def _preferred(files: list[Path], suffix: str) -> list[Path]:
+    """Of a directory's safetensors ``files`` (or indexes: ``suffix`` after the name), those ``from_pretrained``
+    reads without a variant: the libraries' own names, else those without a variant in their names, else all."""
+    own = [f for f in files if f.name in {name + suffix for name in WEIGHTS_NAMES}]
+    plain = [f for f in files if f.name.count(".") == 1 + suffix.count(".")]  # a variant's name has one dot more
+    return own or plain or files
 
 
 def _weight_map(index: Path, directory: Path) -> dict[str, Path]:
@@ -86,13 +117,20 @@ def _weight_map(index: Path, directory: Path) -> dict[str, Path]:
 
 
 def index_fault(directory: Path) -> ValueError | None:
-    """The error of the first shard index of a component of the pipeline saved in ``directory`` that is not one
-    (:func:`_weight_map`), or None."""
-    for index in sorted(directory.glob("*/*.safetensors.index.json")):
-        try:
-            _weight_map(index, index.parent)
-        except ValueError as err:
-            return err
+    """The error of the first shard index of a component of the pipeline saved in ``directory`` (one its
+    model_index.json names) that is not one (:func:`_weight_map`), or None."""
+    try:
+        components = json.loads((directory / "model_index.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    for name in sorted(components) if isinstance(components, dict) else ():
+        if not isinstance(components[name], list) or "/" in name:
+            continue
+        for index in sorted((directory / name).glob("*.safetensors.index.json")):
+            try:
+                _weight_map(index, index.parent)
+            except ValueError as err:
+                return err
     return None
 
 
@@ -124,6 +162,7 @@ def checkpoint_fault(
         except Exception:  # noqa: BLE001 - no checkpoint of one safetensors file or an index: not ours to judge
             return None
     try:
+        reader.rename_for(model)
         saved = reader.headers()
     except Exception:  # noqa: BLE001 - a damaged file: the load reports it, naming it
         return None
@@ -142,7 +181,7 @@ def checkpoint_fault(
             more = f" and {len(lacking) - 1} more" if len(lacking) > 1 else ""
             return ConfigError(
                 f"{config} does not describe the weights beside it: the model it builds has {lacking[0]}{more}, "
-                "which the checkpoint lacks; fix the config"
+                "which the checkpoint lacks; fix the config, or the checkpoint if it is incomplete"
             )
     return None
 
@@ -160,19 +199,25 @@ def unused_tensors(directory: Path, model: nn.Module, reader: CheckpointReader) 
 def _saved_as(saved: dict, own: dict, prefix: str | None) -> dict[str, tuple]:
     """Model name -> (dtype, shape, checkpoint name) of each checkpoint tensor the model has a name for: the same
     name or, for a transformers model (``prefix``: its ``base_model_prefix``, maybe empty), the name that model
-    would load it as, without or with its prefix or without its first part (a text encoder saved from its task model,
-    ``model.layers.0...``, or with a name transformers renames, ``text_model.encoder...``)."""
-    found = {}
+    would load it as, without or with its prefix, else without its first part (a text encoder saved from its task
+    model, ``model.layers.0...``, or with a name transformers renames, ``text_model.encoder...``). A name found
+    without the first part of two checkpoint names (a whole CLIP model's ``text_model.`` and ``vision_model.``
+    towers, read by one of them) is not taken: which one the model loads cannot be told."""
+    found = {name: (*saved[name], name) for name in saved if name in own}
+    if prefix is None:
+        return found
+    guessed: dict[str, list] = {}
     for name, (dtype, shape) in saved.items():
-        candidates = [name]
-        if prefix is not None:
-            if prefix:
-                candidates.append(name[len(prefix) + 1 :] if name.startswith(prefix + ".") else f"{prefix}.{name}")
-            candidates.append(name.partition(".")[2])
-        for candidate in candidates:
-            if candidate in own:
-                found.setdefault(candidate, (dtype, shape, name))
-                break
+        if name in own:
+            continue
+        with_prefix = name[len(prefix) + 1 :] if name.startswith(prefix + ".") else f"{prefix}.{name}"
+        if prefix and with_prefix in own:
+            found.setdefault(with_prefix, (dtype, shape, name))
+        elif name.partition(".")[2] in own:
+            guessed.setdefault(name.partition(".")[2], []).append((dtype, shape, name))
+    for name, candidates in guessed.items():
+        if len(candidates) == 1:
+            found.setdefault(name, candidates[0])
     return found
 
 

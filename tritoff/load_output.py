@@ -71,10 +71,11 @@ def held_load_output():
 
 def _show(items: list) -> None:
     """Show held ``items`` as they would have been shown: warnings through ``warnings.showwarning`` (filtered once
-    already), records through the library logger's handlers and those above it (inner loggers' handlers had them)."""
+    already), records through the library logger's handlers and those above it (inner loggers' handlers had them; the
+    loggers' filters passed them on the way)."""
     for kind, item in items:
         if kind == "warning":
             shown, named = item
             warnings.showwarning(*shown, **named)
         else:
-            logging.getLogger(item.name.partition(".")[0]).handle(item)
+            logging.getLogger(item.name.partition(".")[0]).callHandlers(item)

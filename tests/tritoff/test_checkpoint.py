@@ -57,15 +57,17 @@ def test_reader_reads_only_what_it_is_asked(saved):
     ) and dtype in ("BF16", "F32")
 
 
-def test_a_variant_beside_the_checkpoint_is_not_read_and_extra_files_are_named(saved, tmp_path):
-    # from_pretrained without a variant reads the plain file; the reader refused to choose
+def test_the_file_from_pretrained_reads_is_read_and_others_are_named(saved, tmp_path):
+    # from_pretrained without a variant reads its own file name: a variant or another file beside it (an EMA copy)
+    # made the reader refuse to choose
     pipe = _copy(saved, tmp_path)
     directory = pipe / "transformer"
     (plain,) = directory.glob("*.safetensors")
     save_file({"other": torch.ones(2)}, directory / "diffusion_pytorch_model.fp16.safetensors")
+    save_file({"other": torch.ones(2)}, directory / "ema.safetensors")
     assert CheckpointReader(directory).files == dict.fromkeys(load_file(plain), plain)
-    save_file({"other": torch.ones(2)}, directory / "more.safetensors")
-    with pytest.raises(FileNotFoundError, match=r"found 2 \(diffusion_pytorch_model.safetensors, more.safetensors\)"):
+    plain.rename(directory / "weights.safetensors")  # no file of the library's name: which one cannot be told
+    with pytest.raises(FileNotFoundError, match=r"found 2 \(ema.safetensors, weights.safetensors\)"):
         CheckpointReader(directory)
 
 
@@ -88,6 +90,11 @@ def test_a_shard_index_that_is_not_one_is_named(saved, tmp_path, index, said):
         CheckpointReader(pipe / "transformer")
     assert str(index_fault(pipe)).startswith(f"cannot read {path}: {said}")
     assert index_fault(saved) is None
+    # a folder the pipeline's index does not name is none of its business
+    path.rename(tmp_path / "index.json")
+    (pipe / "old_transformer").mkdir()
+    (tmp_path / "index.json").rename(pipe / "old_transformer" / path.name)
+    assert index_fault(pipe) is None
 
 
 def test_a_tensor_of_another_shape_names_the_config(saved, tmp_path):
@@ -149,3 +156,50 @@ def test_unused_tensors_leave_out_those_the_class_ignores(saved, tmp_path):
     assert unused and all(name.startswith("blocks.") and not name.startswith("blocks.0.") for name in unused)
     model._keys_to_ignore_on_load_unexpected = [r"^blocks\.[1-9]"]
     assert unused_tensors(directory, model, CheckpointReader(directory)) == []
+
+
+def test_a_whole_clip_checkpoint_read_by_one_tower_is_not_compared_with_the_other(tmp_path):
+    # a CLIP image encoder pointed at a whole CLIP checkpoint: text_model.* and vision_model.* both lose their first
+    # part into the vision model's names, and the text tower's were compared with it (a correct config was named)
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    config = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=16, patch_size=8)  # fmt: skip
+    model = CLIPVisionModel(config)
+    model.save_pretrained(tmp_path)
+    (file,) = tmp_path.glob("*.safetensors")
+    vision = {
+        name.partition(".")[2] if name.startswith("vision_model.") else name: t for name, t in load_file(file).items()
+    }
+    tower = {f"vision_model.{name}": t for name, t in vision.items()}
+    tower |= {f"text_model.{name}": torch.zeros(3, 5) for name in vision}  # the other tower: other shapes
+    save_file(tower, file, metadata={"format": "pt"})
+    with torch.device("meta"):
+        built = CLIPVisionModel(config)
+    assert checkpoint_fault(tmp_path, built) is None
+
+
+def test_a_vae_saved_with_the_old_attention_names_is_read_as_diffusers_loads_it(tmp_path):
+    # diffusers renames query/key/value/proj_attn of a one-file checkpoint on load; convert read them by the model's
+    # names and failed, then named a correct config
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=4)
+    vae.save_pretrained(tmp_path)
+    (file,) = tmp_path.glob("*.safetensors")
+    old = {".to_q.": ".query.", ".to_k.": ".key.", ".to_v.": ".value.", ".to_out.0.": ".proj_attn."}
+    tensors = load_file(file)
+    renamed = {}
+    for name, tensor in tensors.items():
+        for new, was in old.items():
+            name = name.replace(new, was) if "attentions" in name else name
+        renamed[name] = tensor
+    assert renamed.keys() != tensors.keys()
+    save_file(renamed, file, metadata={"format": "pt"})
+    with torch.device("meta"):
+        built = AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=4)
+    reader = CheckpointReader(tmp_path)
+    assert checkpoint_fault(tmp_path, built, reader, missing=True) is None
+    got = reader.read([(name, tensor.dtype) for name, tensor in tensors.items()])
+    assert all(torch.equal(got[name], tensor) for name, tensor in tensors.items())
+    assert unused_tensors(tmp_path, built, reader) == []

@@ -549,7 +549,7 @@ def test_a_config_that_does_not_describe_its_weights_is_named_in_one_line(
     last = err.replace("\r", "\n").strip().splitlines()[-1]
     assert code == 2 and out == "" and "Traceback" not in err and "REPORT" not in err, err
     assert last.startswith(f"tritoff: error: {path} does not describe the weights beside it: ") and tensor in last
-    assert last.endswith("fix the config") and not (tmp_path / "store").exists()
+    assert "fix the config" in last and not (tmp_path / "store").exists()
 
 
 @pytest.mark.parametrize("command", ["run", "convert"])

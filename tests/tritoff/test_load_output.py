@@ -69,3 +69,19 @@ def test_filters_a_load_adds_stay_and_an_error_inside_shows_what_was_held(handle
             raise KeyError("the load failed")
         assert any(f[1] is not None and f[1].pattern == "a library's own filter" for f in warnings.filters)
     assert handlers[0].said == ["said before the error"] and warnings.showwarning is before
+
+
+def test_a_filter_on_a_library_s_logger_does_not_judge_its_inner_loggers_records(handlers):
+    # logging never applies a logger's filters to records passed up from inner loggers: shown again through the
+    # library's logger, they were filtered out
+    from tritoff.load_output import held_load_output
+
+    library = logging.getLogger("transformers")
+    only_its_own = logging.Filter("nothing-named-this")
+    library.addFilter(only_its_own)
+    try:
+        with held_load_output():
+            logging.getLogger("transformers.modeling_utils").warning("from an inner logger")
+    finally:
+        library.removeFilter(only_its_own)
+    assert handlers[0].said == ["from an inner logger"]
