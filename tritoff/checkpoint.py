@@ -21,23 +21,34 @@ class ConfigError(ValueError):
     """A config.json whose values build no model, or a model that does not match the weights beside it."""
 
 
-# the weight files diffusers and transformers read by default
-WEIGHTS_NAMES = ("diffusion_pytorch_model.safetensors", "model.safetensors")
+# the name of the weights file each library reads (a sharded checkpoint: NAME.safetensors.index.json names its shards)
+WEIGHTS_NAMES = {"diffusers": "diffusion_pytorch_model", "transformers": "model"}
 
 
 class CheckpointReader:
-    """Tensors of a component's safetensors checkpoint (one file or shards with an index), read lazily by name. As
-    ``from_pretrained`` without a variant, the libraries' own file names come first, and files of a variant
-    (``model.fp16.safetensors``, an index ending in ``.index.fp16.json``) are not read when plain files are there."""
+    """Tensors of a component's safetensors checkpoint (one file or shards with an index), read lazily by name.
+    ``library`` (``"diffusers"`` or ``"transformers"``): the files are those its ``from_pretrained`` reads without a
+    variant (the index of its file name, else that file), and none is refused in one line; None: the one
+    checkpoint there, variants' files (``model.fp16.safetensors``) aside."""
 
-    def __init__(self, directory: Path):
-        index = _preferred(sorted(directory.glob("*.safetensors.index.json")), ".index.json")
-        self.sharded = bool(index)
+    def __init__(self, directory: Path, library: str | None = None):
         self.names: dict[str, str] = {}  # a model's name -> the checkpoint's, where they differ (rename_for)
-        if index:
-            self.files = _weight_map(index[0], directory)
+        if library is not None:
+            stem = WEIGHTS_NAMES[library]
+            index, file = directory / f"{stem}.safetensors.index.json", directory / f"{stem}.safetensors"
+            if not (index.is_file() or file.is_file()):
+                found = ", ".join(sorted(f.name for f in directory.glob("*.safetensors*"))) or "none"
+                raise FileNotFoundError(
+                    f"{directory}: no {file.name} or {index.name}, which {library} reads (found: {found})"
+                )
+            indexes, files = ([index], []) if index.is_file() else ([], [file])
+        else:
+            indexes = _plain(sorted(directory.glob("*.safetensors.index.json")), ".index.json")
+            files = _plain(sorted(directory.glob("*.safetensors")), "")
+        self.sharded = bool(indexes)
+        if indexes:
+            self.files = _weight_map(indexes[0], directory)
             return
-        files = _preferred(sorted(directory.glob("*.safetensors")), "")
         if len(files) != 1:
             names = ", ".join(f.name for f in files) or "none"
             raise FileNotFoundError(
@@ -91,12 +102,11 @@ class CheckpointReader:
         return headers
 
 
-def _preferred(files: list[Path], suffix: str) -> list[Path]:
-    """Of a directory's safetensors ``files`` (or indexes: ``suffix`` after the name), those ``from_pretrained``
-    reads without a variant: the libraries' own names, else those without a variant in their names, else all."""
-    own = [f for f in files if f.name in {name + suffix for name in WEIGHTS_NAMES}]
+def _plain(files: list[Path], suffix: str) -> list[Path]:
+    """Of a directory's safetensors ``files`` (or indexes: ``suffix`` after the name), those without a variant in
+    their names, else all."""
     plain = [f for f in files if f.name.count(".") == 1 + suffix.count(".")]  # a variant's name has one dot more
-    return own or plain or files
+    return plain or files
 
 
 def _weight_map(index: Path, directory: Path) -> dict[str, Path]:
@@ -158,7 +168,7 @@ def checkpoint_fault(
     transformers loads them (:func:`_saved_as`)."""
     if reader is None:
         try:
-            reader = CheckpointReader(directory)
+            reader = CheckpointReader(directory, _library(model))
         except Exception:  # noqa: BLE001 - no checkpoint of one safetensors file or an index: not ours to judge
             return None
     try:
@@ -173,10 +183,17 @@ def checkpoint_fault(
         if name in found and found[name][0] in FLOAT_DTYPES and tuple(tensor.shape) != found[name][1]:
             return ConfigError(
                 f"{config} does not describe the weights beside it: {name} has shape {_shape(found[name][1])} in the "
-                f"checkpoint, {_shape(tensor.shape)} in the model the config builds; fix the config"
+                f"checkpoint, {_shape(tensor.shape)} in the model the config builds; fix the config, or the weights if "
+                "they are another model's"
             )
     if missing:
         lacking = _missing_parameters(model, found)
+        if lacking and reader.sharded and _renamed_on_load(model, saved) & set(lacking):
+            return ConfigError(
+                f"{directory}: its sharded checkpoint holds attention weights under their old names (query, key, "
+                "value, proj_attn), which diffusers renames in a checkpoint of one file only; save it again as one "
+                "file, or under the new names"
+            )
         if lacking:
             more = f" and {len(lacking) - 1} more" if len(lacking) > 1 else ""
             return ConfigError(
@@ -219,6 +236,27 @@ def _saved_as(saved: dict, own: dict, prefix: str | None) -> dict[str, tuple]:
         if len(candidates) == 1:
             found.setdefault(name, candidates[0])
     return found
+
+
+def _library(model: nn.Module) -> str | None:
+    """The library ``model`` comes from, whose ``from_pretrained`` reads its checkpoint: ``"transformers"``,
+    ``"diffusers"``, or None."""
+    import diffusers
+
+    if _prefix(model) is not None:
+        return "transformers"
+    return "diffusers" if isinstance(model, diffusers.ModelMixin) else None
+
+
+def _renamed_on_load(model: nn.Module, saved: dict) -> set[str]:
+    """The names diffusers' ``from_pretrained`` would give tensors of a one-file checkpoint holding ``saved``
+    (attention layers saved under their old names), where they differ."""
+    fix = getattr(model, "_fix_state_dict_keys_on_load", None)
+    if fix is None:
+        return set()
+    names = {name: name for name in saved}
+    fix(names)
+    return {name for name, was in names.items() if name != was}
 
 
 def _prefix(model: nn.Module) -> str | None:

@@ -230,7 +230,7 @@ def _streamed_components(directory: Path, dtype: torch.dtype) -> tuple[dict[str,
             and (list(sub.glob("*.safetensors")) or list(sub.glob("*.safetensors.index.json")))
         ):
             continue
-        readers[name] = CheckpointReader(sub)
+        readers[name] = CheckpointReader(sub, "diffusers")
         components[name] = empty_diffusers_component(sub, spec[1], dtype, readers[name])
         unused = unused_tensors(sub, components[name], readers[name])
         if unused:
