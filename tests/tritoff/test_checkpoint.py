@@ -183,6 +183,18 @@ def test_a_whole_clip_checkpoint_read_by_one_tower_is_not_compared_with_the_othe
     assert checkpoint_fault(tmp_path, built) is None
 
 
+# the names diffusers gave a VAE's attention layers before it renamed them, by their names now
+OLD_ATTENTION = {".to_q.": ".query.", ".to_k.": ".key.", ".to_v.": ".value.", ".to_out.0.": ".proj_attn."}
+
+
+def _old_name(name: str) -> str:
+    """``name`` as a VAE saved before the rename held it."""
+    if "attentions" in name:
+        for new, was in OLD_ATTENTION.items():
+            name = name.replace(new, was)
+    return name
+
+
 def test_a_vae_saved_with_the_old_attention_names_is_read_as_diffusers_loads_it(tmp_path):
     # diffusers renames query/key/value/proj_attn of a one-file checkpoint on load; convert read them by the model's
     # names and failed, then named a correct config
@@ -191,13 +203,8 @@ def test_a_vae_saved_with_the_old_attention_names_is_read_as_diffusers_loads_it(
     vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=4)
     vae.save_pretrained(tmp_path)
     (file,) = tmp_path.glob("*.safetensors")
-    old = {".to_q.": ".query.", ".to_k.": ".key.", ".to_v.": ".value.", ".to_out.0.": ".proj_attn."}
     tensors = load_file(file)
-    renamed = {}
-    for name, tensor in tensors.items():
-        for new, was in old.items():
-            name = name.replace(new, was) if "attentions" in name else name
-        renamed[name] = tensor
+    renamed = {_old_name(name): tensor for name, tensor in tensors.items()}
     assert renamed.keys() != tensors.keys()
     save_file(renamed, file, metadata={"format": "pt"})
     with torch.device("meta"):
@@ -217,18 +224,10 @@ def test_a_sharded_vae_with_the_old_attention_names_is_told_from_a_wrong_config(
     vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=4)
     vae.save_pretrained(tmp_path, max_shard_size="20KB")
     index = json.loads((tmp_path / "diffusion_pytorch_model.safetensors.index.json").read_text())
-    old = {".to_q.": ".query.", ".to_k.": ".key.", ".to_v.": ".value.", ".to_out.0.": ".proj_attn."}
     for file in set(index["weight_map"].values()):
-        renamed = {}
-        for name, tensor in load_file(tmp_path / file).items():
-            for new, was in old.items():
-                name = name.replace(new, was) if "attentions" in name else name
-            renamed[name] = tensor
+        renamed = {_old_name(name): tensor for name, tensor in load_file(tmp_path / file).items()}
         save_file(renamed, tmp_path / file, metadata={"format": "pt"})
-    index["weight_map"] = {
-        next((name.replace(n, w) for n, w in old.items() if "attentions" in name and n in name), name): file
-        for name, file in index["weight_map"].items()
-    }
+    index["weight_map"] = {_old_name(name): file for name, file in index["weight_map"].items()}
     (tmp_path / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index))
     with torch.device("meta"):
         built = AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=4)
