@@ -33,6 +33,7 @@ class CheckpointReader:
 
     def __init__(self, directory: Path, library: str | None = None):
         self.names: dict[str, str] = {}  # a model's name -> the checkpoint's, where they differ (rename_for)
+        self._headers: dict | None = None
         if library is not None:
             stem = WEIGHTS_NAMES[library]
             index, file = directory / f"{stem}.safetensors.index.json", directory / f"{stem}.safetensors"
@@ -62,14 +63,13 @@ class CheckpointReader:
         """Read ``model``'s tensors under the names diffusers' ``from_pretrained`` gives them: the attention layers of
         VAEs saved before diffusers renamed them (``query`` -> ``to_q``, ``proj_attn`` -> ``to_out.0``), in a
         checkpoint of one file, as diffusers renames them."""
-        fix = getattr(model, "_fix_state_dict_keys_on_load", None)
-        if fix is None or self.sharded:
+        if self.sharded:
             return
         files = {self.names.get(name, name): file for name, file in self.files.items()}  # by the checkpoint's names
-        names = {name: name for name in files}
-        fix(names)  # renames the keys in place; the values stay the checkpoint's names
+        names = _names_on_load(model, files)
         self.files = {name: files[saved] for name, saved in names.items()}
         self.names = {name: saved for name, saved in names.items() if name != saved}
+        self._headers = None
 
     def read(self, names_and_dtypes: list[tuple[str, torch.dtype]]) -> dict[str, torch.Tensor]:
         """The named tensors, cast to their dtypes."""
@@ -86,7 +86,13 @@ class CheckpointReader:
         return out
 
     def headers(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """Every tensor's safetensors dtype name and shape, from the files' headers (no tensor is read)."""
+        """Every tensor's safetensors dtype name and shape, from the files' headers (no tensor is read), read once
+        (convert checks a component's checkpoint, then lists what its model leaves out)."""
+        if self._headers is None:
+            self._headers = self._read_headers()
+        return self._headers
+
+    def _read_headers(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         found = {}
         for name, file in self.files.items():
             found.setdefault(file, []).append(name)
@@ -248,15 +254,19 @@ def _library(model: nn.Module) -> str | None:
     return "diffusers" if isinstance(model, diffusers.ModelMixin) else None
 
 
-def _renamed_on_load(model: nn.Module, saved: dict) -> set[str]:
-    """The names diffusers' ``from_pretrained`` would give tensors of a one-file checkpoint holding ``saved``
-    (attention layers saved under their old names), where they differ."""
-    fix = getattr(model, "_fix_state_dict_keys_on_load", None)
-    if fix is None:
-        return set()
+def _names_on_load(model: nn.Module, saved) -> dict[str, str]:
+    """The name diffusers' ``from_pretrained`` gives each tensor of a one-file checkpoint holding ``saved`` names ->
+    its name there: the attention layers of VAEs saved under their old names renamed, the others as they are."""
     names = {name: name for name in saved}
-    fix(names)
-    return {name for name, was in names.items() if name != was}
+    fix = getattr(model, "_fix_state_dict_keys_on_load", None)
+    if fix is not None:
+        fix(names)  # renames the keys in place; the values stay the checkpoint's names
+    return names
+
+
+def _renamed_on_load(model: nn.Module, saved: dict) -> set[str]:
+    """The names :func:`_names_on_load` changes."""
+    return {name for name, was in _names_on_load(model, saved).items() if name != was}
 
 
 def _prefix(model: nn.Module) -> str | None:
