@@ -519,6 +519,12 @@ def summary_lines(record: dict, out: Path, suffix: str) -> list[str]:
             )
             size = f"{r['pack_bytes'] / 2**20:.0f} MiB"
             lines.append(f"HBM upcast % of D2D by elements x warps per program, {size} pack: {cells}")
+            if "hbm_cast_torch" in r:  # the upcast's mix of one byte read to two written, in a plain elementwise kernel
+                cast = r["hbm_cast_torch"]["GBps_read_plus_write"]
+                lines.append(
+                    f"PyTorch's fp8->bf16 cast, {size}: {100 * cast / r['hbm_d2d']['GBps_read_plus_write']:.0f}% of "
+                    f"D2D; the upcast reaches {100 * r['f_hbm_upcast']['GBps_read_plus_write'] / cast:.0f}% of it"
+                )
         if "overlap_351MB" in kernels:
             ov = kernels["overlap_351MB"]
             lines.append(

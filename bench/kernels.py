@@ -5,8 +5,9 @@ cudaMemcpyAsync H2D of the fp8 bytes from the registered arena (the PCIe rooflin
 staged: copy + ``upcast_pack``, (c') the same for 4 packs in a row, streamed as the engine streams them (two chunks a
 pack through two staging halves, the DMA of one overlapping the upcast of the other), (d) ``upcast_pack_zero_copy``,
 (e) the PyTorch way per tensor (``w.to("cuda", non_blocking=True).to(bf16) * scale``), (f) the HBM-side upcast alone
-against a device-to-device copy, also with 2048 to 16384 elements and 4 or 8 warps per program, both timed on the
-device alone (queued behind a spin kernel, so the host's launch is not counted). Then (c) and (d) beside
+against a device-to-device copy and PyTorch's own cast of as many fp8 codes to bf16 (the upcast's mix of one byte
+read to two written), also with 2048 to 16384 elements and 4 or 8 warps per program, all timed on the device alone
+(queued behind a spin kernel, so the host's launch is not counted). Then (c) and (d) beside
 a large matmul: how much each slows it. Last, (g): a Wan-14B block's compute at one frame (its linear layers' matmuls at
 1,560 tokens) with the next block's 351 MB pack upcast from HBM beside it, as tritoff runs fp8-resident blocks, for
 grids of one program per chunk and grids bounded to a share of the SMs (``UPCAST_PROGRAMS``): time per block against
@@ -270,6 +271,14 @@ def measure_size(target_bytes: int, device: torch.device, width: int, reps: int)
         d2d_dst = torch.empty_like(d2d_src)
         seconds = device_timed(lambda: d2d_dst.copy_(d2d_src), device, reps)
         results["hbm_d2d"] = {"seconds": seconds, "GBps_read_plus_write": 2 * out_bytes / seconds / 1e9}
+    # PyTorch's own elementwise cast of as many fp8 codes to bf16 (no scale): one byte read and two written per
+    # element, the upcast's mix, where the D2D copy reads and writes alike. What a plain elementwise kernel reaches
+    # with that mix tells the kernel's own cost apart from the memory's
+    codes = torch.empty(out_bytes // 2, dtype=torch.uint8, device=device).view(fmt.dtype)
+    cast = torch.empty(codes.numel(), dtype=torch.bfloat16, device=device)
+    seconds = device_timed(lambda: cast.copy_(codes), device, reps)
+    results["hbm_cast_torch"] = {"seconds": seconds, "GBps_read_plus_write": 3 * codes.numel() / seconds / 1e9}
+    del codes, cast
     # (f) at every swept size of program; the kernels' own (BLOCK, WARPS) is timed once, as the (f) figure
     seconds_by_config = {}
     # Triton's interpreter (the smoke run) runs a program's warps as one: on the CPU they would time the same launch
@@ -476,7 +485,7 @@ def main() -> None:
     data = {
         "sizes": rows,
         "reps": reps,
-        "device_timed": "(f), (h), D2D copies, (g) upcast alone: behind a spin",
+        "device_timed": "(f), (h), D2D copies, the PyTorch cast, (g) upcast alone: behind a spin",
     }
     slowest = 0.0
     for size in sizes:
@@ -499,7 +508,9 @@ def main() -> None:
                 cells.append("-")
         hbm = r.get("hbm_d2d", {}).get("GBps_read_plus_write")
         up = r["f_hbm_upcast"]["GBps_read_plus_write"]
+        cast = r["hbm_cast_torch"]["GBps_read_plus_write"]
         cells.append(f"{up:.0f}" + (f" ({100 * up / hbm:.0f}%)" if hbm else ""))
+        cells.append(f"{cast:.0f}" + (f" ({100 * cast / hbm:.0f}%)" if hbm else ""))
         cells.append("yes" if r["exact"] else "NO")
         table.append(cells)
     header = [
@@ -510,7 +521,8 @@ def main() -> None:
         f"(c') staged, {STREAMED} in a row",
         "(d) zero-copy",
         "(e) torch",
-        "(f) HBM upcast GB/s",
+        "(f) HBM upcast GB/s (% of D2D)",
+        "PyTorch fp8->bf16 cast (% of D2D)",
         "exact",
     ]
     print(f"device: {device}; wire GB/s (fp8 bytes per second; % of (a)); (f) counts read + write bytes")

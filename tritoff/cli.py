@@ -7,31 +7,27 @@ temporary file or directory and renamed.
 
 from __future__ import annotations
 
-import _thread
 import argparse
-import atexit
 import glob
 import inspect
 import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
 
 from tritoff import __version__
 from tritoff.allocator import prefer_expandable_segments
-from tritoff.arguments import EXIT_USAGE, OneLineParser, at_least
+from tritoff.arguments import OneLineParser, at_least
 from tritoff.atomic import can_create_in, nearest_existing
+from tritoff.console import CliError, exit_after, exit_on_interrupt, one_line, run_command, say
 from tritoff.planner import MODES
 from tritoff.shapes import LIMITS
 
-EXIT_INTERRUPTED = 130
 _MODEL_IS_A_FILE = "is a file: give the diffusers pipeline directory that holds model_index.json"
 # tritoff.options.TRANSPORTS and tritoff.formats.FORMATS, known without importing torch, so that a typo is answered at
 # once (a test keeps them equal)
@@ -43,10 +39,6 @@ STORAGE_HELP = (
     "a format (fp8_e4m3, fp8_e5m2; bf16 or fp16: no quantization, every tensor kept in its own dtype) for the text "
     "encoders and denoisers, VAEs keeping their own dtype; or component=format pairs, e.g. vae=fp8_e4m3"
 )
-
-
-class CliError(Exception):
-    """A user error: printed as one line, exit code 2."""
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -259,7 +251,7 @@ def _read_image(path: str):
                 image = Image.fromarray(np.clip(values / top * 255 + 0.5, 0, 255).astype(np.uint8), mode="L")
             return image.convert("RGB")
     except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as err:
-        raise CliError(f"--image {path}: cannot read it as an image ({_one_line(err)})") from None
+        raise CliError(f"--image {path}: cannot read it as an image ({one_line(err)})") from None
 
 
 def _check_image(args, local: Path) -> str | None:
@@ -607,7 +599,7 @@ def _cmd_convert(args) -> int:
     parent = real.parent if str(real.parent) else Path(".")
     removed = left_behind(real)  # the conversion removes these
     for stale in removed:
-        _say(f"tritoff: removing {stale}, left by an interrupted conversion")
+        say(f"tritoff: removing {stale}, left by an interrupted conversion")
     name = glob.escape(real.name)
     for stale in sorted(parent.glob(f".{name}.*.partial")) + sorted(parent.glob(f".{name}.*.old")):
         # left by a conversion that was killed (SIGKILL, power loss) on another host, or while replacing a store
@@ -617,7 +609,7 @@ def _cmd_convert(args) -> int:
             advice = f"it holds the store a conversion was replacing: if none runs, move it back to {real}"
         else:
             advice = "delete it if none runs"
-        _say(f"tritoff: note: {stale} is from another conversion of this store; {advice}")
+        say(f"tritoff: note: {stale} is from another conversion of this store; {advice}")
     _prepare_backend(None)
     if not local.is_dir():  # a hub id: read from its snapshot group by group, as a local directory is
         local = _fetch(args.model)
@@ -879,133 +871,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _one_line(err: BaseException) -> str:
-    return " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
-
-
-# set when SIGTERM or Ctrl-C arrived: the KeyboardInterrupt it raises can be swallowed by C code that was running
-# (torch turns it into an error of its own while building a tensor), and the run is still an interrupted one
-_interrupted = False
-
-
-_running = False  # a command is running: an interrupt unwinds it (after it, the exit code says it was interrupted)
-_in_flight: list[threading.Event] = []  # interrupts raised again from another thread, each set once it is raised
-
-
-def _terminate(signum, frame):
-    global _interrupted
-    _interrupted = True
-    if _running:
-        raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: temporary files and directories are removed
-
-
-def _interrupt_again(hook):
-    """``sys.unraisablehook`` for a command: the KeyboardInterrupt of a signal that landed in a finalizer (``__del__``,
-    a weakref callback) is dropped there by Python, and the command would run on to its end (publishing what it
-    makes); it is raised again, by the same signal, in the code that runs next, and not printed."""
-
-    def unraisable(info):
-        if _interrupted and info.exc_type is not None and issubclass(info.exc_type, KeyboardInterrupt):
-            # from another thread: the handler then runs in the main thread's code once this hook has returned (made
-            # from here, it would run in the hook itself, and be dropped again); a finalizer again: the same again
-            raised = threading.Event()
-            _in_flight.append(raised)
-
-            def again():
-                if _running:
-                    _thread.interrupt_main(signal.SIGINT)
-                raised.set()
-
-            _thread.start_new_thread(again, ())  # (threading's start would wait for the thread here)
-            return
-        hook(info)
-
-    return unraisable
-
-
-def _settle() -> None:
-    """Once the command has ended: let interrupts raised again from other threads arrive (as a flag only: the command
-    is over), before the caller's handlers are back."""
-    for raised in _in_flight:
-        raised.wait(5)
-    _in_flight.clear()
-    _checkpoint()  # the handler of one that arrived runs at the main thread's next check: a call is one
-
-
-def _checkpoint() -> None:
-    pass
-
-
-def _interrupted_exit() -> int:
-    _say("tritoff: interrupted")
-    return EXIT_INTERRUPTED
-
-
-def _say(line: str) -> None:
-    """Print ``line`` to stderr on a line of its own: a progress bar interrupted or failing mid-line leaves the cursor
-    after its text, and the one-line message would run on from it."""
-    print(_new_line() + line, file=sys.stderr)
-
-
-def _new_line() -> str:
-    """A newline when stderr's last write left a line unfinished (a progress bar redraws its line with ``\r``)."""
-    return "" if getattr(sys.stderr, "at_line_start", True) else "\n"
-
-
-class _Output:
-    """``sys.stdout`` or ``sys.stderr`` during a command: once its reader is gone (``tritoff run ... | head -1``,
-    ``2>&1 | head -1``), the rest of what goes there is dropped and the command goes on, since what it writes to disk
-    is its result."""
-
-    def __init__(self, stream):
-        # a stream Python left as None (the process started with it closed: 2>&-) writes to /dev/null
-        self.owned = stream is None
-        self.stream = open(os.devnull, "w") if stream is None else stream  # noqa: SIM115 (closed by close())
-        self.at_line_start = True  # what was written last ended a line (see _say)
-
-    def write(self, text: str) -> int:
-        if text:  # a bar's redraw ("\r" and its text) leaves the line unfinished; a bar cleared ends with "\r"
-            self.at_line_start = text.endswith(("\n", "\r"))
-        try:
-            return self.stream.write(text)
-        except BrokenPipeError:
-            self._drop()
-            return len(text)
-
-    def flush(self) -> None:
-        try:
-            self.stream.flush()
-        except BrokenPipeError:
-            self._drop()
-
-    def close(self) -> None:
-        """Flush, and close the /dev/null this wrapper opened in place of a missing stream."""
-        self.flush()
-        if self.owned:
-            self.stream.close()
-
-    def _drop(self) -> None:
-        # the descriptor itself goes to /dev/null: the interpreter's own flush at exit would fail again
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, self.stream.fileno())
-        os.close(devnull)
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
-def _format_warning(message, category, filename, lineno, line=None) -> str:
-    """tritoff's own warnings in one line, as its errors are; other libraries' as Python formats them."""
-    from tritoff.warn import TritoffWarning
-
-    if issubclass(category, TritoffWarning):
-        return f"{_new_line()}tritoff: warning: {_one_line(message)}\n"
-    return _new_line() + _python_format_warning(message, category, filename, lineno, line)
-
-
-_python_format_warning = warnings.formatwarning
-
-
 # options whose value may start with a dash: argparse reads "--budget -1GB" or "--negative-prompt '-blurry, dark'" as
 # an option missing its value ("expected one argument") where the value is what was meant
 _DASH_VALUES = (
@@ -1052,126 +917,20 @@ def _full_option(token: str, options: list[str]) -> str | None:
     return matches[0] if len(matches) == 1 else None
 
 
-def _traceback_asked() -> bool:
-    """Whether ``TRITOFF_TRACEBACK`` asks for tracebacks (set, and not to ``0``)."""
-    return os.environ.get("TRITOFF_TRACEBACK", "").strip() not in ("", "0")
-
-
-def _print_traceback(err: BaseException) -> None:
-    """``err``'s traceback (and those it was raised from) on stderr, for ``TRITOFF_TRACEBACK=1``: printed, not
-    raised, so the command still ends with its one-line error and its exit code."""
-    import traceback
-
-    sys.stderr.write("".join(traceback.format_exception(type(err), err, err.__traceback__)))
-    sys.stderr.flush()
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``tritoff`` console script."""
-    global _interrupted, _running
-    _interrupted = False
+    """Entry point of the ``tritoff`` console script: parse ``argv`` (default: the process's) and run its command
+    (:func:`tritoff.console.run_command`); returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(attach_dash_values(sys.argv[1:] if argv is None else argv, parser))
-    stdout, stderr, format_warning, previous = sys.stdout, sys.stderr, warnings.formatwarning, {}
-    unraisable = sys.unraisablehook
-    try:
-        sys.stdout, sys.stderr, warnings.formatwarning = _Output(stdout), _Output(stderr), _format_warning
-        sys.unraisablehook = _interrupt_again(unraisable)
-        previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGINT)}
-        _running = True
-        try:
-            code = args.func(args)
-        finally:
-            _running = False
-            _settle()
-        # an interrupt swallowed where even raising it again could not reach (C code that turned it into an error of
-        # its own, and carried on) still ends the command as interrupted
-        return _interrupted_exit() if _interrupted else code
-    except KeyboardInterrupt:
-        return _interrupted_exit()
-    except Warning as err:  # a warning made an error (python -W error)
-        _say(f"tritoff: error: {_one_line(err)} (a warning, made an error by -W error)")
-        return 1
-    except (CliError, ValueError, OSError) as err:
-        if _interrupted:
-            return _interrupted_exit()
-        if _traceback_asked() and not _own_check(err):
-            err.__suppress_context__ = False  # the library's error a one-line message stood for, shown too
-            _print_traceback(err)
-        _say(f"tritoff: error: {_one_line(err)}")
-        # an OSError a library raised about the input (diffusers: a model directory without its weights) carries no
-        # errno; the machine's errors (a full disk, an I/O error) do
-        usage = (CliError, ValueError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-        return EXIT_USAGE if isinstance(err, usage) or err.errno is None else 1
-    except Exception as err:  # what no check foresaw (a library's error on these inputs, a bug): still one line
-        if _interrupted:
-            return _interrupted_exit()
-        if _traceback_asked():
-            _print_traceback(err)
-            _say(f"tritoff: error: {type(err).__name__}: {_one_line(err)} (unexpected: its traceback is above)")
-            return 1
-        _say(
-            f"tritoff: error: {type(err).__name__}: {_one_line(err)} (unexpected; set TRITOFF_TRACEBACK=1 for where "
-            "it came from)"
-        )
-        return 1
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        sys.unraisablehook = unraisable
-        for output in (sys.stdout, sys.stderr):
-            if isinstance(output, _Output):  # through the wrappers: a reader gone leaves nothing for the exit's flush
-                output.close()
-        sys.stdout, sys.stderr, warnings.formatwarning = stdout, stderr, format_warning
-
-
-def _own_check(err: BaseException) -> bool:
-    """Whether ``err`` is one of tritoff's own checks: a CliError or an error raised in tritoff's code, standing for
-    no error a library raised (a library's error put in one line is not)."""
-    tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    package = str(Path(__file__).resolve().parent)
-    raised_here = tb is not None and str(Path(tb.tb_frame.f_code.co_filename).resolve()).startswith(package + os.sep)
-    inner = err.__cause__ or err.__context__
-    return (isinstance(err, CliError) or raised_here) and (inner is None or _own_check(inner))
-
-
-def _flush_outputs() -> None:
-    for output in (sys.stdout, sys.stderr):
-        if output is None:  # started with the stream closed (2>&-)
-            continue
-        try:
-            output.flush()
-        except (OSError, ValueError, RuntimeError):  # a reader gone, a closed stream, a flush a signal interrupted
-            pass
-
-
-def _exit_interrupted(signum, frame) -> None:
-    """Ctrl-C or SIGTERM outside a command (Python starting, or the exit handlers after it): exit 130 at once, saying
-    so once. Left to Python, the interrupt would print a traceback."""
-    if not _interrupted:  # a command that was interrupted has said so already
-        _flush_outputs()
-        try:
-            os.write(2, b"tritoff: interrupted\n")
-        except OSError:
-            pass
-    os._exit(EXIT_INTERRUPTED)
+    return run_command(args.func, args)
 
 
 def entry() -> None:
     """The ``tritoff`` console script: :func:`main`, then exit with its code, without Python's teardown of the modules
     it loaded. An interrupt before or after the command exits 130 with one line (none after "tritoff: interrupted")."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _exit_interrupted)  # main puts it back once the command has ended
+    exit_on_interrupt()  # run_command puts it back once the command has ended
     prefer_expandable_segments()  # before torch starts CUDA: a budget holds only if the allocator does not fragment
-    code = main()
-    # The command has ended with its files closed and complete. Python's teardown of torch's and diffusers' modules
-    # (~2 s) would only delay the exit, and it stops handling signals first: a Ctrl-C then ended the process by the
-    # signal, with no word. The exit handlers still run (inductor's worker pools, weakref finalizers).
-    atexit._run_exitfuncs()
-    _flush_outputs()
-    os._exit(code)
+    exit_after(main())
 
 
 if __name__ == "__main__":

@@ -360,57 +360,6 @@ def test_a_reader_gone_from_stdout_or_stderr_costs_nothing():
     assert child.wait() == 0 and b"torch" in out
 
 
-def test_a_warning_made_an_error_is_one_line(monkeypatch, capsys):
-    """``python -W error``: a warning tritoff raises ends the command in one line, not a traceback."""
-    import warnings
-
-    from tritoff import cli
-    from tritoff.warn import warn
-
-    monkeypatch.setattr(cli, "_cmd_info", lambda args: warn("spilling to a tmpfs saves no memory") or 0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert cli.main(["info"]) == 1
-    expected = "tritoff: error: spilling to a tmpfs saves no memory (a warning, made an error by -W error)\n"
-    assert capsys.readouterr().err == expected
-
-
-@pytest.mark.parametrize("end", ["interrupted", "error"])
-def test_a_message_after_a_progress_bar_starts_a_line_of_its_own(monkeypatch, capsys, end):
-    # a bar redraws its line after a carriage return and ends it only when closed: interrupted before it is (a
-    # signal landing between the bar's first draw and the block that closes it), the one-line message went on from
-    # the bar's text ("packing vae:   0%|          | 0/9 [00:00<?, ?it/s]tritoff: interrupted")
-    from tritoff import cli
-
-    def packing(args):
-        sys.stderr.write("\rpacking vae:   0%|          | 0/9 [00:00<?, ?it/s]")  # what a bar draws
-        if end == "interrupted":
-            raise KeyboardInterrupt
-        raise cli.CliError("the disk is full")
-
-    monkeypatch.setattr(cli, "_cmd_info", packing)
-    code = cli.main(["info"])
-    lines = capsys.readouterr().err.split("\n")
-    assert len(lines) == 3 and "packing vae" in lines[0] and lines[-1] == ""
-    assert lines[1] == ("tritoff: interrupted" if end == "interrupted" else "tritoff: error: the disk is full")
-    assert code == (cli.EXIT_INTERRUPTED if end == "interrupted" else 2)
-
-
-def test_a_warning_during_a_progress_bar_starts_a_line_of_its_own(monkeypatch):
-    import io
-
-    from tritoff import cli
-    from tritoff.warn import TritoffWarning
-
-    monkeypatch.setattr(sys, "stderr", cli._Output(io.StringIO()))
-    assert cli._format_warning("a", TritoffWarning, "x.py", 3) == "tritoff: warning: a\n"
-    sys.stderr.write("\rpacking vae:  11%|#1        | 1/9")
-    assert cli._format_warning("a", TritoffWarning, "x.py", 3) == "\ntritoff: warning: a\n"
-    assert cli._format_warning("c", UserWarning, "x.py", 3, "") == "\nx.py:3: UserWarning: c\n"
-    sys.stderr.write("\r" + " " * 40 + "\r")  # a bar closed with leave=False clears its line: no blank line after it
-    assert cli._format_warning("a", TritoffWarning, "x.py", 3) == "tritoff: warning: a\n"
-
-
 def test_an_error_no_check_foresaw_is_one_line_unless_its_traceback_is_asked_for(monkeypatch, capsys):
     from tritoff import cli
 
@@ -631,19 +580,6 @@ def test_a_pipeline_that_cannot_load_keeps_the_reasons_its_library_lists(work, t
     message = str(info.value)
     assert message.startswith(f"cannot load {tmp_path / 'pipe'}: Couldn't instantiate the backend tokenizer from one")
     assert "(1) a `tokenizers` library serialization file" in message and "\n" not in message
-
-
-def test_tritoffs_warnings_print_in_one_line_and_others_as_python_prints_them(capsys):
-    import warnings
-
-    from tritoff import cli
-    from tritoff.warn import TritoffWarning
-
-    assert cli._format_warning("a\nb", TritoffWarning, "x.py", 3) == "tritoff: warning: a b\n"
-    assert cli._format_warning("c", UserWarning, "x.py", 3, "") == "x.py:3: UserWarning: c\n"
-    before, stdout = warnings.formatwarning, sys.stdout
-    assert cli.main(["info"]) == 0 and "torch" in capsys.readouterr().out
-    assert warnings.formatwarning is before and sys.stdout is stdout  # a command leaves both as it found them
 
 
 @pytest.mark.parametrize(
@@ -922,42 +858,12 @@ def test_bad_benchmark_input_is_one_line_before_anything_is_measured(tmp_path):
     assert not list(tmp_path.glob("*.json*")) and not (tmp_path / "new").exists()
 
 
-def test_an_interrupt_landing_in_a_finalizer_stops_the_command(monkeypatch, capsys, tmp_path):
-    """A KeyboardInterrupt that the signal handler raises inside a ``__del__`` is dropped there by Python: it is raised
-    again in the code that runs next, so the command stops before publishing anything, with no traceback."""
-    from tritoff import cli
-
-    class Finalized:
-        def __del__(self):
-            cli._terminate(signal.SIGINT, None)  # as if the signal arrived while this ran
-
-    published = tmp_path / "published"
-
-    def info_interrupted_in_a_finalizer(args):
-        Finalized()
-        for _ in range(100):  # the rest of the command's work
-            time.sleep(0.01)
-        published.write_text("the command ran to its end")
-        return 0
-
-    monkeypatch.setattr(cli, "_cmd_info", info_interrupted_in_a_finalizer)
-    assert cli.main(["info"]) == 130
-    err = capsys.readouterr().err
-    assert err.strip().splitlines() == ["tritoff: interrupted"] and not published.exists()
-    # in the command's last step: the interrupt raised again arrives before main returns, once, as a flag
-    monkeypatch.setattr(cli, "_cmd_info", lambda args: Finalized() and 0)
-    for _ in range(20):
-        assert cli.main(["info"]) == 130
-        time.sleep(0.01)  # the caller's code: nothing arrives here
-    assert capsys.readouterr().err.strip().splitlines() == ["tritoff: interrupted"] * 20
-
-
 def _entry_with(tmp_path, command: str):
     """Run the console script's ``entry`` in a child whose command (``main``) is ``command``; (code, out, err)."""
     script = tmp_path / "child.py"
     script.write_text(
         "import atexit, os, signal, sys\n"
-        "from tritoff import cli\n"
+        "from tritoff import cli, console\n"
         f"atexit.register(lambda: open({str(tmp_path / 'exited')!r}, 'w').close())\n"
         f"def main(argv=None):\n    {command}\n"
         "cli.main = main\n"
@@ -981,7 +887,8 @@ def test_an_interrupt_once_the_command_has_ended_exits_130_in_one_line(tmp_path)
     # interrupted inside the command: said once, by the command
     code, out, err = _entry_with(
         tmp_path,
-        "cli._interrupted = True; print('tritoff: interrupted', file=sys.stderr); os.kill(os.getpid(), signal.SIGINT)",
+        "console._interrupted = True; print('tritoff: interrupted', file=sys.stderr); "
+        "os.kill(os.getpid(), signal.SIGINT)",
     )
     assert (code, err) == (130, "tritoff: interrupted\n")
 
