@@ -189,7 +189,7 @@ def test_from_pipe_shares_the_enabled_components_when_given_their_dtype():
     assert engine.plan.tier_counts("transformer")["stream"] > 0
     before = run(pipe, LATENTS)
     with pytest.raises(RuntimeError, match="^moving or casting [a-z_]+ to torch.bfloat16: its weights live in"):
-        WanPipeline.from_pipe(pipe, torch_dtype=torch.bfloat16)
-    shared = WanPipeline.from_pipe(pipe, torch_dtype=torch.float32)
+        WanPipeline.from_pipe(pipe, dtype=torch.bfloat16)
+    shared = WanPipeline.from_pipe(pipe, dtype=torch.float32)
     assert shared.transformer is pipe.transformer
     assert torch.equal(run(shared, LATENTS), before) and torch.equal(run(pipe, LATENTS), before)
