@@ -562,7 +562,13 @@ def enable(
     if store is not None:
         # the packs the host budget holds are read (and checked) now, before anything changes; the rest stay on disk
         for name, packed_model in stored.items():
-            hold_packs(packed_model, in_ram and in_ram[name], progress=progress, desc=f"reading {name}")
+            hold_packs(
+                packed_model,
+                in_ram and in_ram[name],
+                register=options.device.type == "cuda",  # a CPU engine on a CUDA machine locks nothing
+                progress=progress,
+                desc=f"reading {name}",
+            )
             for pack, group in zip(packed_model.packs, group_lists[name], strict=True):
                 if pack.on_disk and is_host(group):  # a lookup table, mapped later: checked now, read once
                     pack.file.check(pack)
@@ -742,6 +748,7 @@ def _pack_components(
                 layouts=layouts[name],
                 desc=f"packing {name}",
                 arena=arenas[name],
+                register=options.device.type == "cuda",  # a CPU engine on a CUDA machine locks nothing
                 held=in_ram and in_ram[name],
                 spill=spills.get(name),
                 quantize_on=quantize_on,

@@ -1118,3 +1118,28 @@ def test_zero_size_parameters_make_empty_packs_that_run_save_and_load(tmp_path, 
     with torch.no_grad():
         assert torch.equal(stored(x), expected)
     tritoff.disable(stored)
+
+
+def test_an_engine_on_the_cpu_page_locks_nothing_on_a_machine_with_cuda(monkeypatch, tmp_path):
+    """Page-locking pins host memory for copies to a GPU, and starts a CUDA context: an engine computing on the CPU
+    makes no such copies, packed now or read from a store, whatever GPU the machine has."""
+    from tritoff import engine as engine_module
+    from tritoff.arena import HostArena
+
+    expected = run(dequantized_pipeline(wan))
+    locked = []
+    monkeypatch.setattr(HostArena, "register", lambda arena: locked.append(arena.nbytes))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    # where there is a GPU the weights are quantized on it; here there is none
+    monkeypatch.setattr(engine_module, "quantize_device", lambda device=None: torch.device("cpu"))
+    options = dict(mode="group", budget="4MB", device="cpu")
+    pipe = wan()
+    engine = _enable(pipe, **options)
+    assert torch.equal(run(pipe), expected)
+    engine.save(tmp_path / "store")
+    tritoff.disable(pipe)
+    stored = wan()
+    _enable(stored, store=str(tmp_path / "store"), host_budget="50%", **options)
+    assert torch.equal(run(stored), expected)
+    tritoff.disable(stored)
+    assert locked == []
