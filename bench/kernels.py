@@ -271,14 +271,7 @@ def measure_size(target_bytes: int, device: torch.device, width: int, reps: int)
         d2d_dst = torch.empty_like(d2d_src)
         seconds = device_timed(lambda: d2d_dst.copy_(d2d_src), device, reps)
         results["hbm_d2d"] = {"seconds": seconds, "GBps_read_plus_write": 2 * out_bytes / seconds / 1e9}
-    # PyTorch's own elementwise cast of as many fp8 codes to bf16 (no scale): one byte read and two written per
-    # element, the upcast's mix, where the D2D copy reads and writes alike. What a plain elementwise kernel reaches
-    # with that mix tells the kernel's own cost apart from the memory's
-    codes = torch.empty(out_bytes // 2, dtype=torch.uint8, device=device).view(fmt.dtype)
-    cast = torch.empty(codes.numel(), dtype=torch.bfloat16, device=device)
-    seconds = device_timed(lambda: cast.copy_(codes), device, reps)
-    results["hbm_cast_torch"] = {"seconds": seconds, "GBps_read_plus_write": 3 * codes.numel() / seconds / 1e9}
-    del codes, cast
+    results["hbm_cast_torch"] = torch_cast(out_bytes // 2, fmt, device, reps)
     # (f) at every swept size of program; the kernels' own (BLOCK, WARPS) is timed once, as the (f) figure
     seconds_by_config = {}
     # Triton's interpreter (the smoke run) runs a program's warps as one: on the CPU they would time the same launch
@@ -303,6 +296,16 @@ def measure_size(target_bytes: int, device: torch.device, width: int, reps: int)
     arena.close()
     bf16_host.close()
     return results
+
+
+def torch_cast(elements: int, fmt, device: torch.device, reps: int) -> dict:
+    """PyTorch's own elementwise cast of ``elements`` fp8 codes to bf16 (no scale): one byte read and two written per
+    element, the upcast's mix, where the D2D copy reads and writes alike. What a plain elementwise kernel reaches
+    with that mix tells the kernel's own cost apart from the memory's."""
+    codes = torch.empty(elements, dtype=torch.uint8, device=device).view(fmt.dtype)
+    out = torch.empty(elements, dtype=torch.bfloat16, device=device)
+    seconds = device_timed(lambda: out.copy_(codes), device, reps)
+    return {"seconds": seconds, "GBps_read_plus_write": 3 * elements / seconds / 1e9}
 
 
 def overlap(device: torch.device, target_bytes: int, reps: int) -> dict:
