@@ -373,6 +373,7 @@ class HookManager:
         if comp.blocks:  # encode/decode run pre_forward only (diffusers' apply_forward_hook): never marked active
             comp.active += 1
         self.enter(comp)
+        comp.transfer.note_compute_stream()
         if comp.blocks:
             if not comp.order:
                 comp.order = list(range(len(comp.blocks)))
@@ -641,6 +642,8 @@ class HookManager:
             self.enter(comp)
             if not comp.order:  # a root that is never called itself (a ModuleList): prefetch in module order
                 comp.order = list(range(len(comp.blocks)))
+        if not comp.active:  # called on its own: its component's hook, which notes the stream, did not run
+            comp.transfer.note_compute_stream()
         if comp.trace is not None:
             comp.trace.append(self.index[id(group)])
         if not comp.active:  # called on its own: its component's hook, which checks every group, did not run

@@ -79,6 +79,8 @@ class Transfer:
         self._half = 0
         # the stream the staging (and the ring's slots) were allocated on: their memory goes back to its pool
         self.home_stream = torch.cuda.current_stream(device) if self.cuda else None
+        # the streams the phase's calls computed on (note_compute_stream): its memory may be read there until freed
+        self.compute_streams: set[torch.cuda.Stream] = set()
         self.clock = clock if clock is not None else FillClock()
 
     @property
@@ -238,15 +240,30 @@ class Transfer:
             compute.wait_stream(self.copy_stream)
             compute.wait_stream(self.upcast_stream)
 
+    def note_compute_stream(self) -> None:
+        """Remember the current stream as one a call of the phase computes on (at each call: a caller may run one
+        call under a stream of its own, and the next under another)."""
+        if self.cuda:
+            self.compute_streams.add(torch.cuda.current_stream(self.device))
+
     def before_free(self) -> None:
         """Before memory allocated on the home stream is freed: the current (compute) stream and the home stream wait
         for every copy and fill issued so far, and the home stream, whose next allocations may reuse the memory,
-        also for the current stream's kernels, which may still read it (a caller running under another stream)."""
+        also for the kernels of the current stream and of every stream the phase's calls computed on, which may
+        still read it (a caller running under another stream)."""
         if self.cuda:
             self.compute_waits()
-            if self.home_stream != torch.cuda.current_stream(self.device):
+            current = torch.cuda.current_stream(self.device)
+            if self.home_stream != current:
                 self.compute_waits(self.home_stream)
-                self.home_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self.home_waits_for_compute(current)
+
+    def home_waits_for_compute(self, current: torch.cuda.Stream | None = None) -> None:
+        """Make the home stream wait for the kernels queued so far on every stream the phase's calls computed on,
+        and on ``current``."""
+        for stream in {*self.compute_streams, *((current,) if current is not None else ())}:
+            if stream != self.home_stream:
+                self.home_stream.wait_stream(stream)
 
     def wait_for_compute(self) -> None:
         """Make both transfer streams wait for the compute stream's work so far: memory just allocated on the
@@ -283,5 +300,6 @@ def free_after_transfers(transfer: Transfer | None, buffers: list | None) -> Non
     if buffers and transfer is not None and transfer.cuda:
         try:
             transfer.compute_waits(transfer.home_stream)
+            transfer.home_waits_for_compute()  # and for the kernels of the streams its calls computed on
         except Exception:  # interpreter shutdown: CUDA may already be gone
             pass
