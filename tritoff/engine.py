@@ -588,6 +588,10 @@ def enable(
         spills = spill_files(spill_dir, spilled, freed=_spill_files_of(previous) if previous is not None else [])
     ring = None  # the disk ring: made now, where it can still be refused, except on a re-plan (see _disk_ring)
     if reuse:
+        if options.device.type == "cuda":  # packs a CPU engine made were never locked: copies to a GPU want them so
+            for packed_model in previous.packed.values():
+                if packed_model.arena.register_error is None:  # a lock that failed has warned once already
+                    packed_model.arena.register()
         preflight.check_zero_copy(options, previous.packed)
     else:
         on_disk = _disk_layouts(group_lists, layouts, in_ram, stored if store is not None else None)

@@ -39,6 +39,10 @@ def side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.St
     return torch.cuda.Stream(device), torch.cuda.Stream(device)
 
 
+# streams a phase remembers its calls ran on (other than its home stream) before it waits for them and forgets them:
+# a caller making a new stream for every call would otherwise grow the set for as long as the phase stays loaded
+MAX_COMPUTE_STREAMS = 16
+
 # devices whose driver refused a staged copy: every fill there uses Tensor.copy_ for the rest of the process, the
 # Transfers of phases loaded at the time included (one per loaded phase, made again at every load)
 _DRIVER_REFUSED: set[int | None] = set()
@@ -79,7 +83,8 @@ class Transfer:
         self._half = 0
         # the stream the staging (and the ring's slots) were allocated on: their memory goes back to its pool
         self.home_stream = torch.cuda.current_stream(device) if self.cuda else None
-        # the streams the phase's calls computed on (note_compute_stream): its memory may be read there until freed
+        # the streams other than the home one that the phase's calls computed on (note_compute_stream): its memory
+        # may be read there until it is freed
         self.compute_streams: set[torch.cuda.Stream] = set()
         self.clock = clock if clock is not None else FillClock()
 
@@ -241,10 +246,19 @@ class Transfer:
             compute.wait_stream(self.upcast_stream)
 
     def note_compute_stream(self) -> None:
-        """Remember the current stream as one a call of the phase computes on (at each call: a caller may run one
-        call under a stream of its own, and the next under another)."""
-        if self.cuda:
-            self.compute_streams.add(torch.cuda.current_stream(self.device))
+        """At each call of the phase: a current stream other than the home one (a caller may run one call under a
+        stream of its own, the next under another) waits, the first time, for the phase's uploads, which only the
+        stream current at its entry waited for, and is remembered, so the memory is freed only after its kernels."""
+        if not self.cuda:
+            return
+        current = torch.cuda.current_stream(self.device)
+        if current == self.home_stream or current in self.compute_streams:
+            return
+        if len(self.compute_streams) >= MAX_COMPUTE_STREAMS:  # a new stream at every call: wait for the old now
+            self.home_waits_for_compute()
+            self.compute_streams.clear()
+        self.compute_waits(current)
+        self.compute_streams.add(current)
 
     def before_free(self) -> None:
         """Before memory allocated on the home stream is freed: the current (compute) stream and the home stream wait
@@ -260,10 +274,15 @@ class Transfer:
 
     def home_waits_for_compute(self, current: torch.cuda.Stream | None = None) -> None:
         """Make the home stream wait for the kernels queued so far on every stream the phase's calls computed on,
-        and on ``current``."""
+        and on ``current``. A stream its owner has destroyed since (an ``ExternalStream`` over a handle it freed)
+        cannot be waited on: the device is synchronized instead, which waits for whatever it still runs."""
         for stream in {*self.compute_streams, *((current,) if current is not None else ())}:
-            if stream != self.home_stream:
+            if stream == self.home_stream:
+                continue
+            try:
                 self.home_stream.wait_stream(stream)
+            except RuntimeError:
+                torch.cuda.synchronize(self.device)
 
     def wait_for_compute(self) -> None:
         """Make both transfer streams wait for the compute stream's work so far: memory just allocated on the

@@ -1143,3 +1143,42 @@ def test_an_engine_on_the_cpu_page_locks_nothing_on_a_machine_with_cuda(monkeypa
     assert torch.equal(run(stored), expected)
     tritoff.disable(stored)
     assert locked == []
+
+
+def test_enabling_on_a_gpu_again_locks_the_packs_a_cpu_engine_made(monkeypatch):
+    """A re-enable reuses the packs it finds: those of an engine on the CPU were never page-locked, and copies to a
+    GPU from pageable memory wait for it (zero-copy reads cannot run at all), so they are locked then."""
+    from tritoff import engine as engine_module
+    from tritoff import options as options_module
+    from tritoff import preflight
+    from tritoff.arena import HostArena
+
+    def lock(arena):
+        arena.registered = True
+
+    class Checked(Exception):
+        pass
+
+    def check_zero_copy(options, arenas):  # the last check before anything changes: what zero-copy would read
+        raise Checked({name: packed.arena.registered for name, packed in arenas.items()})
+
+    monkeypatch.setattr(HostArena, "register", lock)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(engine_module, "quantize_device", lambda device=None: torch.device("cpu"))
+    pipe = wan()
+    engine = _enable(pipe, mode="group", budget="4MB", device="cpu")
+    assert not any(packed.arena.registered for packed in engine.packed.values())
+    # the machine's GPU, as far as the re-enable's checks go
+    check_device = options_module.check_device
+    monkeypatch.setattr(
+        options_module, "check_device", lambda d: torch.device("cuda", 0) if "cuda" in str(d) else check_device(d)
+    )
+    monkeypatch.setattr(options_module, "device_memory", lambda device: (80 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(engine_module, "warn_if_fragmenting", lambda: None)
+    monkeypatch.setattr(preflight, "check_zero_copy", check_zero_copy)
+    with pytest.raises(Checked) as seen:
+        _enable(pipe, mode="group", budget="4MB", device="cuda", transport="zero_copy")
+    assert seen.value.args[0] == dict.fromkeys(engine.packed, True)
+    for packed in engine.packed.values():  # locked in name only: nothing to unlock when they are freed
+        packed.arena.registered = False
+    tritoff.disable(pipe)  # the refused re-enable left the CPU engine as it was

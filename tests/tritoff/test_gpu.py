@@ -480,6 +480,24 @@ def test_a_pool_unit_is_not_filled_into_memory_queued_kernels_still_read():
         pytest.skip("the allocator did not hand the evicted memory to the next unit: the race was not exercised")
 
 
+def test_a_pipeline_enabled_on_the_cpu_then_on_the_gpu_streams_from_locked_packs():
+    # the re-enable reuses the CPU engine's packs, which were never page-locked: zero-copy reads need them locked
+    x = torch.randn(64, 512, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        expected = dequantize_in_place(_sleepy()).cuda()(x)
+    model = _sleepy()
+    engine = tritoff.enable(model, mode="group", budget="1GB", device="cpu", progress=False)
+    assert not engine.packed["model"].arena.registered
+    reserve = 64 * 512 * 2 * 8
+    budget = _minimum(_sleepy(), reserve=reserve, transport="zero_copy")
+    engine = tritoff.enable(model, mode="group", budget=budget, reserve=reserve, transport="zero_copy", progress=False)
+    assert engine.packed["model"].arena.registered and engine.plan.tier_counts("model")["stream"] > 0
+    with torch.no_grad():
+        out = model(x)
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+
+
 def test_a_unit_read_on_the_callers_stream_is_not_filled_over_by_the_next_unit_on_another():
     # the first unit's phase is entered on the default stream (its memory comes from that stream's pool), then called
     # on a stream of the caller's, its kernels queued behind a sleep; the second unit, called on the default stream,

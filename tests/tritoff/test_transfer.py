@@ -148,3 +148,66 @@ def test_a_disk_buffer_is_given_back_when_its_event_cannot_be_recorded(monkeypat
         with transfer.host_bytes(group, stream=stream) as data:
             assert data.numel() == 8
     assert disk.given == [(3, None, True)]
+
+
+class _Stream:
+    """A CUDA stream as the transfer's ordering sees it: what it was made to wait for, in order."""
+
+    def __init__(self, name, log, destroyed=False):
+        self.name, self.log, self.destroyed = name, log, destroyed
+
+    def wait_stream(self, other):
+        if other.destroyed:  # recording an event on a stream whose handle was freed
+            raise torch.AcceleratorError("CUDA error: invalid resource handle")
+        self.log.append(f"{self.name} waits {other.name}")
+
+    def __eq__(self, other):
+        return self is other
+
+    def __hash__(self):
+        return id(self)
+
+
+def test_a_phases_memory_is_freed_after_every_stream_its_calls_ran_on(monkeypatch):
+    """A call on a stream of the caller's waits once for the phase's uploads; the stream the memory came from waits
+    for every such stream before the memory goes back to it, and synchronizes where one was destroyed since."""
+    from tritoff.transfer import MAX_COMPUTE_STREAMS, Transfer
+
+    log = []
+    home, copy, upcast = (_Stream(name, log) for name in ("home", "copy", "upcast"))
+    current = [home]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("synchronize"))
+    transfer = Transfer.__new__(Transfer)  # its streams and flags, without a GPU
+    transfer.cuda, transfer.device, transfer.compute_streams = True, torch.device("cuda"), set()
+    transfer.home_stream, transfer.copy_stream, transfer.upcast_stream = home, copy, upcast
+
+    transfer.note_compute_stream()  # on the home stream: it waited for the uploads at the phase's entry
+    assert log == [] and not transfer.compute_streams
+    mine = _Stream("mine", log)
+    current[0] = mine
+    for _ in range(3):  # the uploads are waited for once
+        transfer.note_compute_stream()
+    assert log == ["mine waits copy", "mine waits upcast"]
+    log.clear()
+    current[0] = home  # the phase left from the home stream
+    transfer.before_free()
+    assert log == ["home waits copy", "home waits upcast", "home waits mine"]
+
+    log.clear()
+    gone = _Stream("gone", log)
+    current[0] = gone
+    transfer.note_compute_stream()
+    gone.destroyed = True  # its owner freed it before the phase left: waiting on it fails, the device is synchronized
+    current[0] = home
+    transfer.before_free()
+    assert log[-1] == "synchronize" and "home waits mine" in log
+
+    transfer.compute_streams.clear()
+    log.clear()
+    streams = [_Stream(f"s{i}", log) for i in range(MAX_COMPUTE_STREAMS + 1)]
+    for stream in streams:  # a new stream at every call: the set stays bounded, the older ones waited for first
+        current[0] = stream
+        transfer.note_compute_stream()
+    assert transfer.compute_streams == {streams[-1]}
+    assert {f"home waits s{i}" for i in range(MAX_COMPUTE_STREAMS)} <= set(log)
