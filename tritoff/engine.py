@@ -588,11 +588,7 @@ def enable(
         spills = spill_files(spill_dir, spilled, freed=_spill_files_of(previous) if previous is not None else [])
     ring = None  # the disk ring: made now, where it can still be refused, except on a re-plan (see _disk_ring)
     if reuse:
-        if options.device.type == "cuda":  # packs a CPU engine made were never locked: copies to a GPU want them so
-            for packed_model in previous.packed.values():
-                if packed_model.arena.register_error is None:  # a lock that failed has warned once already
-                    packed_model.arena.register()
-        preflight.check_zero_copy(options, previous.packed)
+        _lock_for(options, previous.packed)
     else:
         on_disk = _disk_layouts(group_lists, layouts, in_ram, stored if store is not None else None)
         ring = make_disk_ring(options, on_disk)
@@ -697,6 +693,27 @@ def _packs_on_disk(packed: dict[str, PackedModel], group_lists: dict) -> list[tu
         for pack, group in zip(model.packs, group_lists[name], strict=True)
         if pack.on_disk and not is_host(group)
     ]
+
+
+def _lock_for(options: Options, packed: dict[str, PackedModel]) -> None:
+    """Before a re-enable reuses ``packed``: on a GPU, page-lock the arenas a CPU engine made (copies from pageable
+    memory wait for the GPU; zero-copy reads cannot run at all), trying again those whose lock failed (memory may
+    have been freed since). Refused for zero-copy where one cannot be locked, the arenas locked here unlocked again:
+    the enabled engine stays as it was."""
+    locked = []
+    if options.device.type == "cuda":
+        for packed_model in packed.values():
+            arena = packed_model.arena
+            if not arena.registered:
+                arena.register()
+                if arena.registered:
+                    locked.append(arena)
+    try:
+        preflight.check_zero_copy(options, packed)
+    except BaseException:
+        for arena in locked:
+            arena.close()  # unlocks it; its packs stay where they are
+        raise
 
 
 def make_disk_ring(options: Options, on_disk: list[PackLayout]) -> DiskRing | None:

@@ -1147,27 +1147,30 @@ def test_an_engine_on_the_cpu_page_locks_nothing_on_a_machine_with_cuda(monkeypa
 
 def test_enabling_on_a_gpu_again_locks_the_packs_a_cpu_engine_made(monkeypatch):
     """A re-enable reuses the packs it finds: those of an engine on the CPU were never page-locked, and copies to a
-    GPU from pageable memory wait for it (zero-copy reads cannot run at all), so they are locked then."""
+    GPU from pageable memory wait for it (zero-copy reads cannot run at all), so they are locked then; a re-enable
+    refused unlocks what it locked, leaving the CPU engine as it was."""
     from tritoff import engine as engine_module
     from tritoff import options as options_module
     from tritoff import preflight
     from tritoff.arena import HostArena
 
+    failing = set()  # arenas whose lock fails (no host memory left to pin)
+
     def lock(arena):
-        arena.registered = True
-
-    class Checked(Exception):
-        pass
-
-    def check_zero_copy(options, arenas):  # the last check before anything changes: what zero-copy would read
-        raise Checked({name: packed.arena.registered for name, packed in arenas.items()})
+        if id(arena) in failing:
+            arena.register_error = "CUDA_ERROR_OUT_OF_MEMORY"
+        else:
+            arena.registered = True
 
     monkeypatch.setattr(HostArena, "register", lock)
+    monkeypatch.setattr(HostArena, "close", lambda arena: setattr(arena, "registered", False))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(engine_module, "quantize_device", lambda device=None: torch.device("cpu"))
+    expected = run(dequantized_pipeline(wan))
     pipe = wan()
     engine = _enable(pipe, mode="group", budget="4MB", device="cpu")
-    assert not any(packed.arena.registered for packed in engine.packed.values())
+    arenas = {name: packed.arena for name, packed in engine.packed.items()}
+    assert not any(arena.registered for arena in arenas.values())
     # the machine's GPU, as far as the re-enable's checks go
     check_device = options_module.check_device
     monkeypatch.setattr(
@@ -1175,10 +1178,24 @@ def test_enabling_on_a_gpu_again_locks_the_packs_a_cpu_engine_made(monkeypatch):
     )
     monkeypatch.setattr(options_module, "device_memory", lambda device: (80 * 2**30, 80 * 2**30))
     monkeypatch.setattr(engine_module, "warn_if_fragmenting", lambda: None)
+    gpu = dict(mode="group", budget="4MB", device="cuda", transport="zero_copy")
+
+    failing.add(id(arenas["vae"]))
+    with pytest.raises(ValueError, match="needs page-locked host memory, and vae's packs could not be locked"):
+        _enable(pipe, **gpu)
+    assert not any(arena.registered for arena in arenas.values())  # the others, locked for it, unlocked again
+    failing.clear()
+
+    class Checked(Exception):
+        pass
+
+    def check_zero_copy(options, packed):  # the last check before anything changes: what zero-copy would read
+        raise Checked({name: packed_model.arena.registered for name, packed_model in packed.items()})
+
     monkeypatch.setattr(preflight, "check_zero_copy", check_zero_copy)
     with pytest.raises(Checked) as seen:
-        _enable(pipe, mode="group", budget="4MB", device="cuda", transport="zero_copy")
-    assert seen.value.args[0] == dict.fromkeys(engine.packed, True)
-    for packed in engine.packed.values():  # locked in name only: nothing to unlock when they are freed
-        packed.arena.registered = False
-    tritoff.disable(pipe)  # the refused re-enable left the CPU engine as it was
+        _enable(pipe, **gpu)
+    assert seen.value.args[0] == dict.fromkeys(arenas, True)  # the failed lock tried again
+    assert not any(arena.registered for arena in arenas.values())
+    assert engine.options.device.type == "cpu" and torch.equal(run(pipe), expected)  # as it was
+    tritoff.disable(pipe)

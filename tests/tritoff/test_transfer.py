@@ -178,6 +178,7 @@ def test_a_phases_memory_is_freed_after_every_stream_its_calls_ran_on(monkeypatc
     current = [home]
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     transfer = Transfer.__new__(Transfer)  # its streams and flags, without a GPU
     transfer.cuda, transfer.device, transfer.compute_streams = True, torch.device("cuda"), set()
     transfer.home_stream, transfer.copy_stream, transfer.upcast_stream = home, copy, upcast
@@ -185,6 +186,11 @@ def test_a_phases_memory_is_freed_after_every_stream_its_calls_ran_on(monkeypatc
     transfer.note_compute_stream()  # on the home stream: it waited for the uploads at the phase's entry
     assert log == [] and not transfer.compute_streams
     mine = _Stream("mine", log)
+    current[0] = mine
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    transfer.note_compute_stream()  # capturing a CUDA graph: no wait on a stream outside the capture
+    assert log == [] and not transfer.compute_streams
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     current[0] = mine
     for _ in range(3):  # the uploads are waited for once
         transfer.note_compute_stream()
@@ -201,7 +207,7 @@ def test_a_phases_memory_is_freed_after_every_stream_its_calls_ran_on(monkeypatc
     gone.destroyed = True  # its owner freed it before the phase left: waiting on it fails, the device is synchronized
     current[0] = home
     transfer.before_free()
-    assert log[-1] == "synchronize" and "home waits mine" in log
+    assert "synchronize" in log and "home waits mine" in log
 
     transfer.compute_streams.clear()
     log.clear()
@@ -211,3 +217,4 @@ def test_a_phases_memory_is_freed_after_every_stream_its_calls_ran_on(monkeypatc
         transfer.note_compute_stream()
     assert transfer.compute_streams == {streams[-1]}
     assert {f"home waits s{i}" for i in range(MAX_COMPUTE_STREAMS)} <= set(log)
+    assert log[-2:] == [f"s{MAX_COMPUTE_STREAMS} waits copy", f"s{MAX_COMPUTE_STREAMS} waits upcast"]
