@@ -642,14 +642,13 @@ class HookManager:
             self.enter(comp)
             if not comp.order:  # a root that is never called itself (a ModuleList): prefetch in module order
                 comp.order = list(range(len(comp.blocks)))
-        if not comp.active:  # called on its own: its component's hook, which notes the stream, did not run
-            comp.transfer.note_compute_stream()
         if comp.trace is not None:
             comp.trace.append(self.index[id(group)])
-        if not comp.active:  # called on its own: its component's hook, which checks every group, did not run
+        if not comp.active:  # called on its own: its component's hook (checks all groups, notes the stream) did not run
             group.check_before_forward()
             for g in comp.unit:  # weights tied across blocks live with the rest of the component
                 g.check_homes()
+            comp.transfer.note_compute_stream()
         if group.tier in ("fp8", "stream"):
             if torch.is_grad_enabled():
                 # slot views must never be saved for a backward pass: the slot is overwritten by a later block

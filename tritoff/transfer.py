@@ -249,11 +249,13 @@ class Transfer:
         """At each call of the phase: a current stream other than the home one (a caller may run one call under a
         stream of its own, the next under another) waits, the first time, for the phase's uploads, which only the
         stream current at its entry waited for, and is remembered, so the memory is freed only after its kernels."""
-        if not self.cuda or torch.cuda.is_current_stream_capturing():
-            # a CUDA graph's capture (of a phase tritoff keeps resident for it) may not wait for streams outside it
+        if not self.cuda:
             return
         current = torch.cuda.current_stream(self.device)
         if current == self.home_stream or current in self.compute_streams:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            # a CUDA graph's capture (of a phase tritoff keeps resident for it) may not wait for streams outside it
             return
         if len(self.compute_streams) >= MAX_COMPUTE_STREAMS:  # a new stream at every call: wait for the old now
             self.home_waits_for_compute()
