@@ -21,10 +21,12 @@ from tritoff.arguments import OneLineParser
 from tritoff.budget import format_bytes
 
 SHAPES = {
+    "wan2.1-t2v-1.3b": [(81, 480, 832)],
     "wan2.1-t2v-14b": [(81, 480, 832), (81, 720, 1280)],
     "wan2.2-t2v-a14b": [(81, 480, 832), (81, 720, 1280)],
     "wan2.1-i2v-14b": [(81, 480, 832), (81, 720, 1280)],
     "wan2.2-i2v-a14b": [(81, 480, 832), (81, 720, 1280)],
+    "wan2.2-ti2v-5b": [(121, 704, 1280)],  # its one published size (720p, 24 fps: 5 s)
     "cogvideox-5b": [(49, 480, 720)],
 }
 BUDGETS = ("12GB", "8GB")

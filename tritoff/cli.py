@@ -658,13 +658,12 @@ def _cmd_plan(args) -> int:
         elif what != "host_budget":
             _check_budget(value, what.replace("_", " "), percent=False)
     from tritoff.budget import parse_host_budget
-    from tritoff.presets import PRESETS, VAE_SHAPES
+    from tritoff.presets import PRESETS, vae_shapes
 
     parse_host_budget(args.host_budget, what="--host-budget", percent=False)
     # the model and its dimensions from configs alone, before torch and diffusers are imported (seconds)
     if args.model in PRESETS:
-        preset = PRESETS[args.model]
-        _check_dimensions(args, VAE_SHAPES[preset.family], preset.transformer)
+        _check_dimensions(args, vae_shapes(args.model), PRESETS[args.model].transformer)
     elif Path(args.model).is_dir():
         if not (Path(args.model) / "model_index.json").is_file():
             raise CliError(

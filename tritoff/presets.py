@@ -27,6 +27,10 @@ WAN_14B = dict(
 WAN_14B_I2V = dict(WAN_14B, in_channels=36, image_dim=1280, added_kv_proj_dim=5120)
 # Wan 2.2 I2V-A14B: the concatenated channels, no image embedding
 WAN_A14B_I2V = dict(WAN_14B, in_channels=36)
+# Wan 2.1 T2V-1.3B: the 14B's architecture, narrower (12 heads) and shallower (30 blocks)
+WAN_1_3B = dict(WAN_14B, num_attention_heads=12, ffn_dim=8960, num_layers=30)
+# Wan 2.2 TI2V-5B: 24 heads, 30 blocks, the 48 latent channels of Wan 2.2's VAE in and out
+WAN_TI2V_5B = dict(WAN_14B, num_attention_heads=24, ffn_dim=14336, num_layers=30, in_channels=48, out_channels=48)
 COGVIDEOX_5B = dict(
     num_attention_heads=48,
     attention_head_dim=64,
@@ -78,6 +82,25 @@ CLIP_VIT_H14 = dict(
     layer_norm_eps=1e-5,
 )
 
+# Wan 2.2's VAE (TI2V-5B): 2x2 patches before a 8x downscale make 16x, 48 latent channels, residual blocks. The
+# latents' per-channel mean and deviation (48 each) change no size: zeros and ones here
+WAN22_VAE = dict(
+    base_dim=160,
+    decoder_base_dim=256,
+    dim_mult=[1, 2, 4, 4],
+    num_res_blocks=2,
+    temperal_downsample=[False, True, True],
+    is_residual=True,
+    in_channels=12,
+    out_channels=12,
+    patch_size=2,
+    scale_factor_spatial=16,
+    scale_factor_temporal=4,
+    z_dim=48,
+    latents_mean=[0.0] * 48,
+    latents_std=[1.0] * 48,
+)
+
 # what the command line checks a preset's frames, height and width against before torch is imported: the keys of each
 # family's VAE config that fix them (the diffusers classes' defaults, the published configs; a test compares them),
 # and its class, as a saved config names it
@@ -107,10 +130,13 @@ class Preset(NamedTuple):
     # (the Wan team's defaults: 0.875 and 12 for T2V-A14B, 0.9 and 5 for I2V-A14B) that places the steps on them
     boundary_ratio: float | None = None
     flow_shift: float | None = None
+    vae: dict | None = None  # the VAE's config where it is not its class's default
+    expand_timesteps: bool = False  # a timestep per token (Wan 2.2 TI2V)
 
 
-# the VAEs are the diffusers classes' default configs, which are the published ones
+# the VAEs but Wan 2.2's are the diffusers classes' default configs, which are the published ones
 PRESETS = {
+    "wan2.1-t2v-1.3b": Preset("wan", ("transformer",), WAN_1_3B, UMT5_XXL),
     "wan2.1-t2v-14b": Preset("wan", ("transformer",), WAN_14B, UMT5_XXL),
     "wan2.2-t2v-a14b": Preset(
         "wan", ("transformer", "transformer_2"), WAN_14B, UMT5_XXL, boundary_ratio=0.875, flow_shift=12.0
@@ -125,8 +151,18 @@ PRESETS = {
         boundary_ratio=0.9,
         flow_shift=5.0,
     ),
+    # text to video, as WanPipeline calls it (given an image, its first frame's latents come from the VAE)
+    "wan2.2-ti2v-5b": Preset("wan", ("transformer",), WAN_TI2V_5B, UMT5_XXL, vae=WAN22_VAE, expand_timesteps=True),
     "cogvideox-5b": Preset("cogvideox", ("transformer",), COGVIDEOX_5B, T5_XXL),
 }
+
+
+def vae_shapes(name: str) -> dict:
+    """The VAE config keys the command line checks preset ``name``'s frames, height and width against: its family's
+    (:data:`VAE_SHAPES`), with the values its own VAE config gives them."""
+    preset = PRESETS[name]
+    own = preset.vae or {}
+    return {key: own.get(key, value) for key, value in VAE_SHAPES[preset.family].items()}
 
 
 def as_loaded(module, dtype):
@@ -198,7 +234,7 @@ def build_preset(name: str) -> tuple[str, dict]:
                 components["image_encoder"] = CLIPVisionModelWithProjection(CLIPVisionConfig(**preset.image_encoder))
             for denoiser in preset.denoisers:
                 components[denoiser] = WanTransformer3DModel(**preset.transformer)
-            components["vae"] = AutoencoderKLWan()
+            components["vae"] = AutoencoderKLWan(**(preset.vae or {}))
         else:
             components = {
                 "text_encoder": T5EncoderModel(T5Config(**preset.text_encoder)),

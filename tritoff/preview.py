@@ -438,7 +438,10 @@ def plan(
                 prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=preset.flow_shift
             )
         pipeline_calls = PipelineCalls(
-            image_to_video=preset.image_to_video, boundary_ratio=preset.boundary_ratio, scheduler=scheduler
+            expand_timesteps=preset.expand_timesteps,
+            image_to_video=preset.image_to_video,
+            boundary_ratio=preset.boundary_ratio,
+            scheduler=scheduler,
         )
     else:
         path = Path(target)

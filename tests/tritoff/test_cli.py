@@ -264,14 +264,15 @@ def test_mp4_without_its_writer_is_an_error_not_a_gif(work, tmp_path):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["no-such-model"], "no-such-model is neither a local pipeline directory nor a preset (wan2.1-t2v-14b"),
+        (["no-such-model"], "no-such-model is neither a local pipeline directory nor a preset (wan2.1-t2v-1.3b, wan2"),
         (["wan2.1-t2v-14b", "--frames", "6"], "--frames 6 is not one more than a multiple of 4"),
         (["cogvideox-5b", "--height", "470"], "--height 470 is not a multiple of 16"),
+        (["wan2.2-ti2v-5b", "--height", "720"], "--height 720 is not a multiple of 32 (the VAE's downscale"),
         (["{pipe}", "--width", "15"], "--width 15 is not a multiple of"),
         (["{tmp}"], "has no model_index.json: give a diffusers pipeline directory or a preset name"),
         (["{pipe}/model_index.json"], "model_index.json is a file: give the diffusers pipeline directory that holds"),
     ],
-    ids=["unknown", "preset-frames", "preset-height", "directory-width", "not-a-pipeline", "its-index-file"],
+    ids=["unknown", "preset-frames", "preset-height", "ti2v-height", "dir-width", "not-a-pipeline", "its-index"],
 )
 def test_plan_refuses_a_model_or_shape_before_importing_torch(work, tmp_path, argv, message):
     # a plan builds its model on the meta device (seconds): what configs alone can refuse is refused first

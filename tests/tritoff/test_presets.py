@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from tritoff.presets import PRESETS, VAE_SHAPES, as_loaded, build_preset
+from tritoff.presets import PRESETS, VAE_SHAPES, as_loaded, build_preset, vae_shapes
 from tritoff.tiny import tiny_umt5, tiny_wan_transformer
 
 # parameters of the published checkpoints: Wan2.1 14B DiT, UMT5-XXL encoder (11.4 GB in bf16), Wan VAE (508 MB in
@@ -17,8 +17,16 @@ COG_DIT, T5_XXL, COG_VAE = 5_570_283_072, 4_762_310_656, 215_583_907
 # Wan 2.1 I2V-14B's DiT (32.8 GB in bf16: the image embedder and each block's added key/value projections), CLIP
 # ViT-H/14's vision tower with its projection (632M); Wan 2.2 I2V-A14B's experts: the T2V DiT with 36 channels in
 WAN_I2V_DIT, CLIP_H14, WAN22_I2V_DIT = 16_394_878_784, 632_076_800, 14_288_901_184
+# Wan 2.1 T2V-1.3B's DiT (5.68 GB in fp32), Wan 2.2 TI2V-5B's DiT (20.0 GB in fp32) and Wan 2.2's VAE (2.82 GB in
+# fp32): counted from the published configs, the checkpoint files' sizes as a cross-check
+WAN_1_3B_DIT, WAN_5B_DIT, WAN22_VAE = 1_418_996_800, 4_999_787_712, 704_688_668
 
 EXPECTED = {
+    "wan2.1-t2v-1.3b": (
+        "wan",
+        {"text_encoder": ("UMT5EncoderModel", UMT5_XXL), "transformer": ("WanTransformer3DModel", WAN_1_3B_DIT)},
+        ("AutoencoderKLWan", WAN_VAE),
+    ),
     "wan2.1-t2v-14b": (
         "wan",
         {"text_encoder": ("UMT5EncoderModel", UMT5_XXL), "transformer": ("WanTransformer3DModel", WAN_DIT)},
@@ -51,6 +59,11 @@ EXPECTED = {
         },
         ("AutoencoderKLWan", WAN_VAE),
     ),
+    "wan2.2-ti2v-5b": (
+        "wan",
+        {"text_encoder": ("UMT5EncoderModel", UMT5_XXL), "transformer": ("WanTransformer3DModel", WAN_5B_DIT)},
+        ("AutoencoderKLWan", WAN22_VAE),
+    ),
     "cogvideox-5b": (
         "cogvideox",
         {"text_encoder": ("T5EncoderModel", T5_XXL), "transformer": ("CogVideoXTransformer3DModel", COG_DIT)},
@@ -73,11 +86,11 @@ def _numel(module) -> int:
 
 def test_an_unknown_model_is_refused_with_the_preset_names():
     message = (
-        "unknown model 'wan2.1-t2v-1.3b': give a local diffusers directory or one of "
-        "wan2.1-t2v-14b, wan2.2-t2v-a14b, wan2.1-i2v-14b, wan2.2-i2v-a14b, cogvideox-5b"
+        "unknown model 'wan2.1-t2v-7b': give a local diffusers directory or one of wan2.1-t2v-1.3b, wan2.1-t2v-14b, "
+        "wan2.2-t2v-a14b, wan2.1-i2v-14b, wan2.2-i2v-a14b, wan2.2-ti2v-5b, cogvideox-5b"
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        build_preset("wan2.1-t2v-1.3b")
+        build_preset("wan2.1-t2v-7b")
 
 
 def test_a_preset_has_its_family_components_and_published_parameter_counts(preset):
@@ -106,11 +119,11 @@ def test_a_preset_is_bf16_except_the_modules_diffusers_keeps_in_fp32(preset):
         other = {p.dtype for p in module.parameters() if p.dtype != torch.float32}
         assert other == {torch.bfloat16}, component
         if component.startswith("transformer") and name.startswith("wan"):
-            # the time embedder's 2 Linear layers, the output's scale_shift_table, and in each of the 40 blocks its
+            # the time embedder's 2 Linear layers, the output's scale_shift_table, and in each block its
             # scale_shift_table and the cross-attention norm (norm2, an affine LayerNorm); Wan 2.1 I2V's image
             # embedder also keeps its two affine LayerNorms
             image = 4 if name == "wan2.1-i2v-14b" else 0
-            assert len(fp32) == 4 + 1 + 40 * 3 + image, component
+            assert len(fp32) == 4 + 1 + len(module.blocks) * 3 + image, component
             assert all(
                 n.startswith("condition_embedder.time_embedder.")
                 or (image and re.fullmatch(r"condition_embedder\.image_embedder\.norm[12]\.(weight|bias)", n))
@@ -132,9 +145,13 @@ def test_the_published_shapes(preset):
     name, (_, components) = preset
     dit, text = components["transformer"], components["text_encoder"]
     if name.startswith("wan"):
-        assert len(dit.blocks) == 40
-        assert dit.blocks[0].attn1.to_q.weight.shape == (5120, 5120)  # 40 heads x 128
-        assert dit.blocks[0].ffn.net[0].proj.weight.shape == (13824, 5120)
+        # blocks, heads x 128, the feed-forward's width
+        blocks, width, ffn = {"wan2.1-t2v-1.3b": (30, 1536, 8960), "wan2.2-ti2v-5b": (30, 3072, 14336)}.get(
+            name, (40, 5120, 13824)
+        )
+        assert len(dit.blocks) == blocks
+        assert dit.blocks[0].attn1.to_q.weight.shape == (width, width)
+        assert dit.blocks[0].ffn.net[0].proj.weight.shape == (ffn, width)
         assert text.shared.weight.shape == (256384, 4096)
     else:
         assert len(dit.transformer_blocks) == 42
@@ -227,9 +244,12 @@ def test_the_shape_keys_the_command_line_checks_are_those_of_the_presets_vae(nam
     from tritoff.shapes import spatial_multiple, temporal_multiple
 
     family, components = _build(name)
-    config, transformer = dict(components["vae"].config), PRESETS[name][2]
-    shape_keys = {k: v for k, v in VAE_SHAPES[family].items() if k != "_class_name"}
-    assert type(components["vae"]).__name__ == VAE_SHAPES[family]["_class_name"]
+    config, transformer = dict(components["vae"].config), PRESETS[name].transformer
+    shapes = vae_shapes(name)
+    shape_keys = {k: v for k, v in shapes.items() if k != "_class_name"}
+    assert type(components["vae"]).__name__ == shapes["_class_name"] == VAE_SHAPES[family]["_class_name"]
     assert {key: config[key] for key in shape_keys} == {k: type(config[k])(v) for k, v in shape_keys.items()}
     assert temporal_multiple(shape_keys) == temporal_multiple(config) == 4
-    assert spatial_multiple(shape_keys, transformer) == spatial_multiple(config, transformer) == 16
+    # Wan 2.2's VAE downscales 16x: with the transformer's 2x2 patches, multiples of 32
+    multiple = 32 if name == "wan2.2-ti2v-5b" else 16
+    assert spatial_multiple(shape_keys, transformer) == spatial_multiple(config, transformer) == multiple

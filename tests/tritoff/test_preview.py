@@ -469,6 +469,27 @@ def test_the_wan22_i2v_preset_places_its_steps_by_the_wan_teams_shift_and_bounda
     assert calls["transformer"] == 2 * 15 and calls["transformer_2"] == 2 * 25
 
 
+def test_the_ti2v_preset_is_planned_with_a_timestep_per_token_and_its_vaes_16x_downscale(monkeypatch):
+    # Wan 2.2 TI2V-5B: 704x1280 makes 44x80 latents (16x) and 22x40 patches, so 5 frames (2 latent frames) make 1760
+    # tokens; each gets its own timestep embedding, which the transformer's reserve holds on top of the same preset
+    # planned with one timestep per call
+    from tritoff import presets
+
+    shape = dict(frames=5, height=704, width=1280, steps=2)
+    reserves = {}
+    for expand in (True, False):
+        ti2v = presets.PRESETS["wan2.2-ti2v-5b"]._replace(expand_timesteps=expand)
+        monkeypatch.setitem(presets.PRESETS, "wan2.2-ti2v-5b", ti2v)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = tritoff.plan("wan2.2-ti2v-5b", "12GB", **shape)
+        reserves[expand] = next(p.activation_bytes for p in plan.phases if p.components == ["transformer"])
+    # per token at least the six modulation projections of 3072 values, in fp32 (the time embedder stays fp32)
+    assert reserves[True] - reserves[False] >= 1760 * 6 * 3072 * 4
+    with pytest.raises(ValueError, match="height 720 is not a multiple of 32"):
+        tritoff.plan("wan2.2-ti2v-5b", "12GB", frames=5, height=720, width=1280)
+
+
 def test_a_scheduler_the_plan_cannot_build_leaves_the_split_to_plain_flow_matching(tmp_path):
     # a scheduler class this diffusers lacks, or one needing the image's `mu`: the experts' split is an estimate
     # (flow matching without shift), the plan itself goes on
