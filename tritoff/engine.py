@@ -666,6 +666,11 @@ def enable(
         if hasattr(target, ENGINE_ATTR):  # a re-plan: the previous engine was torn down already
             delattr(target, ENGINE_ATTR)
         raise
+    if reuse and options.device.type != "cuda":
+        # the packs a GPU engine page-locked for its copies: an engine on the CPU makes none, so they are unlocked now
+        # that nothing of the GPU engine runs (closing waits for copies still reading them, and keeps the packs)
+        for packed_model in packed.values():
+            packed_model.arena.close()
     return engine
 
 

@@ -1199,3 +1199,25 @@ def test_enabling_on_a_gpu_again_locks_the_packs_a_cpu_engine_made(monkeypatch):
     assert not any(arena.registered for arena in arenas.values())
     assert engine.options.device.type == "cpu" and torch.equal(run(pipe), expected)  # as it was
     tritoff.disable(pipe)
+
+
+def test_enabling_on_the_cpu_again_unlocks_the_packs_a_gpu_engine_locked(monkeypatch):
+    """The packs of an engine on a GPU are page-locked for its copies; a re-enable on the CPU reuses them and makes no
+    copies, so it unlocks them (pinned memory cannot be swapped or given to anything else), keeping their bytes."""
+    from tritoff.arena import HostArena
+
+    expected = run(dequantized_pipeline(wan))
+    monkeypatch.setattr(HostArena, "close", lambda arena: setattr(arena, "registered", False))
+    pipe = wan()
+    engine = _enable(pipe, mode="group", budget="4MB", device="cpu")
+    arenas = [packed.arena for packed in engine.packed.values()]
+    for arena in arenas:  # as a GPU engine leaves them
+        arena.registered = True
+    failed = dict(mode="group", budget="1KB", device="cpu")
+    with pytest.raises(tritoff.BudgetError):  # refused: the enabled engine, and its locks, stay as they were
+        _enable(pipe, **failed)
+    assert all(arena.registered for arena in arenas)
+    again = _enable(pipe, mode="group", budget="4MB", device="cpu", prefetch=1)
+    assert [packed.arena for packed in again.packed.values()] == arenas  # the same packs, reused
+    assert not any(arena.registered for arena in arenas)
+    assert torch.equal(run(pipe), expected)
