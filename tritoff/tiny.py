@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from tritoff.convert import cast_like_from_pretrained
+from tritoff.presets import WAN22_VAE
 
 WAN_TINY = dict(
     patch_size=(1, 2, 2),
@@ -244,20 +245,9 @@ def tiny_wan22_ti2v_pipeline(dtype: torch.dtype = torch.bfloat16, seed: int = 0)
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
 
     torch.manual_seed(seed)
-    vae = AutoencoderKLWan(
-        base_dim=4,
-        z_dim=48,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        is_residual=True,
-        in_channels=12,
-        out_channels=12,
-        patch_size=2,
-        scale_factor_spatial=16,
-        latents_mean=[0.0] * 48,
-        latents_std=[1.0] * 48,
-    ).eval()
+    # Wan 2.2's VAE (the TI2V-5B preset's) with 4 channels at every stage and one residual block each
+    small = dict(base_dim=4, decoder_base_dim=None, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+    vae = AutoencoderKLWan(**{**WAN22_VAE, **small}).eval()
     return WanImageToVideoPipeline(
         tokenizer=tiny_tokenizer(),
         text_encoder=tiny_umt5(dtype, seed),
