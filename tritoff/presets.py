@@ -134,7 +134,7 @@ class Preset(NamedTuple):
     expand_timesteps: bool = False  # a timestep per token (Wan 2.2 TI2V)
 
 
-# the VAEs but Wan 2.2's are the diffusers classes' default configs, which are the published ones
+# the VAEs are the diffusers classes' default configs, which are the published ones, except Wan 2.2's (``vae``)
 PRESETS = {
     "wan2.1-t2v-1.3b": Preset("wan", ("transformer",), WAN_1_3B, UMT5_XXL),
     "wan2.1-t2v-14b": Preset("wan", ("transformer",), WAN_14B, UMT5_XXL),
