@@ -106,6 +106,7 @@ class Engine:
         self.chunks = chunks
         self.auto_reserve = auto_reserve
         self.requires_grad: dict[tuple[str, str], bool] = {}
+        self.adapters: dict[str, frozenset[str]] = {}  # each component's peft adapters when its flags were saved
         self.components = components
         self.options = options
         self.packed = packed
@@ -638,6 +639,7 @@ def enable(
         # where packs beyond the host budget go when a re-enable packs again: resolved now, as a relative path means
         engine.spill_dir = str(_spill_path(spill_dir)) if spill_dir is not None else None
         engine.requires_grad = requires_grad
+        engine.adapters = previous.adapters if reuse else {n: _adapter_names(m) for n, m in components.items()}
         if reuse or carried is not None:
             engine.requantized = requantized
         if reuse:  # the tables still view the packs this engine takes over
@@ -972,8 +974,12 @@ def _restore(engine: Engine, device: torch.device, released_only: bool = False) 
         _release(engine, None if not released_only else given)
         raise
     for name, module in engine.components.items():
+        # peft freezes a model's own weights as it injects an adapter; one injected while enabled found them frozen
+        # by tritoff already, and would find them so without it: they stay frozen
+        injected = bool(_adapter_names(module) - engine.adapters.get(name, frozenset()))
         for pname, param in named_parameters(module):
-            param.requires_grad_(engine.requires_grad.get((name, pname), param.requires_grad))
+            saved = engine.requires_grad.get((name, pname))
+            param.requires_grad_(param.requires_grad if saved is None else saved and not injected)
         _move_buffers(module, device)
         move_adapters(module, device)
     for packed in engine.packed.values():
@@ -982,6 +988,12 @@ def _restore(engine: Engine, device: torch.device, released_only: bool = False) 
         operations.restore_forward(module)
     lora.detach(engine, unwrap=True)  # and peft's own merge on their tuner layers (a copy would fuse into these)
     return {name for name, _ in given}
+
+
+def _adapter_names(module: nn.Module) -> frozenset[str]:
+    """The names of the peft adapters injected into ``module`` (diffusers and peft keep them in ``peft_config``)."""
+    config = getattr(module, "peft_config", None)
+    return frozenset(config) if isinstance(config, dict) else frozenset()
 
 
 def _released(param: torch.Tensor, shape: tuple) -> bool:

@@ -439,3 +439,19 @@ def test_an_enable_interrupted_after_wrapping_the_adapters_gives_peft_its_merge_
     weight = layers[0].get_base_layer().weight.detach().clone()
     twin.fuse_lora()
     assert torch.equal(layers[0].get_base_layer().weight, weight)
+
+
+def test_a_lora_loaded_while_enabled_leaves_the_weights_frozen_after_disable_as_peft_does():
+    """peft freezes a model's own weights as it injects an adapter; loaded while enabled, the adapter finds them
+    frozen by tritoff, so disable keeps them frozen (it gives back the flags saved at enable otherwise)."""
+    plain = wan()
+    plain.load_lora_weights(_lora(), adapter_name="style")
+    pipe = wan()
+    _enable(pipe, mode="group", budget="4MB")
+    pipe.load_lora_weights(_lora(), adapter_name="style")
+    tritoff.disable(pipe)
+    for name in ("transformer", "text_encoder", "vae"):
+        flags = {n: p.requires_grad for n, p in getattr(pipe, name).named_parameters()}
+        assert flags == {n: p.requires_grad for n, p in getattr(plain, name).named_parameters()}, name
+        # the transformer's weights frozen, its adapters trainable; the components without adapters as they were
+        assert any(flags.values()) and (name == "transformer") != all(flags.values()), name
