@@ -105,6 +105,12 @@ def move_adapters(model: nn.Module, device: torch.device) -> None:
             param.data = param.data.to(device)
 
 
+def adapter_names(model: nn.Module) -> frozenset[str]:
+    """Names of the peft adapters injected into ``model`` (diffusers and peft keep them in ``peft_config``)."""
+    config = getattr(model, "peft_config", None)
+    return frozenset(config) if isinstance(config, dict) else frozenset()
+
+
 def merged_adapters(model: nn.Module) -> list[str]:
     """Names of the adapters fused into ``model``'s weights (peft's ``merged_adapters``), sorted."""
     return sorted({a for layer in tuner_layers(model) for a in getattr(layer, "merged_adapters", ())})

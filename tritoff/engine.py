@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from tritoff import chain, disk, operations, preflight, torn_down
-from tritoff.adapters import merged_adapters, move_adapters, named_parameters, outer_modules
+from tritoff.adapters import adapter_names, merged_adapters, move_adapters, named_parameters, outer_modules
 from tritoff.allocator import warn_if_fragmenting
 from tritoff.arena import HostArena
 from tritoff.atomic import interrupts_held
@@ -639,7 +639,7 @@ def enable(
         # where packs beyond the host budget go when a re-enable packs again: resolved now, as a relative path means
         engine.spill_dir = str(_spill_path(spill_dir)) if spill_dir is not None else None
         engine.requires_grad = requires_grad
-        engine.adapters = previous.adapters if reuse else {n: _adapter_names(m) for n, m in components.items()}
+        engine.adapters = previous.adapters if reuse else {n: adapter_names(m) for n, m in components.items()}
         if reuse or carried is not None:
             engine.requantized = requantized
         if reuse:  # the tables still view the packs this engine takes over
@@ -976,7 +976,7 @@ def _restore(engine: Engine, device: torch.device, released_only: bool = False) 
     for name, module in engine.components.items():
         # peft freezes a model's own weights as it injects an adapter; one injected while enabled found them frozen
         # by tritoff already, and would find them so without it: they stay frozen
-        injected = bool(_adapter_names(module) - engine.adapters.get(name, frozenset()))
+        injected = bool(adapter_names(module) - engine.adapters.get(name, frozenset()))
         for pname, param in named_parameters(module):
             saved = engine.requires_grad.get((name, pname))
             param.requires_grad_(param.requires_grad if saved is None else saved and not injected)
@@ -988,12 +988,6 @@ def _restore(engine: Engine, device: torch.device, released_only: bool = False) 
         operations.restore_forward(module)
     lora.detach(engine, unwrap=True)  # and peft's own merge on their tuner layers (a copy would fuse into these)
     return {name for name, _ in given}
-
-
-def _adapter_names(module: nn.Module) -> frozenset[str]:
-    """The names of the peft adapters injected into ``module`` (diffusers and peft keep them in ``peft_config``)."""
-    config = getattr(module, "peft_config", None)
-    return frozenset(config) if isinstance(config, dict) else frozenset()
 
 
 def _released(param: torch.Tensor, shape: tuple) -> bool:

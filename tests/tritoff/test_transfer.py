@@ -191,7 +191,6 @@ def test_a_phases_memory_is_freed_after_every_stream_its_calls_ran_on(monkeypatc
     transfer.note_compute_stream()  # capturing a CUDA graph: no wait on a stream outside the capture
     assert log == [] and not transfer.compute_streams
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    current[0] = mine
     for _ in range(3):  # the uploads are waited for once
         transfer.note_compute_stream()
     assert log == ["mine waits copy", "mine waits upcast"]
