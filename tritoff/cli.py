@@ -383,13 +383,15 @@ def _load_pipeline(model: str, dtype, store: str | None, pipeline: str | None = 
                 from tritoff.store import read_index
 
                 libraries = _json(local / "model_index.json")
-                for name in read_index(store)["components"]:
-                    # diffusers models (the transformer: most of the bytes) are built without reading their weights;
-                    # transformers encoders tie weights at load time, so they load normally and are replaced by the
-                    # packs
+                for name, info in read_index(store)["components"].items():
+                    # the stored components are built without reading their weights: the packs replace them
                     spec = libraries.get(name)
                     if isinstance(spec, list) and spec[0] == "diffusers":
                         kwargs[name] = _empty_component(local, name, spec[1], store)
+                    elif isinstance(spec, list) and spec[0] == "transformers":
+                        built = _empty_encoder(local, name, spec[1], store, dtype, info["fingerprint"])
+                        if built is not None:
+                            kwargs[name] = built
             try:
                 pipe = from_pretrained(model, dtype, pipeline=pipeline, **kwargs)
             except Exception as err:
@@ -432,6 +434,21 @@ def _empty_component(directory: Path, name: str, class_name: str, store: str):
     from tritoff.store import stored_dtypes
 
     return empty_diffusers_component(directory / name, class_name, stored_dtypes(store, name))
+
+
+def _empty_encoder(directory: Path, name: str, class_name: str, store: str, dtype, stored_fingerprint: str):
+    """A transformers component (a text or image encoder) built from its config without weights, in the dtypes the
+    store recorded, or None where that is not the model the store was made from (its class, config, parameter names,
+    shapes or dtypes differ, as they may under another transformers version): it is then loaded whole, and the
+    store's own checks speak."""
+    from tritoff.convert import empty_transformers_component
+    from tritoff.store import fingerprint, stored_dtypes
+
+    try:
+        built = empty_transformers_component(directory / name, class_name, dtype, stored_dtypes(store, name))
+    except Exception:  # noqa: BLE001 - the whole load that follows reports what is wrong, naming the file
+        return None
+    return built if fingerprint(built) == stored_fingerprint else None
 
 
 def _check_store(args, local: Path) -> dict:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -75,10 +76,45 @@ def empty_diffusers_component(
     return module.eval()
 
 
-def load_saved_buffers(module: nn.Module, directory: Path) -> None:
+def empty_transformers_component(
+    directory: Path, class_name: str, dtype: torch.dtype, stored: dict[str, torch.dtype]
+) -> nn.Module:
+    """The transformers model saved in ``directory`` built from its config as ``from_pretrained(dtype=dtype)`` builds
+    it (buffers computed under that dtype, the attention implementation it picks, its tied weights one parameter), but
+    with its parameters on the meta device, in the dtypes ``stored`` names (as a store recorded them: which modules
+    transformers keeps in fp32 depends on its version). Whether it is the model a store was made from is for the
+    store's fingerprint to say."""
+    import transformers
+    from accelerate import init_empty_weights
+
+    cls = getattr(transformers, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise ValueError(f"cannot load {directory}: transformers {transformers.__version__} has no {class_name!r}")
+    # transformers 4.56 renamed torch_dtype to dtype (its _from_config then takes the old name only where the config's
+    # own dtype is another)
+    major, minor = (int(part) for part in re.findall(r"\d+", transformers.__version__)[:2])
+    key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    with init_empty_weights(include_buffers=False), config_errors(Path(directory) / "config.json"):
+        config = cls.config_class.from_pretrained(directory)
+        setattr(config, key, dtype)  # the dtype loaded in, as from_pretrained records it (the fingerprint has it)
+        module = cls._from_config(config, **{key: dtype})
+    # as from_pretrained does once the weights are in: shared embeddings become one parameter (outside
+    # init_empty_weights, which would register a new one in the tied one's place)
+    module.tie_weights()
+    for name, param in module.named_parameters():
+        if name in stored:
+            param.data = torch.empty(param.shape, dtype=stored[name], device="meta")
+    unsaved = load_saved_buffers(module, Path(directory))
+    if unsaved:  # saved under another name (a prefix transformers maps on load) or not at all: not built as it loads
+        raise ValueError(f"{directory}: no saved value under the model's name for buffer {sorted(unsaved)[0]}")
+    return module.eval()
+
+
+def load_saved_buffers(module: nn.Module, directory: Path) -> set[str]:
     """Give ``module``'s persistent buffers the values saved in ``directory``'s safetensors files, in the buffers'
     dtypes: built from a config they hold their initial values, which a checkpoint may not (CogVideoX-5B I2V's learned
-    positional embedding, a VAE's latent statistics). Files without a variant in their name are read first."""
+    positional embedding, a VAE's latent statistics). Files without a variant in their name are read first. Returns
+    the names of those no file holds (they keep their initial values)."""
     from safetensors import safe_open
 
     params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
@@ -86,12 +122,13 @@ def load_saved_buffers(module: nn.Module, directory: Path) -> None:
     files = sorted(directory.glob("*.safetensors"), key=lambda path: (path.name.count(".") > 1, path.name))
     for path in files:
         if not wanted:
-            return
+            break
         with safe_open(str(path), framework="pt") as saved, torch.no_grad():
             for name in wanted & set(saved.keys()):
                 buffer = module.get_buffer(name)
                 buffer.copy_(saved.get_tensor(name).to(buffer.dtype))
                 wanted.discard(name)
+    return wanted
 
 
 def cast_like_from_pretrained(model: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -920,13 +920,16 @@ def _freeze(components: dict[str, nn.Module], flags: dict[tuple[str, str], bool]
 
 def _replace_meta_params(module: nn.Module, device: torch.device) -> None:
     """Parameters created on the meta device (a model built without weights, to be filled from a store) cannot take
-    data from another device: give them real zero-size parameters of the same dtype."""
+    data from another device: give them real zero-size parameters of the same dtype, one per meta parameter (a tied
+    one, such as a text encoder's embeddings shared by two modules, stays one)."""
+    replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id -> (the meta one, kept alive: ids stay unique)
     for sub in module.modules():
         for name, param in list(sub._parameters.items()):
             if param is not None and param.is_meta:
-                sub._parameters[name] = nn.Parameter(
-                    torch.empty(0, dtype=param.dtype, device=device), requires_grad=False
-                )
+                if id(param) not in replaced:
+                    empty = torch.empty(0, dtype=param.dtype, device=device)
+                    replaced[id(param)] = (param, nn.Parameter(empty, requires_grad=False))
+                sub._parameters[name] = replaced[id(param)][1]
 
 
 def _warn_lost_weights(snr: dict[str, float]) -> None:

@@ -424,3 +424,104 @@ def test_checkpoint_tensors_the_model_has_no_place_for_are_warned_of(two_pipelin
         packed = convert_pipeline(model, tmp_path / "store", progress=False)
     names = {entry.name for pack in packed["transformer"].packs for entry in pack.layout.entries}
     assert "blocks.0.ffn.net.0.proj.weight" in names and not any(name.startswith("blocks.1.") for name in names)
+
+
+ENCODERS = [  # (tiny pipeline, component): each transformers model class the tiny families load
+    ("tiny_wan_pipeline", "text_encoder"),  # UMT5: its embeddings shared by two modules
+    ("tiny_cogvideox_pipeline", "text_encoder"),  # T5: the same, and its `wo` kept in fp32 under fp16
+    ("tiny_flux_pipeline", "text_encoder"),  # CLIP text: its position ids a non-persistent buffer
+    ("tiny_hunyuan_video_pipeline", "text_encoder"),  # Llama: its rotary frequencies a buffer computed at init
+    ("tiny_wan_i2v_pipeline", "image_encoder"),  # CLIP vision
+]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(("factory", "name"), ENCODERS)
+def test_a_stored_encoder_is_built_without_its_weights_as_from_pretrained_loads_it(tmp_path, factory, name, dtype):
+    # `tritoff run --store` builds transformers components from their configs (UMT5-XXL: 11 GB it no longer reads),
+    # then the store's packs fill them: the same model as loaded, ties, buffers and outputs
+    _built_and_loaded_compute_alike(tmp_path, factory, name, dtype)
+
+
+def test_a_stored_encoder_built_without_its_weights_looks_its_large_table_up_on_the_host(tmp_path, monkeypatch):
+    from tritoff import groups
+
+    monkeypatch.setattr(groups, "HOST_EMBEDDING_BYTES", 8 * 1024)  # the tiny UMT5's 16 KiB table counts as large
+    engine = _built_and_loaded_compute_alike(tmp_path, "tiny_wan_pipeline", "text_encoder", "bfloat16")
+    assert engine.stats["components"]["model"]["host_lookup_bytes"] == 256 * 32 * 2  # the table, read where it lies
+
+
+def _built_and_loaded_compute_alike(tmp_path, factory, name, dtype):
+    import torch
+
+    import tritoff
+    from tritoff import tiny
+    from tritoff.convert import empty_transformers_component
+    from tritoff.store import fingerprint
+
+    dtype = getattr(torch, dtype)
+    saved = getattr(getattr(tiny, factory)(), name)
+    saved.save_pretrained(tmp_path / name)
+    cls = type(saved)
+    loaded = cls.from_pretrained(tmp_path / name, torch_dtype=dtype)
+    stored = {n: p.dtype for n, p in loaded.named_parameters()}
+    built = empty_transformers_component(tmp_path / name, cls.__name__, dtype, stored)
+    assert fingerprint(built) == fingerprint(loaded)  # the store's check: class, config, names, shapes, dtypes
+    assert all(p.is_meta for p in built.parameters()) and not built.training
+
+    def aliases(model):
+        found = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            found.setdefault(id(p), []).append(n)
+        return sorted(found.values())
+
+    assert aliases(built) == aliases(loaded)
+    buffers = dict(loaded.named_buffers())
+    assert {n: (b.dtype, b.shape) for n, b in built.named_buffers()} == {
+        n: (b.dtype, b.shape) for n, b in buffers.items()
+    }
+    assert all(torch.equal(b, buffers[n]) for n, b in built.named_buffers())
+    assert built.config._attn_implementation == loaded.config._attn_implementation
+
+    # from a store the loaded model's engine wrote, the built one computes exactly what the loaded one does
+    tritoff.enable(loaded, budget="64MB", progress=False, kernels="reference").save(tmp_path / "store")
+    tritoff.disable(loaded)
+    if name == "image_encoder":
+        inputs = dict(pixel_values=torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0)).to(dtype))
+    else:
+        inputs = dict(input_ids=torch.arange(2, 10).reshape(1, 8))
+    outputs, engines = [], []
+    for model in (built, cls.from_pretrained(tmp_path / name, torch_dtype=dtype)):
+        engines.append(
+            tritoff.enable(model, budget="64MB", store=tmp_path / "store", progress=False, kernels="reference")
+        )
+        with torch.no_grad():
+            outputs.append(model(**inputs).last_hidden_state)
+    assert torch.equal(*outputs) and outputs[0].abs().sum() > 0
+    return engines[0]
+
+
+def test_an_encoder_with_a_persistent_buffer_its_checkpoint_lacks_is_not_built_empty(tmp_path, monkeypatch):
+    # from_pretrained would give such a buffer a value from the file (maybe under another name) or initialize it;
+    # built from the config it would keep its initial value unseen: `run --store` loads such an encoder whole instead
+    import torch
+    from transformers import UMT5EncoderModel
+
+    from tritoff.convert import empty_transformers_component
+    from tritoff.tiny import tiny_umt5
+
+    tiny_umt5().save_pretrained(tmp_path)
+    stored = {n: p.dtype for n, p in UMT5EncoderModel.from_pretrained(tmp_path).named_parameters()}
+    assert all(
+        p.is_meta
+        for p in empty_transformers_component(tmp_path, "UMT5EncoderModel", torch.bfloat16, stored).parameters()
+    )
+    init = UMT5EncoderModel.__init__
+
+    def with_buffer(self, config):
+        init(self, config)
+        self.register_buffer("scale", torch.ones(4))  # persistent, and not in the checkpoint saved before
+
+    monkeypatch.setattr(UMT5EncoderModel, "__init__", with_buffer)
+    with pytest.raises(ValueError, match="no saved value under the model's name for buffer scale"):
+        empty_transformers_component(tmp_path, "UMT5EncoderModel", torch.bfloat16, stored)
