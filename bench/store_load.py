@@ -35,9 +35,9 @@ import json, sys, time
 args = json.loads(sys.argv[1])
 start = time.perf_counter()
 import tritoff
-from tritoff import cli
+from tritoff import cli, loading
 if not args["built_empty"]:
-    cli._empty_encoder = lambda *a: None  # the fallback: the text encoder loaded whole, then replaced by its packs
+    loading._empty_encoder = lambda *a: None  # the fallback: the text encoder loaded whole, then replaced by its packs
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):

@@ -22,6 +22,7 @@ _LAZY = {
     "enable": "tritoff.engine",
     "disable": "tritoff.engine",
     "Engine": "tritoff.engine",
+    "load_pipeline": "tritoff.loading",
     "BudgetError": "tritoff.planner",
     "plan": "tritoff.preview",
     "verify_store": "tritoff.store",

@@ -380,18 +380,9 @@ def _load_pipeline(model: str, dtype, store: str | None, pipeline: str | None = 
     with held_load_output() as held:
         try:
             if store is not None and local.exists():
-                from tritoff.store import read_index
+                from tritoff.loading import stored_components
 
-                libraries = _json(local / "model_index.json")
-                for name, info in read_index(store)["components"].items():
-                    # the stored components are built without reading their weights: the packs replace them
-                    spec = libraries.get(name)
-                    if isinstance(spec, list) and spec[0] == "diffusers":
-                        kwargs[name] = _empty_component(local, name, spec[1], store)
-                    elif isinstance(spec, list) and spec[0] == "transformers":
-                        built = _empty_encoder(local, name, spec[1], store, dtype, info["fingerprint"])
-                        if built is not None:
-                            kwargs[name] = built
+                kwargs = stored_components(local, store, dtype)  # the packs replace their weights: none is read
             try:
                 pipe = from_pretrained(model, dtype, pipeline=pipeline, **kwargs)
             except Exception as err:
@@ -426,29 +417,6 @@ def _check_loaded(pipe, local: Path, built: dict) -> None:
             fault = checkpoint_fault(local / name, component, missing=True)
             if fault is not None:
                 raise fault
-
-
-def _empty_component(directory: Path, name: str, class_name: str, store: str):
-    """A diffusers component built from its config without weights, in the dtypes the store recorded."""
-    from tritoff.convert import empty_diffusers_component
-    from tritoff.store import stored_dtypes
-
-    return empty_diffusers_component(directory / name, class_name, stored_dtypes(store, name))
-
-
-def _empty_encoder(directory: Path, name: str, class_name: str, store: str, dtype, stored_fingerprint: str):
-    """A transformers component (a text or image encoder) built from its config without weights, in the dtypes the
-    store recorded, or None where that is not the model the store was made from (its class, config, parameter names,
-    shapes or dtypes differ, as they may under another transformers version): it is then loaded whole, and the
-    store's own checks speak."""
-    from tritoff.convert import empty_transformers_component
-    from tritoff.store import fingerprint, stored_dtypes
-
-    try:
-        built = empty_transformers_component(directory / name, class_name, dtype, stored_dtypes(store, name))
-    except Exception:  # noqa: BLE001 - the whole load that follows reports what is wrong, naming the file
-        return None
-    return built if fingerprint(built) == stored_fingerprint else None
 
 
 def _check_store(args, local: Path) -> dict:

@@ -1,0 +1,103 @@
+"""Loading a pipeline whose weights a store holds: its stored components built without their weights.
+
+``enable(pipe, store=DIR)`` replaces every stored weight with the store's packs, so reading the weights first is
+wasted: a pipeline loaded whole needs its bf16 model in RAM (28 GB for Wan-14B's transformer, 11 GB for its text
+encoder) before the packs take its place. :func:`load_pipeline` builds the stored components from their configs
+instead, parameters on the meta device, and loads only the rest (tokenizers, schedulers, components the store lacks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+
+def load_pipeline(
+    model: str | Path, store: str | Path, dtype: torch.dtype = torch.bfloat16, pipeline: str | None = None
+):
+    """The diffusers pipeline ``model`` (a local directory, or a hub id: its copy in the Hugging Face cache,
+    downloaded first where it is not all there) with every component ``store`` holds built without its weights, ready
+    for ``tritoff.enable(pipe, store=store, ...)``, which fills them from the packs; the other components load as
+    ``from_pretrained`` loads them. ``dtype``: the dtype the store was converted in (``tritoff convert --dtype``).
+    ``pipeline``: the diffusers pipeline class to load it as (default: the one model_index.json names).
+
+    Refused in one line (:class:`~tritoff.store.StoreError` or ``ValueError``), before any weight is read: a store
+    made from other weight files than ``model``'s, one converted in another dtype, or a pipeline that lacks one of its
+    components."""
+    from tritoff.convert import fetch_pipeline, from_pretrained, load_error
+    from tritoff.store import StoreError, check_components, check_source, read_index, stored_compute_dtype
+
+    index = read_index(store)
+    converted = stored_compute_dtype(store)
+    if converted is not None and getattr(torch, converted) != dtype:
+        raise StoreError(
+            f"the store {store} was converted in {converted} and the pipeline would load in "
+            f"{str(dtype).removeprefix('torch.')}: pass dtype=torch.{converted}"
+        )
+    local = fetch_pipeline(model)
+    check_source(store, local, index)
+    check_components(store, local, index, list(_library_components(local)))
+    components = stored_components(local, store, dtype)
+    try:
+        return from_pretrained(local, dtype, pipeline=pipeline, **components)
+    except Exception as err:
+        error = load_error(model, err, local)  # the config or shard index at fault, named; else the libraries' own
+        if error is None:
+            raise
+        raise error from None
+
+
+def stored_components(directory: Path, store: str | Path, dtype: torch.dtype) -> dict[str, nn.Module]:
+    """The components of the pipeline saved in ``directory`` that ``store`` holds, built without their weights in the
+    dtypes the store recorded: each diffusers model, and each transformers model (a text or image encoder) that is
+    the model the store was made from (its fingerprint: class, config, parameter names, shapes and dtypes), as
+    another transformers version may build it otherwise; those are left out, to be loaded whole (the store's own
+    checks then speak)."""
+    from tritoff.convert import empty_diffusers_component
+    from tritoff.store import read_index, stored_dtypes
+
+    libraries = _library_components(directory)
+    built = {}
+    for name, info in read_index(store)["components"].items():
+        library, class_name = libraries.get(name, (None, None))
+        if library == "diffusers":
+            built[name] = empty_diffusers_component(directory / name, class_name, stored_dtypes(store, name))
+        elif library == "transformers":
+            encoder = _empty_encoder(directory / name, class_name, store, name, dtype, info["fingerprint"])
+            if encoder is not None:
+                built[name] = encoder
+    return built
+
+
+def _empty_encoder(directory: Path, class_name: str, store, name: str, dtype, stored_fingerprint: str):
+    """The transformers component ``name`` saved in ``directory`` built without its weights, or None where that is not
+    the model the store was made from."""
+    from tritoff.convert import empty_transformers_component
+    from tritoff.store import fingerprint, stored_dtypes
+
+    try:
+        built = empty_transformers_component(directory, class_name, dtype, stored_dtypes(store, name))
+    except Exception:  # noqa: BLE001 - the whole load that follows reports what is wrong, naming the file
+        return None
+    return built if fingerprint(built) == stored_fingerprint else None
+
+
+def _library_components(directory: Path) -> dict[str, tuple[str, str]]:
+    """Component name -> (library, class name) for each model_index.json entry of the pipeline in ``directory`` that
+    names one (``[library, class]``)."""
+    import json
+
+    path = Path(directory) / "model_index.json"
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot read {path}: {err}") from None
+    if not isinstance(index, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return {
+        name: (spec[0], spec[1])
+        for name, spec in index.items()
+        if isinstance(spec, list) and len(spec) == 2 and all(isinstance(part, str) and part for part in spec)
+    }
