@@ -776,6 +776,23 @@ def test_a_saved_store_runs_on_the_gpu_like_fresh_packs(tmp_path, transport):
     assert torch.equal(run(pipe), expected)
 
 
+def test_a_pipeline_loaded_for_its_store_runs_on_the_gpu_like_the_loaded_one(tmp_path):
+    # every stored component built without its weights (the text encoder's tied embeddings one parameter), then
+    # filled from the packs on the GPU
+    from tritoff.convert import convert_pipeline, from_pretrained
+
+    wan().save_pretrained(tmp_path / "pipe")
+    convert_pipeline(tmp_path / "pipe", tmp_path / "store", progress=False)
+    outputs = []
+    for pipe in (
+        tritoff.load_pipeline(tmp_path / "pipe", tmp_path / "store"),
+        from_pretrained(tmp_path / "pipe", torch.bfloat16),
+    ):
+        tritoff.enable(pipe, mode="group", budget="4MB", store=str(tmp_path / "store"), progress=False)
+        outputs.append(run(pipe))
+    assert torch.equal(*outputs) and outputs[0].abs().sum() > 0
+
+
 @pytest.mark.parametrize("transport", ["staged", "zero_copy"])
 def test_packs_beyond_the_host_budget_stream_from_disk_through_the_reader_thread(tmp_path, transport):
     expected = run(dequantized_pipeline(wan, num_layers=8).to("cuda"))
