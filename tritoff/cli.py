@@ -316,6 +316,13 @@ def _check_model(model: str) -> Path:
             for config in ("config.json", "scheduler_config.json"):
                 if (local / name / config).is_file():
                     _json(local / name / config)
+            named = not name.startswith("_") and _names_component(spec)
+            weights = [f for p in ("*.safetensors", "*.bin") for f in (local / name).glob(p)] if named else []
+            if weights and not (local / name / "config.json").is_file():
+                raise CliError(
+                    f"{local / name / 'config.json'} is missing: {name}'s weights ({weights[0].name}) need the config "
+                    "their model is built from; give the whole pipeline directory"
+                )
     return local
 
 

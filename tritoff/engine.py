@@ -534,6 +534,8 @@ def enable(
     elif store is not None:
         from tritoff.store import check_packs, check_weights, load_store
 
+        for name, module in components.items():
+            preflight.check_fillable(module, name)
         group_lists = {n: groups_for(m, options.mode) for n, m in components.items()}
         stored = load_store(store, components, group_lists, fingerprints, verify=verify)
         layouts = {n: [p.layout for p in stored[n].packs] for n in components}

@@ -25,7 +25,8 @@ def load_pipeline(
 
     Refused in one line (:class:`~tritoff.store.StoreError` or ``ValueError``), before any weight is read: a store
     made from other weight files than ``model``'s, one converted in another dtype, or a pipeline that lacks one of its
-    components."""
+    components. A store ``Engine.save`` wrote records no weight files: the pipeline is then loaded whole, for ``enable``
+    to compare its weights with the packs."""
     from tritoff.convert import fetch_pipeline, from_pretrained, load_error
     from tritoff.store import StoreError, check_components, check_source, read_index, stored_compute_dtype
 
@@ -54,13 +55,19 @@ def stored_components(directory: Path, store: str | Path, dtype: torch.dtype) ->
     dtypes the store recorded: each diffusers model, and each transformers model (a text or image encoder) that is
     the model the store was made from (its fingerprint: class, config, parameter names, shapes and dtypes), as
     another transformers version may build it otherwise; those are left out, to be loaded whole (the store's own
-    checks then speak)."""
-    from tritoff.convert import empty_diffusers_component
-    from tritoff.store import read_index, stored_dtypes
+    checks then speak).
 
+    None for a store that records no source files (one ``Engine.save`` wrote): only the weights' values, which
+    ``enable`` compares with the packs, tell whether it was made from this pipeline, so it is loaded whole."""
+    from tritoff.convert import empty_diffusers_component
+    from tritoff.store import read_index, records_source, stored_dtypes
+
+    index = read_index(store)
+    if not records_source(index):
+        return {}
     libraries = _library_components(directory)
     built = {}
-    for name, info in read_index(store)["components"].items():
+    for name, info in index["components"].items():
         library, class_name = libraries.get(name, (None, None))
         if library == "diffusers":
             built[name] = empty_diffusers_component(directory / name, class_name, stored_dtypes(store, name))
@@ -76,12 +83,20 @@ def _empty_encoder(directory: Path, class_name: str, store, name: str, dtype, st
     the model the store was made from."""
     from tritoff.convert import empty_transformers_component
     from tritoff.store import fingerprint, stored_dtypes
+    from tritoff.warn import warn
 
     try:
         built = empty_transformers_component(directory, class_name, dtype, stored_dtypes(store, name))
-    except Exception:  # noqa: BLE001 - the whole load that follows reports what is wrong, naming the file
-        return None
-    return built if fingerprint(built) == stored_fingerprint else None
+    except MemoryError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the whole load that follows reports what is wrong, naming the file
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+    else:
+        if fingerprint(built) == stored_fingerprint:
+            return built
+        why = "it differs from the model the store was made from (config, parameter names, shapes or dtypes)"
+    warn(f"{name} is loaded whole, then its packs replace it: built without its weights by this transformers, {why}")
+    return None
 
 
 def _library_components(directory: Path) -> dict[str, tuple[str, str]]:

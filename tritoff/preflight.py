@@ -274,6 +274,26 @@ def check_loaded(module: nn.Module, component: str) -> None:
             )
 
 
+def check_fillable(module: nn.Module, component: str) -> None:
+    """Refuse, for a module to be filled from a store, a tensor on the meta device that the store does not hold: an
+    adapter's weight (a LoRA loaded onto a component built without its weights got no values) or a buffer."""
+    from tritoff.adapters import adapter_parameters
+
+    adapters = {id(p) for p in adapter_parameters(module)}
+    for name, param in module.named_parameters():
+        if param.is_meta and id(param) in adapters:
+            raise ValueError(
+                f"{component}.{name} (an adapter's weight) is on the meta device: a LoRA loaded onto a component "
+                "built without its weights gets no values; load it after tritoff.enable"
+            )
+    for name, buffer in module.named_buffers():
+        if buffer.is_meta:
+            raise ValueError(
+                f"{component}.{name} is a buffer on the meta device, which a store does not hold: build the component "
+                "with its buffers (tritoff.load_pipeline does), or load it whole"
+            )
+
+
 def check_finite(module: nn.Module, quantized: set[str], component: str) -> None:
     """Refuse a weight to be quantized that holds NaN or Inf: no scale represents it."""
     for name, param in named_parameters(module):

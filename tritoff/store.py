@@ -999,14 +999,21 @@ def describe_source(model_dir: str | Path, components) -> dict:
     return {"files": {rel: _source_record(model_dir / rel) for rel in _weight_files(model_dir, components)}}
 
 
+def records_source(index: dict) -> bool:
+    """Whether the store of ``index`` records the weight files it was made from (``convert`` does; ``Engine.save``,
+    which knows no files, does not)."""
+    source = index.get("source")
+    return isinstance(source, dict) and isinstance(source.get("files"), dict)
+
+
 def check_source(directory: str | Path, model_dir: str | Path, index: dict | None = None) -> None:
     """Refuse the store at ``directory`` if the pipeline directory ``model_dir`` holds other weight files than the
     ones it was made from (compared by size, header and sampled content: a few reads per file). A store written by
     ``Engine.save`` records no source and is not checked."""
     index = read_index(directory) if index is None else index
-    source = index.get("source")
-    if not source or not isinstance(source.get("files"), dict):
+    if not records_source(index):
         return
+    source = index["source"]
     model_dir = Path(model_dir)
     recorded = source["files"]
     present = _weight_files(model_dir, index["components"])

@@ -528,17 +528,23 @@ def test_an_index_naming_no_pipeline_class_is_refused_in_one_line(work, tmp_path
     assert not (tmp_path / "store").exists()
 
 
+@pytest.mark.parametrize("missing", ["directory", "config"])
 @pytest.mark.parametrize("command", ["run", "convert"])
-def test_a_component_directory_missing_is_named_before_anything_loads(work, tmp_path, command):
-    # diffusers said "no file named config.json found in directory" of the pipeline's own directory
+def test_a_component_directory_or_config_missing_is_named_before_anything_loads(work, tmp_path, command, missing):
+    # diffusers said "no file named config.json found in directory" of the pipeline's own directory; transformers,
+    # for a text encoder's config, printed its report of every weight it could not place
     import shutil
 
     shutil.copytree(work[0] / "pipe", tmp_path / "pipe")
-    shutil.rmtree(tmp_path / "pipe" / "vae")
+    if missing == "directory":
+        shutil.rmtree(tmp_path / "pipe" / "vae")
+        said = f"{tmp_path / 'pipe' / 'vae'} is missing: model_index.json lists vae (diffusers AutoencoderKLWan)"
+    else:
+        (tmp_path / "pipe" / "text_encoder" / "config.json").unlink()
+        said = f"{tmp_path / 'pipe' / 'text_encoder' / 'config.json'} is missing: text_encoder's weights ("
     argv = ["run", tmp_path / "pipe", "--prompt", "x"] if command == "run" else ["convert", tmp_path / "pipe"]
     if command == "convert":
         argv.append(tmp_path / "store")
-    said = f"{tmp_path / 'pipe' / 'vae'} is missing: model_index.json lists vae (diffusers AutoencoderKLWan)"
     assert_one_line_error(*tritoff(*argv), said)
     assert not (tmp_path / "store").exists()
 
@@ -791,7 +797,7 @@ def test_a_hub_id_is_read_from_its_snapshot_in_the_hugging_face_cache(work, tmp_
 
 
 def test_run_from_a_store_builds_the_stored_components_without_their_weights(work, monkeypatch):
-    from tritoff import convert
+    from tritoff import TritoffWarning, convert
     from tritoff.cli import _load_pipeline
 
     root, jobs = work
@@ -809,7 +815,8 @@ def test_run_from_a_store_builds_the_stored_components_without_their_weights(wor
         return built
 
     monkeypatch.setattr(convert, "empty_transformers_component", other)
-    pipe = _load_pipeline(str(root / "pipe"), torch.bfloat16, str(root / "store"))
+    with pytest.warns(TritoffWarning, match="text_encoder is loaded whole, then its packs replace it: built without"):
+        pipe = _load_pipeline(str(root / "pipe"), torch.bfloat16, str(root / "store"))
     assert {p.device.type for p in pipe.text_encoder.parameters()} == {"cpu"}
     assert {p.device.type for p in pipe.transformer.parameters()} == {"meta"}
 

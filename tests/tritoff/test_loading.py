@@ -62,3 +62,34 @@ def test_a_store_of_other_weights_or_dtype_or_components_is_refused_before_anyth
     (tmp_path / "two" / "model_index.json").write_text("{")
     with pytest.raises(ValueError, match="cannot read .*model_index.json"):
         tritoff.load_pipeline(tmp_path / "two", store=store)
+
+
+def test_a_lora_loaded_before_enable_onto_a_component_built_without_weights_is_refused(saved):
+    # its weights are made on the meta device beside the base layer's: they have no values, and the store no packs
+    from .helpers import lora_state_dict
+
+    lora = lora_state_dict(from_pretrained(saved / "pipe", torch.bfloat16).transformer)
+    pipe = tritoff.load_pipeline(saved / "pipe", store=saved / "store")
+    pipe.load_lora_weights(lora, adapter_name="a")
+    with pytest.raises(ValueError, match=r"transformer\..*lora_A.* \(an adapter's weight\) is on the meta device: "):
+        tritoff.enable(pipe, budget="64MB", store=saved / "store", progress=False, kernels="reference")
+    assert all(p.is_meta for p in pipe.transformer.parameters())  # as it was
+    # loaded after enable, the same LoRA works
+    pipe = tritoff.load_pipeline(saved / "pipe", store=saved / "store")
+    tritoff.enable(pipe, budget="64MB", store=saved / "store", progress=False, kernels="reference")
+    pipe.load_lora_weights(lora, adapter_name="a")
+    loaded = from_pretrained(saved / "pipe", torch.bfloat16)
+    tritoff.enable(loaded, budget="64MB", store=saved / "store", progress=False, kernels="reference")
+    loaded.load_lora_weights(lora, adapter_name="a")
+    assert torch.equal(run(pipe), run(loaded))
+
+
+def test_a_store_that_records_no_source_loads_the_pipeline_whole_for_its_weights_to_be_compared(saved, tmp_path):
+    # engine.save knows no weight files: only the values, compared at enable, tell another pipeline's weights
+    pipe = from_pretrained(saved / "pipe", torch.bfloat16)
+    tritoff.enable(pipe, budget="64MB", progress=False, kernels="reference").save(tmp_path / "saved")
+    pipe = tritoff.load_pipeline(saved / "pipe", store=tmp_path / "saved")
+    assert not any(p.is_meta for p in pipe.components["transformer"].parameters())
+    other = tritoff.load_pipeline(saved / "other", store=tmp_path / "saved")
+    with pytest.raises(StoreError, match="was made from other weights than this pipeline's "):
+        tritoff.enable(other, budget="64MB", store=tmp_path / "saved", progress=False, kernels="reference")
