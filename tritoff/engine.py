@@ -532,10 +532,12 @@ def enable(
         group_lists = previous._group_lists
         layouts = {n: [p.layout for p in previous.packed[n].packs] for n in components}
     elif store is not None:
+        from tritoff.loading import check_built_for
         from tritoff.store import check_packs, check_weights, load_store
 
         for name, module in components.items():
             preflight.check_fillable(module, name)
+        check_built_for(components, store)
         group_lists = {n: groups_for(m, options.mode) for n, m in components.items()}
         stored = load_store(store, components, group_lists, fingerprints, verify=verify)
         layouts = {n: [p.layout for p in stored[n].packs] for n in components}

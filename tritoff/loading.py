@@ -19,17 +19,23 @@ def load_pipeline(
 ):
     """The diffusers pipeline ``model`` (a local directory, or a hub id: its copy in the Hugging Face cache,
     downloaded first where it is not all there) with every component ``store`` holds built without its weights, ready
-    for ``tritoff.enable(pipe, store=store, ...)``, which fills them from the packs; the other components load as
-    ``from_pretrained`` loads them. ``dtype``: the dtype the store was converted in (``tritoff convert --dtype``).
-    ``pipeline``: the diffusers pipeline class to load it as (default: the one model_index.json names).
+    for ``tritoff.enable(pipe, store=store, ...)``, which fills them from the packs (the pipeline runs only then); the
+    other components load as ``from_pretrained`` loads them. ``dtype``: the dtype the store was converted in
+    (``tritoff convert --dtype``). ``pipeline``: the name of the diffusers pipeline class to load it as (default: the
+    one model_index.json names).
 
-    Refused in one line (:class:`~tritoff.store.StoreError` or ``ValueError``), before any weight is read: a store
-    made from other weight files than ``model``'s, one converted in another dtype, or a pipeline that lacks one of its
-    components. A store ``Engine.save`` wrote records no weight files: the pipeline is then loaded whole, for ``enable``
-    to compare its weights with the packs."""
+    Refused in one line (:class:`~tritoff.store.StoreError`, ``ValueError`` or ``TypeError``) before the pipeline
+    loads: a store made from other weight files than ``model``'s, one converted in another dtype, or a pipeline that
+    lacks one of its components. A store ``Engine.save`` wrote records no weight files: the pipeline is then loaded
+    whole, for ``enable`` to compare its weights with the packs."""
     from tritoff.convert import fetch_pipeline, from_pretrained, load_error
     from tritoff.store import StoreError, check_components, check_source, read_index, stored_compute_dtype
 
+    if not isinstance(model, (str, Path)):
+        raise TypeError(f"model must be a pipeline directory or a hub id, got {model!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch dtype such as torch.bfloat16, got {dtype!r}")
+    _check_pipeline_class(pipeline)
     index = read_index(store)
     converted = stored_compute_dtype(store)
     if converted is not None and getattr(torch, converted) != dtype:
@@ -37,7 +43,11 @@ def load_pipeline(
             f"the store {store} was converted in {converted} and the pipeline would load in "
             f"{str(dtype).removeprefix('torch.')}: pass dtype=torch.{converted}"
         )
+    if not Path(model).exists() and str(model).startswith((".", "/", "~")):
+        raise ValueError(f"{model} does not exist: give a pipeline directory or a hub id like org/name")
     local = fetch_pipeline(model)
+    if not (local / "model_index.json").is_file():
+        raise ValueError(f"{model} is not a diffusers pipeline directory (no model_index.json)")
     check_source(store, local, index)
     check_components(store, local, index, list(_library_components(local)))
     components = stored_components(local, store, dtype)
@@ -51,11 +61,13 @@ def load_pipeline(
 
 
 def stored_components(directory: Path, store: str | Path, dtype: torch.dtype) -> dict[str, nn.Module]:
-    """The components of the pipeline saved in ``directory`` that ``store`` holds, built without their weights in the
-    dtypes the store recorded: each diffusers model, and each transformers model (a text or image encoder) that is
-    the model the store was made from (its fingerprint: class, config, parameter names, shapes and dtypes), as
-    another transformers version may build it otherwise; those are left out, to be loaded whole (the store's own
-    checks then speak).
+    """The components of the pipeline saved in ``directory`` that ``store`` holds, built without their weights: their
+    parameters in the dtypes the store recorded, their buffers as ``from_pretrained(torch_dtype=dtype)`` makes them
+    (read from the checkpoint's safetensors files; a component saved in other files loads whole). A transformers model
+    (a text or image encoder) is built only where it is the model the store was made from (its fingerprint: class,
+    config, parameter names, shapes and dtypes), as another transformers version may build it otherwise; the others
+    are left out, to be loaded whole (the store's own checks then speak). Each built component is marked with the
+    store, which ``enable`` checks (:func:`check_built_for`).
 
     None for a store that records no source files (one ``Engine.save`` wrote): only the weights' values, which
     ``enable`` compares with the packs, tell whether it was made from this pipeline, so it is loaded whole."""
@@ -69,13 +81,54 @@ def stored_components(directory: Path, store: str | Path, dtype: torch.dtype) ->
     built = {}
     for name, info in index["components"].items():
         library, class_name = libraries.get(name, (None, None))
+        if not any((directory / name).glob("*.safetensors")):  # the saved buffers are read from safetensors files
+            continue
         if library == "diffusers":
-            built[name] = empty_diffusers_component(directory / name, class_name, stored_dtypes(store, name))
+            module = empty_diffusers_component(directory / name, class_name, dtype)  # buffers cast as loaded
+            stored = stored_dtypes(store, name)
+            for pname, param in module.named_parameters():  # parameters as the store holds them
+                param.data = torch.empty(param.shape, dtype=stored.get(pname, param.dtype), device="meta")
+            built[name] = module
         elif library == "transformers":
             encoder = _empty_encoder(directory / name, class_name, store, name, dtype, info["fingerprint"])
             if encoder is not None:
                 built[name] = encoder
+    for module in built.values():
+        module._tritoff_store = index["index_hash"]
     return built
+
+
+def check_built_for(components: dict[str, nn.Module], store: str | Path) -> None:
+    """Refuse to fill from ``store`` a component :func:`stored_components` built without its weights for another
+    store: nothing else would tell (a component without weights has none to compare with the packs)."""
+    from tritoff.store import StoreError, read_index
+
+    expected = read_index(store)["index_hash"]
+    for name, module in components.items():
+        built_for = getattr(module, "_tritoff_store", None)
+        if built_for is not None and built_for != expected and any(p.is_meta for p in module.parameters()):
+            raise StoreError(
+                f"{name} was built without its weights for another store (tritoff.load_pipeline): enable it with "
+                f"the store it was loaded for, or load the pipeline again for {store}"
+            )
+
+
+def _check_pipeline_class(pipeline) -> None:
+    """Refuse a ``pipeline`` that names no diffusers pipeline class (``DiffusionPipeline`` itself included: through it
+    diffusers loads the optional components, a transformer among them, whole)."""
+    if pipeline is None:
+        return
+    import diffusers
+
+    cls = getattr(diffusers, pipeline, None) if isinstance(pipeline, str) else None
+    if (
+        not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline))
+        or cls is diffusers.DiffusionPipeline
+    ):
+        raise ValueError(
+            f"pipeline={pipeline!r} names no diffusers pipeline class: give one such as 'WanImageToVideoPipeline', "
+            "or None for the one model_index.json names"
+        )
 
 
 def _empty_encoder(directory: Path, class_name: str, store, name: str, dtype, stored_fingerprint: str):

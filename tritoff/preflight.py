@@ -270,7 +270,8 @@ def check_loaded(module: nn.Module, component: str) -> None:
         if tensor.is_meta:
             raise ValueError(
                 f"{component}.{name} is on the meta device, so there are no weights to pack: load the weights "
-                "before tritoff.enable"
+                "before tritoff.enable (a pipeline from tritoff.load_pipeline: pass the store it was loaded for, "
+                "store=...)"
             )
 
 

@@ -965,6 +965,23 @@ def _source_record(path: Path) -> dict:
     return {"size": size, "header": header, "sample": sample.hexdigest()}
 
 
+def _left_out(model_dir: Path, components) -> set[str]:
+    """Of ``components``, those the pipeline saved in ``model_dir`` leaves out: its model_index.json names no class
+    for them (``[null, null]``, or no entry) and it has no directory of theirs; none where model_index.json cannot be
+    read (the load says why)."""
+    try:
+        entries = json.loads((model_dir / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    if not isinstance(entries, dict):
+        return set()
+    return {
+        name
+        for name in components
+        if not (isinstance(entries.get(name), list) and any(entries[name])) and not (model_dir / name).exists()
+    }
+
+
 def _weight_files(model_dir: Path, components) -> list[str]:
     files = []
     for name in components:
@@ -1015,8 +1032,9 @@ def check_source(directory: str | Path, model_dir: str | Path, index: dict | Non
         return
     source = index["source"]
     model_dir = Path(model_dir)
-    recorded = source["files"]
-    present = _weight_files(model_dir, index["components"])
+    left_out = _left_out(model_dir, index["components"])  # a pipeline without some of them uses the store's others
+    recorded = {rel: r for rel, r in source["files"].items() if rel.split("/")[0] not in left_out}
+    present = _weight_files(model_dir, set(index["components"]) - left_out)
     advice = f"run with the model it was made from, or convert {model_dir} into a new store"
     for rel in sorted(set(recorded) | set(present)):
         if rel not in present:

@@ -24,6 +24,7 @@ def saved(tmp_path_factory):
     tiny_wan_pipeline(seed=0).save_pretrained(root / "pipe")
     tiny_wan_pipeline(seed=1).save_pretrained(root / "other")
     convert_pipeline(root / "pipe", root / "store", progress=False)
+    convert_pipeline(root / "other", root / "other-store", progress=False)
     return root
 
 
@@ -52,6 +53,8 @@ def test_a_store_of_other_weights_or_dtype_or_components_is_refused_before_anyth
         tritoff.load_pipeline(saved / "other", store=store)
     with pytest.raises(StoreError, match="converted in bfloat16 and the pipeline would load in float16: pass dtype="):
         tritoff.load_pipeline(saved / "pipe", store=store, dtype=torch.float16)
+    with pytest.raises(TypeError, match="dtype must be a torch dtype such as torch.bfloat16, got 'bf16'"):
+        tritoff.load_pipeline(saved / "pipe", store=store, dtype="bf16")
     # a second expert the store lacks
     shutil.copytree(saved / "pipe", tmp_path / "two")
     shutil.copytree(saved / "pipe" / "transformer", tmp_path / "two" / "transformer_2")
@@ -93,3 +96,59 @@ def test_a_store_that_records_no_source_loads_the_pipeline_whole_for_its_weights
     other = tritoff.load_pipeline(saved / "other", store=tmp_path / "saved")
     with pytest.raises(StoreError, match="was made from other weights than this pipeline's "):
         tritoff.enable(other, budget="64MB", store=tmp_path / "saved", progress=False, kernels="reference")
+
+
+def test_a_pipeline_loaded_for_one_store_is_refused_with_another(saved):
+    # its components have no weights to compare with the other store's packs: only the mark load_pipeline left tells
+    pipe = tritoff.load_pipeline(saved / "pipe", store=saved / "store")
+    with pytest.raises(StoreError, match="was built without its weights for another store"):
+        tritoff.enable(pipe, budget="64MB", store=saved / "other-store", progress=False, kernels="reference")
+    assert all(p.is_meta for p in pipe.transformer.parameters())
+
+
+def test_bad_arguments_are_refused_in_one_line(saved, tmp_path):
+    store = saved / "store"
+    for pipeline in ("WanPipelin", "DiffusionPipeline", 3):
+        with pytest.raises(ValueError, match=f"pipeline={pipeline!r} names no diffusers pipeline class: give one"):
+            tritoff.load_pipeline(saved / "pipe", store=store, pipeline=pipeline)
+    with pytest.raises(TypeError, match="model must be a pipeline directory or a hub id, got None"):
+        tritoff.load_pipeline(None, store=store)
+    with pytest.raises(ValueError, match="does not exist: give a pipeline directory or a hub id"):
+        tritoff.load_pipeline(tmp_path / "nowhere", store=store)
+    with pytest.raises(ValueError, match="is not a diffusers pipeline directory"):
+        tritoff.load_pipeline(saved / "pipe" / "transformer", store=store)
+
+
+def test_a_pipeline_without_one_of_the_stored_components_uses_the_others(tmp_path):
+    # Wan 2.2 with its second expert left out (model_index.json names none, its directory gone)
+    from tritoff.tiny import tiny_wan_pipeline
+
+    tiny_wan_pipeline(two_experts=True).save_pretrained(tmp_path / "pipe")
+    convert_pipeline(tmp_path / "pipe", tmp_path / "store", progress=False)
+    shutil.rmtree(tmp_path / "pipe" / "transformer_2")
+    index = json.loads((tmp_path / "pipe" / "model_index.json").read_text())
+    (tmp_path / "pipe" / "model_index.json").write_text(json.dumps({**index, "transformer_2": [None, None]}))
+    pipe = tritoff.load_pipeline(tmp_path / "pipe", store=tmp_path / "store")
+    assert pipe.transformer_2 is None and all(p.is_meta for p in pipe.transformer.parameters())
+    tritoff.enable(pipe, budget="64MB", store=tmp_path / "store", progress=False, kernels="reference")
+    assert run(pipe, num_inference_steps=1).abs().sum() > 0
+
+
+def test_buffers_are_made_as_from_pretrained_makes_them_and_other_files_load_whole(tmp_path):
+    # CogVideoX I2V's learned positional embedding, a buffer: saved in the checkpoint, cast to the pipeline's dtype
+    from tritoff.tiny import tiny_cogvideox_i2v_pipeline
+
+    tiny_cogvideox_i2v_pipeline().save_pretrained(tmp_path / "pipe")
+    tiny_cogvideox_i2v_pipeline(seed=1).save_pretrained(tmp_path / "bin", safe_serialization=False)
+    for name in ("pipe", "bin"):
+        convert_pipeline(tmp_path / name, tmp_path / f"{name}-store", progress=False)
+        pipe = tritoff.load_pipeline(tmp_path / name, store=tmp_path / f"{name}-store")
+        loaded = from_pretrained(tmp_path / name, torch.bfloat16)
+        for component in ("transformer", "vae"):
+            built, expected = getattr(pipe, component), getattr(loaded, component)
+            # safetensors: built without weights; .bin files (buffers not read from them): loaded whole
+            assert all(p.is_meta == (name == "pipe") for p in built.parameters()), (name, component)
+            buffers = dict(expected.named_buffers())
+            assert {n: b.dtype for n, b in built.named_buffers()} == {n: b.dtype for n, b in buffers.items()}
+            assert all(torch.equal(b, buffers[n]) for n, b in built.named_buffers()), (name, component)
+    assert pipe.transformer.patch_embed.pos_embedding.abs().sum() > 0
