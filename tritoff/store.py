@@ -1025,8 +1025,9 @@ def records_source(index: dict) -> bool:
 
 def check_source(directory: str | Path, model_dir: str | Path, index: dict | None = None) -> None:
     """Refuse the store at ``directory`` if the pipeline directory ``model_dir`` holds other weight files than the
-    ones it was made from (compared by size, header and sampled content: a few reads per file). A store written by
-    ``Engine.save`` records no source and is not checked."""
+    ones it was made from (compared by size, header and sampled content: a few reads per file), those of components
+    the pipeline leaves out aside (the store's others serve it). A store written by ``Engine.save`` records no source
+    and is not checked."""
     index = read_index(directory) if index is None else index
     if not records_source(index):
         return
