@@ -44,13 +44,15 @@ from tritoff.store import (
 def empty_diffusers_component(
     directory: Path,
     class_name: str,
-    dtype: torch.dtype | dict[str, torch.dtype],
+    dtype: torch.dtype,
     reader: CheckpointReader | None = None,
+    stored: dict[str, torch.dtype] | None = None,
 ):
     """The component saved in ``directory`` built from its config, parameters on the meta device (buffers computed for
-    real). ``dtype``: the pipeline dtype, applied as ``from_pretrained`` does (``_keep_in_fp32_modules`` stay fp32),
-    or a dtype per parameter name (as a store recorded them). A config that does not describe the checkpoint beside it
-    (read through ``reader``, or found there) is a :class:`ConfigError` naming it."""
+    real). ``dtype``: the pipeline dtype, applied to parameters and buffers as ``from_pretrained`` does
+    (``_keep_in_fp32_modules`` stay fp32); ``stored``: a dtype per parameter name that overrides it (as a store
+    recorded them). A config that does not describe the checkpoint beside it (read through ``reader``, or found
+    there) is a :class:`ConfigError` naming it."""
     import diffusers
     from accelerate import init_empty_weights
 
@@ -66,14 +68,17 @@ def empty_diffusers_component(
     fault = checkpoint_fault(Path(directory), module, reader, missing=True)
     if fault is not None:
         raise fault
-    if isinstance(dtype, torch.dtype):
-        module = cast_like_from_pretrained(module, dtype)
-    else:
-        for name, param in module.named_parameters():
-            if name in dtype:
-                param.data = torch.empty(param.shape, dtype=dtype[name], device="meta")
+    module = with_stored_dtypes(cast_like_from_pretrained(module, dtype), stored or {})
     load_saved_buffers(module, Path(directory))
     return module.eval()
+
+
+def with_stored_dtypes(module: nn.Module, stored: dict[str, torch.dtype]) -> nn.Module:
+    """``module`` (built without weights) with each parameter ``stored`` names given that dtype, on the meta device."""
+    for name, param in module.named_parameters():
+        if name in stored:
+            param.data = torch.empty(param.shape, dtype=stored[name], device="meta")
+    return module
 
 
 def empty_transformers_component(
@@ -101,9 +106,7 @@ def empty_transformers_component(
     # as from_pretrained does once the weights are in: shared embeddings become one parameter (outside
     # init_empty_weights, which would register a new one in the tied one's place)
     module.tie_weights()
-    for name, param in module.named_parameters():
-        if name in stored:
-            param.data = torch.empty(param.shape, dtype=stored[name], device="meta")
+    with_stored_dtypes(module, stored)
     unsaved = load_saved_buffers(module, Path(directory))
     if unsaved:  # saved under another name (a prefix transformers maps on load) or not at all: not built as it loads
         raise ValueError(f"{directory}: no saved value under the model's name for buffer {sorted(unsaved)[0]}")

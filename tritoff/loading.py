@@ -84,11 +84,10 @@ def stored_components(directory: Path, store: str | Path, dtype: torch.dtype) ->
         if not any((directory / name).glob("*.safetensors")):  # the saved buffers are read from safetensors files
             continue
         if library == "diffusers":
-            module = empty_diffusers_component(directory / name, class_name, dtype)  # buffers cast as loaded
-            stored = stored_dtypes(store, name)
-            for pname, param in module.named_parameters():  # parameters as the store holds them
-                param.data = torch.empty(param.shape, dtype=stored.get(pname, param.dtype), device="meta")
-            built[name] = module
+            # buffers cast as loaded, parameters as the store holds them
+            built[name] = empty_diffusers_component(
+                directory / name, class_name, dtype, stored=stored_dtypes(store, name)
+            )
         elif library == "transformers":
             encoder = _empty_encoder(directory / name, class_name, store, name, dtype, info["fingerprint"])
             if encoder is not None:

@@ -364,7 +364,7 @@ def test_a_component_built_from_its_config_keeps_its_saved_buffers(tmp_path, dty
         built = empty_diffusers_component(tmp_path, "CogVideoXTransformer3DModel", torch.bfloat16)
     else:
         stored = {name: p.dtype for name, p in model.named_parameters()}
-        built = empty_diffusers_component(tmp_path, "CogVideoXTransformer3DModel", stored)
+        built = empty_diffusers_component(tmp_path, "CogVideoXTransformer3DModel", torch.bfloat16, stored=stored)
     saved, got = model.patch_embed.pos_embedding, built.patch_embed.pos_embedding
     assert torch.equal(got, saved.to(got.dtype)) and not torch.equal(saved, torch.zeros_like(saved))
 
