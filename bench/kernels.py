@@ -6,7 +6,8 @@ staged: copy + ``upcast_pack``, (c') the same for 4 packs in a row, streamed as 
 pack through two staging halves, the DMA of one overlapping the upcast of the other), (d) ``upcast_pack_zero_copy``,
 (e) the PyTorch way per tensor (``w.to("cuda", non_blocking=True).to(bf16) * scale``), (f) the HBM-side upcast alone
 against a device-to-device copy and PyTorch's own cast of as many fp8 codes to bf16 (the upcast's mix of one byte
-read to two written), also with 2048 to 16384 elements and 4 or 8 warps per program, all timed on the device alone
+read to two written), also with 2048 to 16384 elements and 4 or 8 warps per program, and with 16-byte code loads
+(``CODE_LOAD_BYTES``: outputs through shared memory), all timed on the device alone
 (queued behind a spin kernel, so the host's launch is not counted). Then (c) and (d) beside
 a large matmul: how much each slows it. Last, (g): a Wan-14B block's compute at one frame (its linear layers' matmuls at
 1,560 tokens) with the next block's 351 MB pack upcast from HBM beside it, as tritoff runs fp8-resident blocks, for
@@ -42,6 +43,7 @@ from tritoff.arena import HostArena  # noqa: E402
 from tritoff.arguments import OneLineParser, at_least  # noqa: E402
 from tritoff.chunks import halving_chunk, split_pack, stage_chunk  # noqa: E402
 from tritoff.formats import get_format  # noqa: E402
+from tritoff.kernels import upcast as upcast_module  # noqa: E402
 from tritoff.kernels.quantize import quantize, quantize_reference  # noqa: E402
 from tritoff.kernels.upcast import (  # noqa: E402
     BLOCK,
@@ -288,6 +290,15 @@ def measure_size(target_bytes: int, device: torch.device, width: int, reps: int)
     seconds = seconds_by_config[BLOCK, WARPS]
     rate = {config: (wire + out_bytes) / t / 1e9 for config, t in seconds_by_config.items()}
     results["f_hbm_upcast"] = {"seconds": seconds, "GBps_read_plus_write": rate[BLOCK, WARPS]}
+    # the kernels' own launch with 16-byte code loads, whose outputs pass through shared memory on their way to the
+    # stores (CODE_LOAD_BYTES): what loads laid out as their stores gain
+    upcast_module.CODE_LOAD_BYTES = 16
+    try:
+        wide = device_timed(lambda: upcast_pack(staged, out, table, programs, layout.out_dtype, fmt), device, reps)
+        check("hbm_upcast_wide_code_loads")
+    finally:
+        upcast_module.CODE_LOAD_BYTES = 0
+    results["f_hbm_upcast_wide_code_loads_GBps"] = (wire + out_bytes) / wide / 1e9
     results["f_hbm_upcast_GBps_by_block"] = {str(b): rate[b, WARPS] for b in UPCAST_BLOCKS}
     # "elements x warps" per program
     results["f_hbm_upcast_GBps_by_config"] = {f"{b}x{w}": r for (b, w), r in rate.items()}
@@ -512,7 +523,9 @@ def main() -> None:
         hbm = r.get("hbm_d2d", {}).get("GBps_read_plus_write")
         up = r["f_hbm_upcast"]["GBps_read_plus_write"]
         cast = r["hbm_cast_torch"]["GBps_read_plus_write"]
+        wide = r["f_hbm_upcast_wide_code_loads_GBps"]
         cells.append(f"{up:.0f}" + (f" ({100 * up / hbm:.0f}%)" if hbm else ""))
+        cells.append(f"{wide:.0f}" + (f" ({100 * wide / hbm:.0f}%)" if hbm else ""))
         cells.append(f"{cast:.0f}" + (f" ({100 * cast / hbm:.0f}%)" if hbm else ""))
         cells.append("yes" if r["exact"] else "NO")
         table.append(cells)
@@ -525,6 +538,7 @@ def main() -> None:
         "(d) zero-copy",
         "(e) torch",
         "(f) HBM upcast GB/s (% of D2D)",
+        "(f) with 16-byte code loads",
         "PyTorch fp8->bf16 cast (% of D2D)",
         "exact",
     ]

@@ -54,9 +54,15 @@ ZERO_COPY_PROGRAMS = 32
 # leaves the others to the compute. bench/kernels.py (g) measures both ways: the upcast's rate alone and how much it
 # slows a matmul running beside it. Read when a pipeline is enabled.
 UPCAST_PROGRAMS = 0
+# Bytes of fp8 codes a thread loads at once; 0: as many as its outputs fill in one 16-byte store (8 for bf16 and fp16,
+# 4 for fp32), so loads and stores share one register layout. Triton lays each access out by its own width: 16-byte
+# loads beside 8-wide bf16 stores compile to a round trip of every output through shared memory, with a barrier per
+# piece, between them (tests/kernels/ptx_probe.py shows it). bench/kernels.py (f) times 16 beside the default.
+CODE_LOAD_BYTES = 0
 
 _OUT_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _OUT_TL = (tl.bfloat16, tl.float16, tl.float32)
+_OUT_SIZES = (2, 2, 4)
 # the dtypes the kernel gives fp8 weights back in (a pack of float64 weights unpacks through the PyTorch reference)
 OUT_DTYPES = tuple(_OUT_CODES)
 
@@ -88,6 +94,7 @@ def _upcast_chunk(
     NATIVE_FP8: tl.constexpr,
     MAX_TENSORS: tl.constexpr,
     BLOCK: tl.constexpr,
+    CODE_ALIGN: tl.constexpr,
 ):
     # Which tensor chunk ``pid`` belongs to: count the chunk starts at or below it (one vector load, no search loop).
     t_idx = tl.arange(0, MAX_TENSORS)
@@ -107,7 +114,11 @@ def _upcast_chunk(
     offs = tl.arange(0, BLOCK)
     mask = offs < limit
     if kind == 1:
-        bits = tl.load(src + first + offs, mask=mask, other=0)
+        # fp8 codes are loaded CODE_ALIGN bytes a thread (as many as its outputs fill in one 16-byte store): Triton
+        # lays each access out by its own width, and 16-byte loads beside 8-wide stores would pass every output
+        # through shared memory between them (see CODE_LOAD_BYTES)
+        codes = src_ptr + tl.multiple_of(tl.load(row + 2), CODE_ALIGN)
+        bits = tl.load(codes + first + offs, mask=mask, other=0)
         if NATIVE_FP8:
             x = bits.to(FP8_DTYPE, bitcast=True).to(tl.float32)
         else:
@@ -138,8 +149,14 @@ def _upcast_chunk(
         out = dst.to(tl.pointer_type(OUT_DTYPE), bitcast=True) + first
         tl.store(out + offs, (x * s).to(OUT_DTYPE), mask=mask)
     else:
-        words = tl.load(src.to(tl.pointer_type(tl.int32), bitcast=True) + first + offs, mask=mask, other=0)
-        tl.store(dst.to(tl.pointer_type(tl.int32), bitcast=True) + first + offs, words, mask=mask)
+        # 4-byte words, four a thread as they are stored: their own range in two halves, since loads sharing ``offs``
+        # with the fp8 loads would be laid out at their width, and pass through shared memory to the stores
+        half = tl.arange(0, BLOCK // 2)
+        for k in tl.static_range(2):
+            at = first + k * (BLOCK // 2)
+            keep = half < limit - k * (BLOCK // 2)
+            words = tl.load(src.to(tl.pointer_type(tl.int32), bitcast=True) + at + half, mask=keep, other=0)
+            tl.store(dst.to(tl.pointer_type(tl.int32), bitcast=True) + at + half, words, mask=keep)
 
 
 # counts are not specialised (Triton would compile a variant per value that is 1 or a multiple of 16)
@@ -158,6 +175,7 @@ def _upcast_pack_kernel(
     MAX_TENSORS: tl.constexpr,
     BLOCK: tl.constexpr,
     PERSISTENT: tl.constexpr,
+    CODE_ALIGN: tl.constexpr,
 ):
     if PERSISTENT:
         # zero-copy: a bounded grid strides over the chunks, so the PCIe read does not hold every SM while blocks
@@ -176,6 +194,7 @@ def _upcast_pack_kernel(
                 NATIVE_FP8,
                 MAX_TENSORS,
                 BLOCK,
+                CODE_ALIGN,
             )
     else:
         # staged: one program per chunk
@@ -192,6 +211,7 @@ def _upcast_pack_kernel(
             NATIVE_FP8,
             MAX_TENSORS,
             BLOCK,
+            CODE_ALIGN,
         )
 
 
@@ -226,6 +246,7 @@ def _kernel_arguments(src, dst, table, n_programs, out_code, fp8_e5m2, native, b
         MAX_TENSORS=_max_tensors(n_tensors),
         BLOCK=block,
         PERSISTENT=persistent,
+        CODE_ALIGN=CODE_LOAD_BYTES or 16 // _OUT_SIZES[out_code],
     )
     grid = (min(grid, n_programs) if persistent else n_programs,)
     return grid, (src, dst, table, n_tensors, n_programs), constants, dict(num_warps=warps)

@@ -217,6 +217,25 @@ def test_other_elements_and_warps_per_program_unpack_exactly(block, warps, shape
     _compare(layout, out, data)
 
 
+@pytest.mark.parametrize("block", [BLOCK, 2048])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        pytest.param(TensorSpec("kept", (BLOCK + 3000,), torch.float32, False), id="ends-in-second-half"),
+        pytest.param(TensorSpec("kept", (BLOCK + 404,), torch.float32, False), id="ends-in-first-half"),
+        pytest.param(TensorSpec("kept", (3, 3001), torch.bfloat16, False), id="odd-bf16"),
+    ],
+)
+def test_kept_tensors_over_several_programs_copy_exactly(spec, block, device):
+    # a program copies its words in two halves (each laid out as its stores): a tensor's last program may end in
+    # either half, or fill one and leave the other masked off
+    layout, data, _ = _build([spec, *MIXED], E4M3)
+    out = poisoned(layout.out_nbytes, device)
+    table, programs = layout.table(block, device), layout.n_programs(block)
+    upcast_pack(data.to(device), out, table, programs, layout.out_dtype, E4M3, block=block)
+    _compare(layout, out, data)
+
+
 def test_a_grid_bound_in_the_interpreter_still_covers_every_chunk(monkeypatch):
     # the interpreter runs every launch one program per chunk (see _kernel_arguments): a bound changes nothing there
     seen = []
