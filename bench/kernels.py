@@ -7,7 +7,7 @@ pack through two staging halves, the DMA of one overlapping the upcast of the ot
 (e) the PyTorch way per tensor (``w.to("cuda", non_blocking=True).to(bf16) * scale``), (f) the HBM-side upcast alone
 against a device-to-device copy and PyTorch's own cast of as many fp8 codes to bf16 (the upcast's mix of one byte
 read to two written), also with 2048 to 16384 elements and 4 or 8 warps per program, and with 16-byte code loads
-(``CODE_LOAD_BYTES``: outputs through shared memory), all timed on the device alone
+(``CODE_LOAD_BYTES``: outputs through shared memory; (d) too), all timed on the device alone
 (queued behind a spin kernel, so the host's launch is not counted). Then (c) and (d) beside
 a large matmul: how much each slows it. Last, (g): a Wan-14B block's compute at one frame (its linear layers' matmuls at
 1,560 tokens) with the next block's 351 MB pack upcast from HBM beside it, as tritoff runs fp8-resident blocks, for
@@ -194,6 +194,16 @@ def streamed_onload(layout: PackLayout, host: torch.Tensor, out: torch.Tensor, f
     return onload, poison, len(chunks)
 
 
+@contextlib.contextmanager
+def code_loads(nbytes: int):
+    """Upcasts launched inside load ``nbytes`` of fp8 codes a thread (``kernels/upcast.py``: ``CODE_LOAD_BYTES``)."""
+    upcast_module.CODE_LOAD_BYTES = nbytes
+    try:
+        yield
+    finally:
+        upcast_module.CODE_LOAD_BYTES = 0
+
+
 def measure_size(target_bytes: int, device: torch.device, width: int, reps: int) -> dict:
     """Every transport's time for a pack of about ``target_bytes`` (median of ``reps``), and its checks."""
     cuda = device.type == "cuda"
@@ -246,17 +256,15 @@ def measure_size(target_bytes: int, device: torch.device, width: int, reps: int)
     if cuda:
         zc_table, zc_programs = layout.table(BLOCK_ZERO_COPY, device), layout.n_programs(BLOCK_ZERO_COPY)
         host_view = arena.device_view(0, wire, device)
-        record(
-            "d_zero_copy",
-            timed(
-                lambda: upcast_pack_zero_copy(host_view, out, zc_table, zc_programs, layout.out_dtype, fmt),
-                device,
-                reps,
-            ),
-            wire,
-            out_bytes,
-        )
+
+        def zero_copy():
+            upcast_pack_zero_copy(host_view, out, zc_table, zc_programs, layout.out_dtype, fmt)
+
+        record("d_zero_copy", timed(zero_copy, device, reps), wire, out_bytes)
         check("zero_copy")
+        with code_loads(16):  # beside the former 16-byte code loads, as (f)
+            record("d_zero_copy_wide_code_loads", timed(zero_copy, device, reps), wire, out_bytes)
+        check("zero_copy_wide_code_loads")
 
         def torch_way():
             for e in layout.entries:
@@ -291,13 +299,10 @@ def measure_size(target_bytes: int, device: torch.device, width: int, reps: int)
     rate = {config: (wire + out_bytes) / t / 1e9 for config, t in seconds_by_config.items()}
     results["f_hbm_upcast"] = {"seconds": seconds, "GBps_read_plus_write": rate[BLOCK, WARPS]}
     # the kernels' own launch with 16-byte code loads, whose outputs pass through shared memory on their way to the
-    # stores (CODE_LOAD_BYTES): what loads laid out as their stores gain
-    upcast_module.CODE_LOAD_BYTES = 16
-    try:
+    # stores: what loads laid out as their stores gain
+    with code_loads(16):
         wide = device_timed(lambda: upcast_pack(staged, out, table, programs, layout.out_dtype, fmt), device, reps)
-        check("hbm_upcast_wide_code_loads")
-    finally:
-        upcast_module.CODE_LOAD_BYTES = 0
+    check("hbm_upcast_wide_code_loads")
     results["f_hbm_upcast_wide_code_loads_GBps"] = (wire + out_bytes) / wide / 1e9
     results["f_hbm_upcast_GBps_by_block"] = {str(b): rate[b, WARPS] for b in UPCAST_BLOCKS}
     # "elements x warps" per program
@@ -515,7 +520,13 @@ def main() -> None:
         write_result("kernels", data, smoke=args.smoke, out=args.out)
         roof = r["a_h2d_fp8"]["wire_GBps"]
         cells = [f"{r['pack_bytes'] / 2**20:.1f}", f"{roof:.1f}", f"{r['b_h2d_bf16']['wire_GBps']:.1f}"]
-        for key in ("c_staged", "c2_staged_streamed", "d_zero_copy", "e_torch_per_tensor"):
+        for key in (
+            "c_staged",
+            "c2_staged_streamed",
+            "d_zero_copy",
+            "d_zero_copy_wide_code_loads",
+            "e_torch_per_tensor",
+        ):
             if key in r:
                 cells.append(f"{r[key]['wire_GBps']:.1f} ({100 * r[key]['wire_GBps'] / roof:.0f}%)")
             else:
@@ -536,6 +547,7 @@ def main() -> None:
         "(c) staged",
         f"(c') staged, {STREAMED} in a row",
         "(d) zero-copy",
+        "(d) with 16-byte code loads",
         "(e) torch",
         "(f) HBM upcast GB/s (% of D2D)",
         "(f) with 16-byte code loads",
