@@ -519,6 +519,9 @@ def summary_lines(record: dict, out: Path, suffix: str) -> list[str]:
             )
             size = f"{r['pack_bytes'] / 2**20:.0f} MiB"
             lines.append(f"HBM upcast % of D2D by elements x warps per program, {size} pack: {cells}")
+            if "f_hbm_upcast_wide_code_loads_GBps" in r:  # the A/B of kernels.upcast.CODE_LOAD_BYTES
+                wide = 100 * r["f_hbm_upcast_wide_code_loads_GBps"] / r["hbm_d2d"]["GBps_read_plus_write"]
+                lines.append(f"HBM upcast with 16-byte code loads (through shared memory), {size}: {wide:.0f}% of D2D")
             if "hbm_cast_torch" in r:  # the upcast's mix of one byte read to two written, in a plain elementwise kernel
                 cast = r["hbm_cast_torch"]["GBps_read_plus_write"]
                 lines.append(
