@@ -31,7 +31,7 @@ def advise(
     """``err`` with the :func:`alternatives` to ``mode`` and ``prefetch`` that lower its minimum: in
     ``alternatives`` on the result, and in its message, each with what it would need."""
     found = alternatives(err.minimum, mode, prefetch, budget, minimum_for, modes)
-    return BudgetError("; ".join([str(err), *clauses(found, budget)]), err.minimum, found, budget)
+    return BudgetError("; ".join([str(err), *clauses(found, budget)]), err.minimum, found, budget, err.facts)
 
 
 def alternatives(
@@ -75,11 +75,20 @@ def alternatives(
     return found
 
 
-def clauses(alternatives: dict[str, tuple[object, int]], budget: int) -> list[str]:
-    """What each of ``alternatives`` (as :func:`advise` finds them) needs, in words."""
+def option_words(option: str, value, flags: bool = False) -> str:
+    """One of :func:`alternatives`' options as Python arguments (``mode='leaf'``) or, with ``flags``, as the command
+    line's options (``--mode leaf``)."""
+    if flags:
+        return f"--mode {value[0]} --prefetch {value[1]}" if option == "together" else f"--{option} {value}"
+    return f"mode={value[0]!r} with prefetch={value[1]}" if option == "together" else f"{option}={value!r}"
+
+
+def clauses(alternatives: dict[str, tuple[object, int]], budget: int, flags: bool = False) -> list[str]:
+    """What each of ``alternatives`` (as :func:`advise` finds them) needs, in words; ``flags``: options named as the
+    command line spells them."""
     said = []
     for option, (value, needed) in alternatives.items():
-        what = f"mode={value[0]!r} with prefetch={value[1]}" if option == "together" else f"{option}={value!r}"
+        what = option_words(option, value, flags)
         needs = "would fit this budget" if needed <= budget else f"needs only {format_bytes(needed, up=True)}"
         said.append(f"{what} {needs}")
     return said

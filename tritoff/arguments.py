@@ -10,10 +10,17 @@ EXIT_USAGE = 2
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse with one-line usage errors (its default prints the whole usage block first)."""
+    """argparse with one-line usage errors (its default prints the whole usage block first). ``hints``: advice added
+    to the errors that end with a key (``"required: out_dir"``: what most often leaves it out)."""
+
+    def __init__(self, *args, hints: dict[str, str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hints = hints or {}
 
     def error(self, message: str):
         """Print ``message`` as one line and exit with :data:`EXIT_USAGE`."""
+        hint = next((h for end, h in self.hints.items() if message.endswith(end)), None)
+        message = f"{message}; {hint}" if hint else message
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 

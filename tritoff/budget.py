@@ -50,13 +50,25 @@ def parse_size(
         raise ValueError(f"invalid {what} {value!r}: give a finite number of bytes, e.g. '12GB'")
     if number <= 0:
         raise ValueError(f"invalid {what} {value!r}: it must be positive")
+    if unit == "" and number < 2**20:  # "12" meant 12GB: bytes that few are a unit left out (an int says bytes)
+        raise ValueError(f"invalid {what} {value!r}: a number without a unit is bytes; give a unit, e.g. '12GB'")
     if unit == "%":
+        if not percent:
+            raise ValueError(f"invalid {what} {value!r}: give bytes (e.g. '12GB'), not a percentage")
         if number > 100:
             raise ValueError(f"invalid {what} {value!r}: a percentage must be at most 100%")
         if total is None:
             raise ValueError(f"{what} {value!r} is a percentage, but there is no GPU memory to take it of; give bytes")
         return _whole_bytes(total * number / 100, value, what)
     return _whole_bytes(number * _UNITS[unit], value, what)
+
+
+def parse_rate(value: int | float | str, what: str) -> int:
+    """Bytes per second from ``value``: a size as :func:`parse_size` takes it, without a percentage, optionally
+    followed by ``/s`` (``"25GB/s"``)."""
+    if isinstance(value, str) and value.rstrip().lower().endswith("/s"):
+        value = value.rstrip()[:-2]
+    return parse_size(value, what=what, percent=False)
 
 
 def _whole_bytes(size: float, value, what: str) -> int:

@@ -82,7 +82,9 @@ def _prepare_backend(device: str | None) -> None:
 
     if device == "cpu" or not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    warnings.filterwarnings("ignore", message="no CUDA device")
+    warnings.filterwarnings("ignore", message="no CUDA device")  # the report names the device
+    # a command stopped while enabling ends its process: there is no pipeline left to reload
+    warnings.filterwarnings("ignore", message="enable stopped: ")
 
 
 def _check_device(device: str | None) -> None:
@@ -176,19 +178,16 @@ def _budget_error(err, mode: str | None = None, prefetch: int | None = None) -> 
     """The planner's BudgetError in command-line terms: the budget to pass, and each alternative the engine planned
     that lowers it (``err.alternatives``) where the command has the option (``mode`` or ``prefetch`` None: it has
     not)."""
-    facts = str(err).split("; ")[0]
+    facts = err.facts
+    from tritoff.advice import option_words
+
     hints = [f"--budget {_size_hint(err.minimum)} or more"]
-    flags = {
-        "prefetch": lambda value: f"--prefetch {value}",
-        "mode": lambda value: f"--mode {value}",
-        "together": lambda value: f"--mode {value[0]} --prefetch {value[1]}",
-    }
     for option, (value, needed) in err.alternatives.items():
         if (prefetch is None and option != "mode") or (mode is None and option != "prefetch"):
             continue  # the command has no such option
         enough = "this budget" if needed <= err.budget else f"--budget {_size_hint(needed)} or more"
         if enough != hints[0]:  # not when it needs what the budget is rounded up to anyway
-            hints.append(f"{flags[option](value)} (with {enough})")
+            hints.append(f"{option_words(option, value, flags=True)} (with {enough})")
     advice = hints[0] if len(hints) == 1 else ", ".join(hints[:-1]) + ", or " + hints[-1]
     return CliError(f"{facts}; pass {advice}")
 
@@ -637,16 +636,18 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_plan(args) -> int:
+    from tritoff.budget import parse_rate
+
     for what in ("budget", "host_budget", "link", "disk"):
         value = getattr(args, what)
         if value is not None and value.strip().endswith("%"):
             raise CliError(f"--{what.replace('_', '-')}: give bytes (e.g. 12GB), not a percentage")
         if what in ("link", "disk"):
             try:
-                _check_budget(value, what)
+                parse_rate(value, what)
             except ValueError:
                 example = "25GB" if what == "link" else "2GB"
-                raise CliError(f"--{what} {value}: give bytes per second, e.g. {example}") from None
+                raise CliError(f"--{what} {value}: give bytes per second, e.g. {example} or {example}/s") from None
         elif what != "host_budget":
             _check_budget(value, what.replace("_", " "), percent=False)
     from tritoff.budget import parse_host_budget
@@ -686,7 +687,7 @@ def _cmd_plan(args) -> int:
             vae_tiling=args.vae_tiling,
             progress=True,
         )
-    print(preview.json() if args.json else preview.text())
+    print(preview.json() if args.json else preview.text(flags=True))
     return 0 if preview.feasible else 1  # a script can ask before it downloads
 
 
@@ -801,7 +802,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(func=_cmd_run)
 
-    convert = sub.add_parser("convert", help="quantize a pipeline once and save its packs as a store", **kw)
+    convert = sub.add_parser(
+        "convert",
+        help="quantize a pipeline once and save its packs as a store",
+        # --skip takes every word after it, the store's directory too
+        hints={"required: out_dir": "a --skip before it reads it as a pattern: put --skip last, or write --skip=REGEX"},
+        **kw,
+    )
     convert.add_argument("model", type=_path, help="a local diffusers pipeline directory or a hub id")
     convert.add_argument(
         "out_dir", type=_path, help="the store's directory: new, empty, or a store to replace with --overwrite"
@@ -845,7 +852,7 @@ def build_parser() -> argparse.ArgumentParser:
     preview.add_argument("--storage", default="fp8_e4m3", help=STORAGE_HELP)
     preview.add_argument("--mode", default="auto", choices=MODES, help="how components are split")
     preview.add_argument("--prefetch", type=at_least(1), default=2, help="blocks in flight ahead of the running one")
-    preview.add_argument("--link", default="25GB", help="host-to-GPU bytes per second, for transfer times")
+    preview.add_argument("--link", default="25GB", help="host-to-GPU bytes per second (25GB/s), for transfer times")
     preview.add_argument("--disk", default="2GB", help="disk read bytes per second, for --host-budget's read times")
     preview.add_argument("--vae-tiling", action="store_true", help="decode in tiles (pipe.vae.enable_tiling())")
     preview.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -894,9 +901,14 @@ def attach_dash_values(argv: list[str], parser: argparse.ArgumentParser | None =
     return out
 
 
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parser of each of ``parser``'s commands, by name."""
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
 def _long_options(parser: argparse.ArgumentParser, command: str | None) -> list[str]:
     """The long options ``command`` takes (none for a command ``parser`` does not know)."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices.get(command)
+    sub = _subparsers(parser).get(command)
     return [o for o in sub._option_string_actions if o.startswith("--")] if sub is not None else []
 
 
@@ -912,7 +924,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tritoff`` console script: parse ``argv`` (default: the process's) and run its command
     (:func:`tritoff.console.run_command`); returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(attach_dash_values(sys.argv[1:] if argv is None else argv, parser))
+    args, unknown = parser.parse_known_args(attach_dash_values(sys.argv[1:] if argv is None else argv, parser))
+    if unknown:  # said by the command's own parser, whose --help lists the options it takes
+        _subparsers(parser)[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     return run_command(args.func, args)
 
 

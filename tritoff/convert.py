@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import warnings
 from pathlib import Path
 
@@ -252,7 +253,20 @@ def _one_line(err: BaseException) -> str:
 def cannot_load(model, err: BaseException) -> str:
     """The one-line message for ``model``, which :func:`from_pretrained` could not load (``err``, every line of it:
     some libraries list their reasons below the first), cut at 400 characters."""
-    return f"cannot load {model}: {_one_line(err)}"
+    return f"cannot load {model}: {_damaged_file(err) or _one_line(err)}"
+
+
+def _damaged_file(err: BaseException) -> str | None:
+    """For diffusers' report of a weight file it could not read, which names the file twice and not why: the file
+    and safetensors' reason, found down the exception chain (as ``tritoff convert`` says it); else None."""
+    match = re.match(r"Unable to load weights from checkpoint file for '([^']+)'", str(err))
+    cause, seen = err, set()
+    while match and cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if type(cause).__name__ == "SafetensorError":
+            return f"cannot read {match.group(1)}: {_one_line(cause)}; is the checkpoint complete?"
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _streamed_components(directory: Path, dtype: torch.dtype) -> tuple[dict[str, nn.Module], dict]:
@@ -446,13 +460,27 @@ def fetch_pipeline(model: str | Path) -> Path:
     if type(error).__name__ == "HFValidationError":
         raise OSError(f"{model} is not a valid hub id ({str(error).splitlines()[0]}); give org/name, or a directory")
     offline = "; HF_HUB_OFFLINE is set" if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") else ""
-    cause = (str(error).strip().splitlines() or [type(error).__name__])[0] if error is not None else "incomplete"
-    if len(cause) > 200:
-        cause = f"{cause[:200]}..."
+    cause = _fetch_cause(error) if error is not None else "incomplete"
     raise OSError(
         f"cannot fetch {model} from the Hugging Face hub: it is not all in the local cache{incomplete} and could not "
         f"be downloaded ({cause}{offline}); check the id and the network, or give a local directory"
     )
+
+
+def _fetch_cause(error: BaseException) -> str:
+    """Why a download failed, in a few words: the network's own error where one lies down the chain (diffusers wraps
+    it in a paragraph about the cache), else the first line of ``error``, cut at a word past 200 characters."""
+    cause, seen = error, set()
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, (ConnectionError, TimeoutError, socket.gaierror)) or type(cause).__name__ in (
+            "ConnectError",
+            "ConnectTimeout",
+        ):
+            return f"the hub could not be reached: {_one_line(cause)}"
+        cause = cause.__cause__ or cause.__context__
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return first if len(first) <= 200 else first[:200].rsplit(" ", 1)[0] + " ..."
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".flashpack")

@@ -436,7 +436,8 @@ def enable(
     """Store ``target``'s weights off-GPU in ``storage`` and run it within ``budget`` of GPU memory.
 
     ``target`` is a diffusers pipeline or an ``nn.Module``. ``mode``: ``"auto"`` (default: everything resident when it
-    fits, else the planner splits large components), ``"model"``, ``"group"`` or ``"leaf"``. ``budget``: bytes,
+    fits, else the planner splits large components; with a store of leaf groups, ``"leaf"``), ``"model"``,
+    ``"group"`` or ``"leaf"``. ``budget``: bytes,
     ``"12GB"``, ``"12GiB"`` or ``"80%"`` (default: the device's free memory less 5% of it or 512 MiB, whichever is
     more). ``device``: ``"cuda"``, ``"cuda:N"`` or ``"cpu"`` (default: CUDA when available). ``progress``: progress
     bars while packing and placing the weights. ``prefetch``: groups in flight ahead of the running one.
@@ -485,7 +486,7 @@ def enable(
     # taken before any parameter changes (and reused on re-plans, when parameters hold placeholders)
     fingerprints = previous.fingerprints if previous is not None else {n: fingerprint(m) for n, m in components.items()}
     if store is not None:
-        storage, granularity, skip = _store_settings(store, components, storage, granularity, skip, mode)
+        storage, granularity, skip, mode = _store_settings(store, components, storage, granularity, skip, mode)
     if previous is not None:  # what is left out keeps what the enabled engine packed with and placed
         storage = previous.options.storage if storage is None else storage
         granularity = previous.options.granularity if granularity is None else granularity
@@ -819,8 +820,9 @@ def _warn_rounded(names: list[str], fmts, which: str = "") -> None:
 
 
 def _store_settings(store, components: dict[str, nn.Module], storage, granularity, skip, mode):
-    """The storage, granularity and skip patterns of the store at ``store``, which apply to ``components``; the
-    values given for them and ``mode`` are refused, before anything changes, where they disagree with the store."""
+    """The storage, granularity and skip patterns of the store at ``store``, which apply to ``components``, and the
+    mode (``mode`` left out: leaf for a store of leaf groups); the values given for them and ``mode`` are refused,
+    before anything changes, where they disagree with the store."""
     from tritoff.store import component_storages, read_index
 
     index = read_index(store)
@@ -850,10 +852,12 @@ def _store_settings(store, components: dict[str, nn.Module], storage, granularit
             f"skip={list(skip_patterns(skip))} but the store at {store} was packed with skip={index['skip']}; "
             "drop skip= (the store's applies)"
         )
+    if mode is None and index["grouping"] == "leaf":  # left out: the mode the store's groups were made for
+        mode = "leaf"
     if (mode == "leaf") != (index["grouping"] == "leaf"):
         fits = "mode='leaf'" if index["grouping"] == "leaf" else "mode='group', 'auto' or 'model'"
         raise ValueError(f"the store at {store} was made with {index['grouping']} groups: use {fits} with it")
-    return held, index["granularity"], tuple(index["skip"])
+    return held, index["granularity"], tuple(index["skip"]), mode
 
 
 def _packed_alike(previous: Engine, options: Options, components: dict[str, nn.Module], store) -> Options:

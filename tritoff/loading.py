@@ -76,6 +76,12 @@ def stored_components(directory: Path, store: str | Path, dtype: torch.dtype) ->
 
     index = read_index(store)
     if not records_source(index):
+        from tritoff.warn import warn
+
+        warn(
+            f"the store at {store} records no weight files (Engine.save wrote it): the pipeline is loaded whole, "
+            "and enable compares its weights with the packs; tritoff convert writes a store that spares the load"
+        )
         return {}
     libraries = _library_components(directory)
     built = {}
@@ -92,9 +98,25 @@ def stored_components(directory: Path, store: str | Path, dtype: torch.dtype) ->
             encoder = _empty_encoder(directory / name, class_name, store, name, dtype, info["fingerprint"])
             if encoder is not None:
                 built[name] = encoder
-    for module in built.values():
+    for name, module in built.items():
         module._tritoff_store = index["index_hash"]
+        module._tritoff_until_filled = module.register_forward_pre_hook(_refuse_until_filled(name))
     return built
+
+
+def _refuse_until_filled(name: str):
+    """A forward pre-hook for a component built without its weights: a call before ``enable`` filled them is refused
+    in one line (torch would fail on the meta device, deep inside); the first call after removes the hook."""
+
+    def hook(module: nn.Module, args) -> None:
+        if any(p.is_meta for p in module.parameters()):
+            raise RuntimeError(
+                f"{name} was built without its weights (tritoff.load_pipeline): call tritoff.enable(pipe, store=...) "
+                "before running the pipeline"
+            )
+        module._tritoff_until_filled.remove()
+
+    return hook
 
 
 def check_built_for(components: dict[str, nn.Module], store: str | Path) -> None:

@@ -197,7 +197,8 @@ class BudgetError(ValueError):
     """The budget cannot hold the plan; the message (and ``minimum``, in bytes) names the smallest budget that works.
 
     ``alternatives``: other options that lower it, as ``{option: (value, minimum)}``, planned for ``budget``
-    (``tritoff.advice``; empty from the planner alone)."""
+    (``tritoff.advice``; empty from the planner alone). ``facts``: the message without the advice on those options
+    (the planner's own message), for callers that word the advice themselves (the command line)."""
 
     def __init__(
         self,
@@ -205,11 +206,13 @@ class BudgetError(ValueError):
         minimum: int,
         alternatives: dict[str, tuple[object, int]] | None = None,
         budget: int | None = None,
+        facts: str | None = None,
     ):
         super().__init__(message)
         self.minimum = minimum
         self.alternatives = alternatives or {}
         self.budget = budget
+        self.facts = message if facts is None else facts
 
 
 def spread_order(n: int) -> list[int]:

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from tritoff.activations import meta_twin, reserve_bytes
 from tritoff.advice import alternatives, clauses
-from tritoff.budget import format_bytes, parse_host_budget, parse_size
+from tritoff.budget import format_bytes, parse_host_budget, parse_rate, parse_size
 from tritoff.experts import expert_steps
 from tritoff.groups import is_host
 from tritoff.host_default import host_by_default
@@ -144,8 +144,9 @@ class Preview:
         """:meth:`as_dict` as indented JSON."""
         return json.dumps(self.as_dict(), indent=2)
 
-    def text(self) -> str:
-        """A readable table: one row per phase, then host memory and the verdict."""
+    def text(self, flags: bool = False) -> str:
+        """A readable table: one row per phase, then host memory and the verdict; ``flags``: the options that would
+        lower the smallest budget named as the command line spells them (``--mode leaf``, not ``mode='leaf'``)."""
         s = self.shape
         units = "layers" if any(p.mode == "leaf" for p in self.phases) else "blocks"
         lines = [
@@ -181,7 +182,7 @@ class Preview:
         smallest = f"the smallest GPU budget that fits is {format_bytes(self.minimum_budget, up=True)}"
         if self.untraced:
             smallest += f" plus the activations of {', '.join(self.untraced)}"
-        lines.append("  " + "; ".join([verdict, smallest, *clauses(self.alternatives, self.budget)]))
+        lines.append("  " + "; ".join([verdict, smallest, *clauses(self.alternatives, self.budget, flags)]))
         return "\n".join(lines)
 
 
@@ -422,10 +423,10 @@ def plan(
     check_prefetch(prefetch)
     if vae_dtype is not None and not isinstance(vae_dtype, torch.dtype):
         raise ValueError(f"vae_dtype must be a torch dtype such as torch.float32, got {vae_dtype!r}")
-    budget_bytes = parse_size(budget)
+    budget_bytes = parse_size(budget, percent=False)  # a plan has no GPU to take a share of
     host_bytes_budget = parse_host_budget(host_budget, what="host budget")
-    link_rate = float(parse_size(link, what="link"))
-    disk_rate = float(parse_size(disk, what="disk"))
+    link_rate = float(parse_rate(link, what="link"))
+    disk_rate = float(parse_rate(disk, what="disk"))
     if str(target) in PRESETS:
         model = str(target)
         family, components = build_preset(model)

@@ -41,6 +41,8 @@ def test_the_mode_needing_least_is_named_and_none_that_needs_more():
     assert err.minimum == 900 * KB and err.budget == 500 * KB
     fits = _advise(700 * KB)
     assert str(fits).endswith("; prefetch=2 would fit this budget; mode='leaf' would fit this budget")
+    # the planner's own message, whole, for the command line to word its flags after
+    assert err.facts == fits.facts.replace(str(700 * KB), str(500 * KB)) and not err.facts.endswith("KiB")
 
 
 def test_nothing_that_lowers_nothing_is_named():

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tritoff.budget import default_budget, format_bytes, parse_host_budget, parse_size
+from tritoff.budget import default_budget, format_bytes, parse_host_budget, parse_rate, parse_size
 
 GiB, MiB = 2**30, 2**20
 
@@ -25,7 +25,7 @@ def test_the_default_budget_leaves_five_percent_of_free_memory_and_at_least_512_
         ("12gib", 12 * GiB),
         (" 0.5 MiB ", MiB // 2),
         (".5GB", 5 * 10**8),
-        ("1000", 1000),
+        ("2000000", 2_000_000),  # bytes, from 1 MiB up
         ("2.7B", 2),  # whole bytes, rounded down
         ("1e9", 10**9),  # what Python prints for 1e9
         ("2.5E3 MB", 2_500_000_000),
@@ -57,6 +57,8 @@ def test_sizes_in_every_spelling(value, expected):
         ("12e", "invalid budget '12e': give bytes"),
         ("120%", "at most 100%"),
         (0.5, "less than one byte; give a unit"),
+        ("12", "invalid budget '12': a number without a unit is bytes; give a unit, e.g. '12GB'"),  # 12GB meant
+        ("1048575", "a number without a unit is bytes"),
         ("0.0001KB", "less than one byte"),
         ("0.00000001%", "less than one byte"),
     ],
@@ -71,6 +73,20 @@ def test_a_bad_size_is_refused_in_one_line_that_says_what_to_give(value, message
 def test_a_percentage_needs_memory_to_take_it_of():
     with pytest.raises(ValueError, match="is a percentage, but there is no GPU memory to take it of; give bytes"):
         parse_size("80%")
+    # where none is taken (a plan: no GPU to take it of), the error says so whatever the machine
+    with pytest.raises(ValueError, match=r"^invalid budget '80%': give bytes \(e.g. '12GB'\), not a percentage$"):
+        parse_size("80%", total=4 * GiB, percent=False)
+
+
+@pytest.mark.parametrize("value", ["25GB", "25GB/s", " 25 GB/s ", "25gb/S", 25 * 10**9], ids=str)
+def test_a_rate_is_bytes_per_second_with_or_without_its_per_second(value):
+    assert parse_rate(value, "link") == 25 * 10**9
+
+
+@pytest.mark.parametrize("value", ["25GB/h", "25%/s", "/s", "50%"], ids=str)
+def test_a_rate_in_other_units_is_refused(value):
+    with pytest.raises(ValueError, match="invalid link"):
+        parse_rate(value, "link")
 
 
 @pytest.mark.parametrize("zero", [0, 0.0, "0", "0GB", "0 MiB", "0%"], ids=str)

@@ -83,14 +83,14 @@ def work(tmp_path_factory):
     tiny_wan_pipeline(seed=0).save_pretrained(root / "pipe")
     tiny_wan_pipeline(seed=1).save_pretrained(root / "other")
     jobs = {
-        "probe": Job(root, "probe", "run", root / "pipe", *RUN, *OPTIONS, "--budget", "1", "--out", root / "p.gif"),
+        "probe": Job(root, "probe", "run", root / "pipe", *RUN, *OPTIONS, "--budget", "1B", "--out", root / "p.gif"),
         "convert": Job(root, "convert", "convert", root / "pipe", root / "store", "--mode", "leaf", umask=UMASK),
         # a budget that holds every block: the streaming path is the run test's, the demo's here is the command's
         "demo": Job(
             root, "demo", "demo", "--steps", "1", "--frames", "1", "--budget", "64MB", "--out", root / "demo.mp4"
         ),
         "bench": Job(root, "bench", "bench", "quality", "--smoke"),
-        "demo-budget": Job(root, "demo-budget", "demo", "--budget", "1", "--out", root / "never.gif"),
+        "demo-budget": Job(root, "demo-budget", "demo", "--budget", "1B", "--out", root / "never.gif"),
     }
     yield root, jobs
     for job in jobs.values():
@@ -163,7 +163,9 @@ BAD = [
     (["run", "{pipe}", "--prompt", "x", "--store", "{tmp}/nokey"], "not a valid tritoff store index (no 'tritoff')"),
     (["run", "{pipe}"], "the following arguments are required: --prompt"),
     (["demo", "--budget", "abc"], "invalid budget 'abc'"),
-    (["demo", "--budget", "0.5"], "invalid budget '0.5': that is less than one byte; give a unit"),
+    (["demo", "--budget", "0.5"], "invalid budget '0.5': a number without a unit is bytes; give a unit"),
+    (["demo", "--budget", "12"], "invalid budget '12': a number without a unit is bytes; give a unit, e.g. '12GB'"),
+    (["plan", "wan2.1-t2v-14b", "--link", "25GB/h"], "--link 25GB/h: give bytes per second, e.g. 25GB or 25GB/s"),
     (["demo", "--steps", "0"], "--steps: must be an integer from 1 to 1000"),
     (["demo", "--frames", "0"], "--frames: must be an integer from 1 to 10000"),
     (["demo", "--frames", "4"], "--frames 4 is not one more than a multiple of 4 (the VAE compresses time 4x after"),
@@ -171,6 +173,7 @@ BAD = [
     (["run", "{pipe}", "--prompt", "x", "--store", "{tmp}/nosuch"], "nosuch does not exist; create a store there"),
     (["convert", "{pipe}", "{tmp}", "--skip", "("], "--skip '(' is not a valid regular"),  # before the target's check
     (["convert", "{pipe}", "{tmp}/s", "--skip"], "argument --skip: expected at least one argument"),
+    (["convert", "{pipe}", "--skip", "attn1", "{tmp}/s"], "out_dir; a --skip before it reads it as a pattern"),
     (["demo", "--device", "cuda"], "CUDA is not available"),
     (["demo", "--out", "{tmp}/demo.webm"], "name the video .mp4 or .gif"),
     (["convert", "{pipe}", "{tmp}/s", "--storage", "int3"], "unknown storage"),
@@ -589,6 +592,23 @@ def test_a_pipeline_that_cannot_load_keeps_the_reasons_its_library_lists(work, t
     assert "(1) a `tokenizers` library serialization file" in message and "\n" not in message
 
 
+def test_a_truncated_weight_file_is_named_with_its_reason(work, tmp_path):
+    import torch
+
+    from tritoff import cli
+
+    root, _ = work
+    shutil.copytree(root / "pipe", tmp_path / "pipe")
+    weights = tmp_path / "pipe" / "transformer" / "diffusion_pytorch_model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)  # a download cut short
+    with pytest.raises(cli.CliError) as info:  # diffusers names the file twice and keeps safetensors' reason below
+        cli._load_pipeline(str(tmp_path / "pipe"), torch.bfloat16, None)
+    assert str(info.value) == (
+        f"cannot load {tmp_path / 'pipe'}: cannot read {weights}: Error while deserializing header: incomplete "
+        "metadata, file not fully covered; is the checkpoint complete?"
+    )
+
+
 @pytest.mark.parametrize(
     "mode,prefetch,advice",
     [
@@ -612,13 +632,15 @@ def test_budget_advice_names_what_the_engine_planned(mode, prefetch, advice):
         del alternatives["prefetch"]
     elif mode == "model":
         alternatives = {}
-    message = "budget 1 MB is too small: the smallest that works is 1.2 MiB; prefetch=1 needs only 1.05 MiB"
-    err = _budget_error(BudgetError(message, 1_258_292, alternatives, 1_000_000), mode, prefetch)
-    assert str(err).startswith("budget 1 MB is too small: the smallest that works is 1.2 MiB; pass ")
+    # the planner's facts hold a "; " of their own (the largest group kept resident): kept whole
+    facts = "budget 1 MB is too small: the smallest that works is 1.2 MiB (the largest group resident, 9 KiB; 3 slots)"
+    message = f"{facts}; prefetch=1 needs only 1.05 MiB"
+    err = _budget_error(BudgetError(message, 1_258_292, alternatives, 1_000_000, facts), mode, prefetch)
+    assert str(err).startswith(f"{facts}; pass ")
     assert str(err).endswith(advice) and "needs only" not in str(err)
-    close = BudgetError(message, 1_258_292, {"mode": ("leaf", 1_250_000)}, 1_000_000)
+    close = BudgetError(message, 1_258_292, {"mode": ("leaf", 1_250_000)}, 1_000_000, facts)
     assert str(_budget_error(close, "group", 2)).endswith("pass --budget 1.3MB or more")  # the same flag: not named
-    both = BudgetError(message, 1_258_292, {**alternatives, "together": (("leaf", 1), 800_000)}, 1_000_000)
+    both = BudgetError(message, 1_258_292, {**alternatives, "together": (("leaf", 1), 800_000)}, 1_000_000, facts)
     hint = "--mode leaf --prefetch 1 (with this budget)"
     assert str(_budget_error(both, mode, prefetch)).endswith(hint) == (mode is not None and prefetch is not None)
 

@@ -525,3 +525,23 @@ def test_an_encoder_with_a_persistent_buffer_its_checkpoint_lacks_is_not_built_e
     monkeypatch.setattr(UMT5EncoderModel, "__init__", with_buffer)
     with pytest.raises(ValueError, match="no saved value under the model's name for buffer scale"):
         empty_transformers_component(tmp_path, "UMT5EncoderModel", torch.bfloat16, stored)
+
+
+def test_a_failed_download_says_why_in_a_few_words():
+    import socket
+
+    from tritoff.convert import _fetch_cause
+
+    # diffusers wraps the network's error in a paragraph about the cache: the network's is said
+    wrapped = OSError("Cannot load model org/x: the model is not fully cached locally (" + "no snapshot " * 20)
+    try:
+        try:
+            raise socket.gaierror(-2, "Name or service not known")
+        except socket.gaierror as network:
+            raise wrapped from network
+    except OSError as err:
+        assert _fetch_cause(err) == "the hub could not be reached: [Errno -2] Name or service not known"
+    # otherwise its first line, cut at a word
+    cut = _fetch_cause(OSError("word " * 100 + "\nsecond line"))
+    assert cut == ("word " * 40).rstrip() + " ..." and len(cut) <= 204
+    assert _fetch_cause(OSError("Repository not found\nmore")) == "Repository not found"

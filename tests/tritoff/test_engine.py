@@ -570,6 +570,11 @@ def test_flags_must_be_booleans_and_a_granularity_other_than_the_stores_is_refus
     assert engine.options.granularity == "tensor"
     with pytest.raises(ValueError, match="was made with block groups: use mode='group', 'auto' or 'model' with it$"):
         _enable(wan(), mode="leaf", store=tmp_path / "store")
+    # a store of leaf groups: mode left out is leaf (as tritoff run --store picks), another is refused
+    _enable(wan(), mode="leaf", budget="4MB").save(tmp_path / "leaf")
+    assert _enable(wan(), budget="4MB", store=tmp_path / "leaf").options.mode == "leaf"
+    with pytest.raises(ValueError, match="was made with leaf groups: use mode='leaf' with it$"):
+        _enable(wan(), mode="auto", budget="4MB", store=tmp_path / "leaf")
 
 
 @pytest.mark.parametrize("mode", ["group", "auto"])

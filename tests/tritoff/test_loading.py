@@ -39,12 +39,20 @@ def test_the_stored_components_are_built_without_weights_and_compute_as_loaded_o
     for name in ("text_encoder", "transformer", "vae"):
         assert {p.device.type for p in getattr(pipe, name).parameters()} == {"meta"}, name
     assert pipe.tokenizer is not None and pipe.scheduler is not None
+    # run before enable: refused in one line at the first component called (torch would fail on the meta device)
+    with pytest.raises(RuntimeError, match=r"^text_encoder was built without its weights \(tritoff.load_pipeline\): "):
+        run(pipe)
+    with pytest.raises(RuntimeError, match="^transformer was built without its weights"):
+        pipe.transformer()  # refused before its arguments are looked at
     engine = tritoff.enable(pipe, budget="64MB", store=saved / "store", progress=False, kernels="reference")
     loaded = from_pretrained(saved / "pipe", torch.bfloat16)
     tritoff.enable(loaded, budget="64MB", store=saved / "store", progress=False, kernels="reference")
     frames = run(pipe)
     assert torch.equal(frames, run(loaded)) and frames.abs().sum() > 0
     assert engine.stats["components"]["text_encoder"]["calls"] > 0
+    # the check left with its first call after enable
+    for module in (pipe.text_encoder, pipe.transformer):
+        assert module._tritoff_until_filled.id not in module._forward_pre_hooks
 
 
 def test_a_store_of_other_weights_or_dtype_or_components_is_refused_before_anything_loads(saved, tmp_path):
@@ -91,9 +99,13 @@ def test_a_store_that_records_no_source_loads_the_pipeline_whole_for_its_weights
     # engine.save knows no weight files: only the values, compared at enable, tell another pipeline's weights
     pipe = from_pretrained(saved / "pipe", torch.bfloat16)
     tritoff.enable(pipe, budget="64MB", progress=False, kernels="reference").save(tmp_path / "saved")
-    pipe = tritoff.load_pipeline(saved / "pipe", store=tmp_path / "saved")
+    with pytest.warns(
+        UserWarning, match=r"records no weight files \(Engine.save wrote it\): the pipeline is loaded whole"
+    ):
+        pipe = tritoff.load_pipeline(saved / "pipe", store=tmp_path / "saved")
     assert not any(p.is_meta for p in pipe.components["transformer"].parameters())
-    other = tritoff.load_pipeline(saved / "other", store=tmp_path / "saved")
+    with pytest.warns(UserWarning, match="records no weight files"):
+        other = tritoff.load_pipeline(saved / "other", store=tmp_path / "saved")
     with pytest.raises(StoreError, match="was made from other weights than this pipeline's "):
         tritoff.enable(other, budget="64MB", store=tmp_path / "saved", progress=False, kernels="reference")
 

@@ -346,6 +346,9 @@ def test_a_plan_that_does_not_fit_names_what_lowers_its_minimum_and_that_works(t
     assert not too_small.feasible and set(alternatives) == {"prefetch", "mode", "together"}, too_small.text()
     assert json.loads(too_small.json())["alternatives"] == json.loads(json.dumps(alternatives))
     assert f"prefetch={alternatives['prefetch'][0]} needs only" in too_small.text().splitlines()[-1]
+    # as the command line spells its options (tritoff plan)
+    verdict = too_small.text(flags=True).splitlines()[-1]
+    assert f"--prefetch {alternatives['prefetch'][0]} needs only" in verdict and "prefetch=" not in verdict
     for option, (value, minimum) in alternatives.items():
         assert minimum < too_small.minimum_budget
         together = option == "together"
