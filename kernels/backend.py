@@ -32,8 +32,20 @@ def interpreting() -> bool:
     try:
         from triton import knobs  # Triton 3.4 on: what its kernel decorator reads
     except Exception:  # a Triton before 3.4, which compares the variable with "1" (or none, or a broken one)
-        return os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return bool(knobs.runtime.interpret)
+        return os.environ.get("TRITON_INTERPRET", "0") == "1" and library_interpreted()
+    return bool(knobs.runtime.interpret) and library_interpreted()
+
+
+def library_interpreted() -> bool:
+    """Whether Triton's own jit functions (``tl.sum``'s combine, ``tl.cdiv``) are interpreted ones: Triton decided
+    when it was imported. The variable set after that (by then any ``torch.compile`` user has imported Triton) makes
+    new kernels interpreted over a compiled library, which fails at their first ``tl.sum``."""
+    try:
+        from triton.language import standard
+        from triton.runtime.jit import JITFunction
+    except Exception:  # no Triton, or a broken one: nothing interprets
+        return False
+    return not isinstance(standard.cdiv, JITFunction)
 
 
 @functools.cache

@@ -30,7 +30,7 @@ from triton.runtime.jit import JITFunction
 
 from tritoff.formats import StorageFormat, get_format
 
-from .backend import eager, holds_values, launch, launch_device, native_fp8, register_op
+from .backend import eager, holds_values, launch, launch_device, library_interpreted, native_fp8, register_op
 from .fp8_bits import decode_fp8_bits
 
 KIND_COPY, KIND_FP8 = 0, 1
@@ -220,9 +220,9 @@ def _max_tensors(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-# whether Triton made the kernel above an interpreted one, as it decided when decorating it (not os.environ, which a
-# launch should not read, and which may have changed since)
-_INTERPRETED = not isinstance(_upcast_pack_kernel, JITFunction)
+# whether Triton made the kernel above, and its own library, interpreted, as it decided when decorating them (not
+# os.environ, which a launch should not read, and which may have changed since)
+_INTERPRETED = not isinstance(_upcast_pack_kernel, JITFunction) and library_interpreted()
 # (major, minor) of the installed Triton, whose interfaces changed between 3.2 and 3.3
 TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
 # a compiled kernel's launcher takes every parameter from Triton 3.3 on, the constexprs included (it skips them);

@@ -232,9 +232,17 @@ def meta_twin(module: nn.Module) -> nn.Module | None:
     except Exception:  # a model whose constructor needs more than its config
         return None
     dtypes = {n: p.dtype for n, p in module.named_parameters()}
+    made = {}  # id of a twin parameter -> its replacement, so that tied parameters stay one
     for name, param in twin.named_parameters():
-        if name in dtypes:
-            param.data = torch.empty(param.shape, dtype=dtypes[name], device="meta")
+        if name in dtypes or not param.is_meta:
+            # a new parameter, not ``param.data = ...``: one the constructor made on the CPU anyway (the legacy
+            # ``torch.Tensor([...])`` ignores the meta device; diffusers' AlphaBlender) cannot take meta data
+            meta = torch.empty(param.shape, dtype=dtypes.get(name, param.dtype), device="meta")
+            made[id(param)] = nn.Parameter(meta, requires_grad=param.requires_grad)
+    for sub in twin.modules():
+        for name, param in list(sub._parameters.items()):
+            if id(param) in made:
+                sub._parameters[name] = made[id(param)]
     buffers = {n: b.dtype for n, b in module.named_buffers()}
     for sub_name, sub in twin.named_modules():
         for name, buf in list(sub._buffers.items()):

@@ -150,10 +150,10 @@ def cast_like_from_pretrained(model: nn.Module, dtype: torch.dtype) -> nn.Module
     return model
 
 
-def from_pretrained(model, dtype: torch.dtype, pipeline: str | None = None, **components):
+def from_pretrained(model, dtype: torch.dtype | dict, pipeline: str | None = None, **components):
     """``from_pretrained`` of the pipeline class ``model`` names (or of diffusers' class ``pipeline``), without the
-    ``torch_dtype`` rename warning of newer diffusers (older ones know only that name). ``components`` are passed as
-    built (``None``: not loaded).
+    ``torch_dtype`` rename warning of newer diffusers (older ones know only that name). ``dtype``: one for all, or
+    ``{component: dtype, "default": dtype}``. ``components`` are passed as built (``None``: not loaded).
 
     The class itself, not ``DiffusionPipeline``: called through ``DiffusionPipeline``, diffusers reads the optional
     components of ``DiffusionPipeline`` (none), so a component the pipeline declares optional (Wan's transformer) is

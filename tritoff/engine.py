@@ -481,6 +481,7 @@ def enable(
         preflight.check_no_foreign_hooks(components)
         preflight.check_not_inference(components)
         preflight.check_packable(components)
+        preflight.check_no_vae_upcast(target, components)
     from tritoff.store import fingerprint
 
     # taken before any parameter changes (and reused on re-plans, when parameters hold placeholders)

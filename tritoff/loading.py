@@ -29,7 +29,14 @@ def load_pipeline(
     lacks one of its components. A store ``Engine.save`` wrote records no weight files: the pipeline is then loaded
     whole, for ``enable`` to compare its weights with the packs."""
     from tritoff.convert import fetch_pipeline, from_pretrained, load_error
-    from tritoff.store import StoreError, check_components, check_source, read_index, stored_compute_dtype
+    from tritoff.store import (
+        StoreError,
+        check_components,
+        check_source,
+        float32_components,
+        read_index,
+        stored_compute_dtype,
+    )
 
     if not isinstance(model, (str, Path)):
         raise TypeError(f"model must be a pipeline directory or a hub id, got {model!r}")
@@ -51,8 +58,11 @@ def load_pipeline(
     check_source(store, local, index)
     check_components(store, local, index, list(_library_components(local)))
     components = stored_components(local, store, dtype)
+    # a component loaded whole in the dtype its packs hold: one the store keeps in float32 (a VAE) stays float32
+    kept = [name for name in float32_components(store) if name not in components and dtype != torch.float32]
+    dtypes = {"default": dtype, **dict.fromkeys(kept, torch.float32)} if kept else dtype
     try:
-        return from_pretrained(local, dtype, pipeline=pipeline, **components)
+        return from_pretrained(local, dtypes, pipeline=pipeline, **components)
     except Exception as err:
         error = load_error(model, err, local)  # the config or shard index at fault, named; else the libraries' own
         if error is None:

@@ -139,7 +139,7 @@ def check_kernels(kernels: str, device: torch.device) -> None:
     if kernels == "triton" and not backend.triton_runs_on(device):
         raise ValueError(
             f"kernels='triton' but Triton cannot run on {device}; install triton (CUDA), set TRITON_INTERPRET=1 "
-            "before importing tritoff (CPU), or use kernels='auto'"
+            "before triton is first imported (CPU; torch.compile imports it), or use kernels='auto'"
         )
 
 

@@ -264,6 +264,38 @@ def check_packable(components: dict[str, nn.Module]) -> None:
                 )
 
 
+def check_no_vae_upcast(target, components: dict[str, nn.Module]) -> None:
+    """Refuse a float16 component whose config asks for ``force_upcast`` in a pipeline that reads that flag: such a
+    pipeline (Stable Video Diffusion, the SDXL and SD families) casts it to float32 around its VAE calls, a cast
+    tritoff refuses, so the call would fail midway (after the denoising loop, in some)."""
+    if isinstance(target, nn.Module) or not _reads_force_upcast(type(target)):
+        return
+    for name, module in components.items():
+        config = getattr(module, "config", None)
+        if getattr(module, "dtype", None) == torch.float16 and getattr(config, "force_upcast", False) is True:
+            raise ValueError(
+                f"{name} is float16 with force_upcast=True in its config, so {type(target).__name__} casts it to "
+                f"float32 around its {name} calls, which tritoff cannot do to weights it holds: load {name} in float32 "
+                f"(tritoff keeps a VAE's own dtype), or, with a {name} that decodes well in float16, call "
+                f"pipe.{name}.register_to_config(force_upcast=False) before enable"
+            )
+
+
+def _reads_force_upcast(cls: type) -> bool:
+    """Whether a pipeline class (or a base of it below diffusers' ``DiffusionPipeline``) names ``force_upcast``."""
+    import inspect
+
+    for base in cls.__mro__:
+        if base.__name__ == "DiffusionPipeline" or base is object:
+            break
+        try:
+            if "force_upcast" in inspect.getsource(base):
+                return True
+        except (OSError, TypeError):  # no source shipped: nothing to tell
+            continue
+    return False
+
+
 def check_loaded(module: nn.Module, component: str) -> None:
     """Refuse a module whose weights are on the meta device: there are no values to pack."""
     for name, tensor in (*named_parameters(module), *module.named_buffers()):

@@ -663,12 +663,23 @@ def _first_line(err: BaseException) -> str:
 def stored_compute_dtype(directory: str | Path) -> str | None:
     """The 16-bit dtype the store's pipeline was converted in (``"bfloat16"``, ``"float16"``), ``"float32"`` when it
     holds no 16-bit parameter, or None when components disagree; read from the file headers, without torch."""
-    index = read_index(directory)
-    found = set()
-    for info in index["components"].values():
-        meta = _read_meta(Path(directory) / info["file"])
-        found |= {e["dtype"] for p in meta["packs"] for e in p["entries"]} & {"bfloat16", "float16"}
+    found = set().union(*_sixteen_bit_dtypes(directory).values())
     return "float32" if not found else found.pop() if len(found) == 1 else None
+
+
+def float32_components(directory: str | Path) -> list[str]:
+    """The components the store holds with no 16-bit parameter (a VAE kept in float32 beside a bf16 pipeline, as
+    Wan's examples load it)."""
+    return [name for name, found in _sixteen_bit_dtypes(directory).items() if not found]
+
+
+def _sixteen_bit_dtypes(directory: str | Path) -> dict[str, set[str]]:
+    """Per component, the 16-bit dtypes among its stored parameters' (from the file headers)."""
+    found = {}
+    for name, info in read_index(directory)["components"].items():
+        meta = _read_meta(Path(directory) / info["file"])
+        found[name] = {e["dtype"] for p in meta["packs"] for e in p["entries"]} & {"bfloat16", "float16"}
+    return found
 
 
 def stored_dtypes(directory: str | Path, component: str) -> dict[str, torch.dtype]:
@@ -676,6 +687,26 @@ def stored_dtypes(directory: str | Path, component: str) -> dict[str, torch.dtyp
     info = read_index(directory)["components"][component]
     meta = _read_meta(Path(directory) / info["file"])
     return {e["name"]: torch_dtype(e["dtype"], info["file"]) for p in meta["packs"] for e in p["entries"]}
+
+
+def _dtypes_differ(directory: Path, component: str, module: nn.Module) -> str | None:
+    """What to say when ``module`` has the stored parameters but some in other dtypes (a VAE loaded in bf16 whose
+    store holds it in float32): the dtypes, and how to load it as stored; None when more than dtypes differ."""
+    from tritoff.adapters import named_parameters
+
+    stored = stored_dtypes(directory, component)
+    here = {n: p.dtype for n, p in named_parameters(module)}
+    differ = [n for n in stored if n in here and here[n] != stored[n]]
+    if set(stored) != set(here) or not differ:
+        return None
+
+    def names(dtypes) -> str:
+        return " and ".join(sorted({str(dtypes[n]).removeprefix("torch.") for n in differ}))
+
+    return (
+        f"holds {names(here)} weights where the store holds {names(stored)}: load it in {names(stored)} "
+        "(tritoff.load_pipeline(model, store) loads each component as its store holds it)"
+    )
 
 
 # rows of every weight compared with the store's besides the one group compared whole: the first, middle and last
@@ -891,6 +922,9 @@ def load_store(
     storages = component_storages(index)
     for name in components:
         if index["components"][name]["fingerprint"] != fingerprints[name]:
+            other_dtypes = _dtypes_differ(directory, name, components[name])
+            if other_dtypes:
+                raise StoreError(f"{directory}: component {name} {other_dtypes}")
             raise StoreError(
                 f"{directory}: component {name} does not match the store (another config, or other parameter "
                 "names, shapes or dtypes: load the model in the dtype it was converted in); recreate it with "

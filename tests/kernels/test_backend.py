@@ -127,3 +127,29 @@ def test_the_kernels_checks_leave_fake_tensors_to_be_traced():
         assert not holds_values(src)
         out = upcast_pack(src, dst, fake(table), layout.n_programs(), layout.out_dtype, get_format("fp8_e4m3"))
         assert out is dst
+
+
+def test_the_variable_set_after_triton_was_imported_leaves_the_reference_on_the_cpu():
+    """Triton made its own jit functions (tl.sum's) compiled when it was imported: kernels interpreted over them failed
+    at their first launch ("Cannot call @triton.jit'd outside of the scope of a kernel")."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = "\n".join(
+        [
+            "import os, torch, triton, pytest, tritoff",
+            "os.environ['TRITON_INTERPRET'] = '1'",
+            "import tritoff.kernels as k",
+            "from tests.tritoff.helpers import stack",
+            "assert not k.interpreting() and not k.triton_runs_on('cpu')",
+            "x = torch.randn(4, 16, dtype=torch.bfloat16)",
+            "reference, model = stack(), stack()",
+            "tritoff.enable(reference, mode='leaf', device='cpu', kernels='reference', progress=False)",
+            "engine = tritoff.enable(model, mode='leaf', device='cpu', progress=False)",
+            "assert not engine._use_triton()",
+            "assert torch.equal(model(x), reference(x))",
+            "with pytest.raises(ValueError, match='set TRITON_INTERPRET=1 before triton is first imported'):",
+            "    tritoff.enable(stack(), kernels='triton', device='cpu', progress=False)",
+        ]
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -292,6 +292,29 @@ def test_a_diffusers_twin_has_the_class_config_and_every_dtype_of_the_original()
     assert all(p.device.type == "cpu" for p in model.parameters())  # the original is untouched
 
 
+class _LegacyParameter(nn.Module):
+    """A parameter made with the legacy ``torch.Tensor([...])`` constructor, which ignores the meta device (as
+    diffusers' AlphaBlender makes its mix_factor, in Stable Video Diffusion's UNet and VAE)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.mix = nn.Parameter(torch.Tensor([0.5]))
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(x) * self.mix
+
+
+def test_a_parameter_the_constructor_makes_on_the_cpu_anyway_is_on_meta_in_the_twin():
+    model = _LegacyParameter({"width": 4}).to(torch.bfloat16)
+    twin = meta_twin(model)
+    assert {n: (p.is_meta, p.dtype) for n, p in twin.named_parameters()} == {
+        n: (True, torch.bfloat16) for n in ("mix", "proj.weight", "proj.bias")
+    }
+    assert peak_bytes(twin, (torch.empty(3, 4, dtype=torch.bfloat16, device="meta"),)) > 0
+
+
 def test_a_transformers_twin_is_built_from_its_config():
     model = tiny_umt5(torch.float16, seed=1)
     twin = meta_twin(model)

@@ -157,3 +157,50 @@ def test_a_scripted_module_without_weights_inside_a_block_is_served():
     assert engine.plan.tier_counts("model")["stream"] > 0
     with torch.no_grad():
         assert torch.equal(model(x), expected)
+
+
+def _upcasting_pipeline(dtype: torch.dtype, force_upcast: bool = True):
+    """A pipeline that casts its float16 VAE to float32 to decode when the VAE's config asks for it, as Stable Video
+    Diffusion and the SDXL family do."""
+    from diffusers import AutoencoderKL, DiffusionPipeline
+
+    class UpcastingPipeline(DiffusionPipeline):
+        def __init__(self, vae):
+            super().__init__()
+            self.register_modules(vae=vae)
+
+        def __call__(self, latents):
+            needs_upcasting = self.vae.dtype == torch.float16 and self.vae.config.force_upcast
+            if needs_upcasting:
+                self.vae.to(dtype=torch.float32)
+            return self.vae.decode(latents.to(self.vae.dtype)).sample
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=4, force_upcast=force_upcast)
+    return UpcastingPipeline(vae.to(dtype).eval())
+
+
+def test_a_float16_vae_the_pipeline_would_upcast_is_refused_before_anything_changes():
+    # the pipeline's own vae.to(float32) was refused in the middle of its call (after the denoising loop in SDXL's)
+    pipe = _upcasting_pipeline(torch.float16)
+    before = {n: p.clone() for n, p in pipe.vae.named_parameters()}
+    _one_line(
+        lambda: tritoff.enable(pipe, device="cpu", progress=False),
+        ValueError,
+        r"^vae is float16 with force_upcast=True in its config, so UpcastingPipeline casts it to float32 around its "
+        r"vae calls, .*: load vae in float32 .*pipe\.vae\.register_to_config\(force_upcast=False\) before enable$",
+    )
+    assert not hasattr(pipe, preflight.ENGINE_ATTR) and not pipe.vae._forward_pre_hooks
+    assert all(torch.equal(p, before[n]) and p.dtype == torch.float16 for n, p in pipe.vae.named_parameters())
+
+
+@pytest.mark.parametrize("dtype, force_upcast", [(torch.float32, True), (torch.float16, False)])
+def test_a_vae_the_pipeline_does_not_upcast_is_served(dtype, force_upcast):
+    latents = torch.randn(1, 4, 4, 4)
+    with torch.no_grad():
+        expected = _upcasting_pipeline(dtype, force_upcast)(latents)
+        pipe = _upcasting_pipeline(dtype, force_upcast)
+        tritoff.enable(pipe, device="cpu", progress=False)
+        assert torch.equal(pipe(latents), expected)
+    # a module, not a pipeline, has no call that casts it
+    tritoff.enable(_upcasting_pipeline(torch.float16).vae, device="cpu", progress=False)
