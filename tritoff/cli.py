@@ -386,9 +386,10 @@ def _load_pipeline(model: str, dtype, store: str | None, pipeline: str | None = 
     with held_load_output() as held:
         try:
             if store is not None and local.exists():
-                from tritoff.loading import stored_components
+                from tritoff.loading import stored_components, whole_dtypes
 
                 kwargs = stored_components(local, store, dtype)  # the packs replace their weights: none is read
+                dtype = whole_dtypes(store, kwargs, dtype)
             try:
                 pipe = from_pretrained(model, dtype, pipeline=pipeline, **kwargs)
             except Exception as err:

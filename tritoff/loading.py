@@ -33,7 +33,6 @@ def load_pipeline(
         StoreError,
         check_components,
         check_source,
-        float32_components,
         read_index,
         stored_compute_dtype,
     )
@@ -58,16 +57,23 @@ def load_pipeline(
     check_source(store, local, index)
     check_components(store, local, index, list(_library_components(local)))
     components = stored_components(local, store, dtype)
-    # a component loaded whole in the dtype its packs hold: one the store keeps in float32 (a VAE) stays float32
-    kept = [name for name in float32_components(store) if name not in components and dtype != torch.float32]
-    dtypes = {"default": dtype, **dict.fromkeys(kept, torch.float32)} if kept else dtype
     try:
-        return from_pretrained(local, dtypes, pipeline=pipeline, **components)
+        return from_pretrained(local, whole_dtypes(store, components, dtype), pipeline=pipeline, **components)
     except Exception as err:
         error = load_error(model, err, local)  # the config or shard index at fault, named; else the libraries' own
         if error is None:
             raise
         raise error from None
+
+
+def whole_dtypes(store: str | Path, built: dict[str, nn.Module], dtype: torch.dtype) -> torch.dtype | dict:
+    """The ``torch_dtype`` that loads the components not ``built`` (loaded whole) in the dtype their packs hold:
+    ``dtype``, but float32 for one the store holds in float32 (a VAE beside a bf16 pipeline, as Wan's examples load
+    it), which would not match its store in ``dtype``."""
+    from tritoff.store import float32_components
+
+    kept = [name for name in float32_components(store) if name not in built and dtype != torch.float32]
+    return {"default": dtype, **dict.fromkeys(kept, torch.float32)} if kept else dtype
 
 
 def stored_components(directory: Path, store: str | Path, dtype: torch.dtype) -> dict[str, nn.Module]:

@@ -843,6 +843,25 @@ def test_run_from_a_store_builds_the_stored_components_without_their_weights(wor
     assert {p.device.type for p in pipe.transformer.parameters()} == {"meta"}
 
 
+def test_run_from_a_saved_store_loads_a_float32_vae_in_float32(work, tmp_path):
+    # an engine saved from a pipeline with its VAE in float32 (as Wan's examples load it): --store loaded the VAE in
+    # --dtype, which its store refused
+    from diffusers import AutoencoderKLWan
+
+    from tritoff import enable
+    from tritoff.cli import _load_pipeline
+    from tritoff.convert import from_pretrained
+
+    root, _ = work
+    vae = AutoencoderKLWan.from_pretrained(root / "pipe" / "vae", torch_dtype=torch.float32)
+    source = from_pretrained(root / "pipe", torch.bfloat16, vae=vae)
+    enable(source, budget="64MB", progress=False, kernels="reference").save(tmp_path / "saved")
+    with pytest.warns(UserWarning, match="records no weight files"):
+        pipe = _load_pipeline(str(root / "pipe"), torch.bfloat16, str(tmp_path / "saved"))
+    assert pipe.vae.dtype == torch.float32 and pipe.transformer.dtype == torch.bfloat16
+    enable(pipe, budget="64MB", store=str(tmp_path / "saved"), progress=False, kernels="reference")
+
+
 def test_demo_writes_an_mp4_and_labels_its_runs(work):
     root, jobs = work
     code, out, err = jobs["demo"].result()
