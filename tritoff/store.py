@@ -689,23 +689,41 @@ def stored_dtypes(directory: str | Path, component: str) -> dict[str, torch.dtyp
     return {e["name"]: torch_dtype(e["dtype"], info["file"]) for p in meta["packs"] for e in p["entries"]}
 
 
-def _dtypes_differ(directory: Path, component: str, module: nn.Module) -> str | None:
-    """What to say when ``module`` has the stored parameters but some in other dtypes (a VAE loaded in bf16 whose
-    store holds it in float32): the dtypes, and how to load it as stored; None when more than dtypes differ."""
+def _mismatch(directory: Path, component: str, module: nn.Module) -> str:
+    """Why ``module`` does not match the fingerprint its store records, as far as the pack headers tell (each
+    parameter's name, shape and dtype; not the config), and what to do."""
     from tritoff.adapters import named_parameters
 
-    stored = stored_dtypes(directory, component)
-    here = {n: p.dtype for n, p in named_parameters(module)}
-    differ = [n for n in stored if n in here and here[n] != stored[n]]
-    if set(stored) != set(here) or not differ:
-        return None
+    info = read_index(directory)["components"][component]
+    entries = [e for p in _read_meta(directory / info["file"])["packs"] for e in p["entries"]]
+    stored = {e["name"]: (tuple(e["shape"]), torch_dtype(e["dtype"], info["file"])) for e in entries}
+    here = {n: (tuple(p.shape), p.dtype) for n, p in named_parameters(module)}
+    if set(stored) != set(here) or any(stored[n][0] != here[n][0] for n in stored):
+        return (
+            "does not match the store (other parameter names or shapes: another model, or another config); "
+            "recreate it with `tritoff convert`"
+        )
+    differ = [n for n in stored if here[n][1] != stored[n][1]]
+    if not differ:
+        return (
+            "has the store's parameters but not the config it was made from (a transformers model saved and loaded "
+            "again records its dtype and architectures in its config; another library version may add keys): load "
+            "it as the store's pipeline was loaded, or save a store from this pipeline (Engine.save, tritoff convert)"
+        )
 
-    def names(dtypes) -> str:
-        return " and ".join(sorted({str(dtypes[n]).removeprefix("torch.") for n in differ}))
+    def dtypes(side) -> str:
+        return " and ".join(sorted({str(side[n][1]).removeprefix("torch.") for n in differ}))
 
+    if len(differ) == len(stored):
+        return (
+            f"holds {dtypes(here)} weights where the store holds {dtypes(stored)}: load it in {dtypes(stored)} "
+            "(tritoff.load_pipeline(model, store) loads each component as its store holds it)"
+        )
     return (
-        f"holds {names(here)} weights where the store holds {names(stored)}: load it in {names(stored)} "
-        "(tritoff.load_pipeline(model, store) loads each component as its store holds it)"
+        f"holds {len(differ)} of its {len(stored)} weights in {dtypes(here)} where the store holds {dtypes(stored)} "
+        f"({differ[0]} first): load it as the store's pipeline was loaded (from_pretrained(torch_dtype=...) keeps "
+        "some modules in float32, which a cast with .to() after loading changes), or with "
+        "tritoff.load_pipeline(model, store)"
     )
 
 
@@ -922,14 +940,7 @@ def load_store(
     storages = component_storages(index)
     for name in components:
         if index["components"][name]["fingerprint"] != fingerprints[name]:
-            other_dtypes = _dtypes_differ(directory, name, components[name])
-            if other_dtypes:
-                raise StoreError(f"{directory}: component {name} {other_dtypes}")
-            raise StoreError(
-                f"{directory}: component {name} does not match the store (another config, or other parameter "
-                "names, shapes or dtypes: load the model in the dtype it was converted in); recreate it with "
-                "`tritoff convert`"
-            )
+            raise StoreError(f"{directory}: component {name} {_mismatch(directory, name, components[name])}")
     if verify:
         verify_store(directory, index)
     result = {}

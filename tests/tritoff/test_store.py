@@ -93,9 +93,34 @@ def test_other_config_is_refused(saved):
     directory, _ = saved
     pipe = wan(num_layers=3)
     before = {n: p.detach().clone() for n, p in pipe.transformer.named_parameters()}
-    with pytest.raises(StoreError, match="transformer does not match the store"):
+    with pytest.raises(StoreError, match=r"transformer does not match the store \(other parameter names or shapes"):
         _enable(pipe, store=directory)
     assert all(torch.equal(p, before[n]) for n, p in pipe.transformer.named_parameters())  # nothing changed
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        # the same parameters under another config: what the pack headers cannot tell apart is said as such
+        (
+            lambda pipe: pipe.text_encoder.config.update({"architectures": ["UMT5EncoderModel"]}),
+            r"component text_encoder has the store's parameters but not the config it was made from \(",
+        ),
+        # a cast after loading also casts the modules diffusers keeps in float32: which, and how to load it
+        (
+            lambda pipe: pipe.transformer.to(torch.bfloat16),
+            r"component transformer holds \d+ of its \d+ weights in bfloat16 where the store holds float32 "
+            r"\(blocks\.0\.\S+ first\): load it as the store's pipeline was loaded",
+        ),
+    ],
+)
+def test_a_store_says_whether_the_config_or_some_dtypes_differ(saved, change, message):
+    directory, _ = saved
+    pipe = wan()
+    change(pipe)
+    with pytest.raises(StoreError, match=message) as info:
+        _enable(pipe, store=directory)
+    assert "\n" not in str(info.value) and not hasattr(pipe, "_tritoff_engine")
 
 
 def test_a_store_of_other_weights_is_refused_before_anything_changes(saved):
