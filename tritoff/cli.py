@@ -254,8 +254,9 @@ def _read_image(path: str):
 
 
 def _check_image(args, local: Path) -> str | None:
-    """An image-to-video pipeline is given ``--image``, and only such a pipeline (read from ``local``'s
-    model_index.json, before anything is loaded); returns the pipeline class to load (None: a class diffusers lacks,
+    """A prompted video pipeline (one whose call takes ``prompt`` and ``num_frames``), given ``--image`` when it makes
+    a video from an image, and only then (read from ``local``'s model_index.json, before anything is loaded); returns
+    the pipeline class to load (None: a class diffusers lacks,
     which loading names). A directory whose pipeline has an image-to-video variant (``IMAGE_VARIANTS``) loads as it
     when given an image."""
     import diffusers
@@ -274,7 +275,14 @@ def _check_image(args, local: Path) -> str | None:
         transformers_logging.set_verbosity(verbosity)
     if not isinstance(cls, type):
         return None  # a pipeline diffusers lacks: loading it says so
-    image = inspect.signature(cls.__call__).parameters.get("image")
+    takes = inspect.signature(cls.__call__).parameters
+    for needed, what in (("num_frames", "makes no video"), ("prompt", "takes no prompt")):
+        if needed not in takes:  # found after loading, packing and (an image pipeline) a whole denoising loop
+            raise CliError(
+                f"{name} {what}: tritoff run runs prompted video pipelines (Wan, CogVideoX and the like); for "
+                "this one, call tritoff.enable(pipe) in Python"
+            )
+    image = takes.get("image")
     if args.image is None and image is not None and image.default is inspect.Parameter.empty:
         raise CliError(f"{name} makes a video from an image: give --image PATH (its first frame)")
     if args.image is not None and image is None:

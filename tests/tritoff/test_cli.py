@@ -1082,3 +1082,25 @@ def test_a_pipeline_class_that_is_no_class_is_left_to_loading(tmp_path):
 
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "logging"}))  # a diffusers module
     cli._check_image(argparse.Namespace(image="x.png"), tmp_path)  # no AttributeError: loading says what is wrong
+
+
+@pytest.mark.parametrize(
+    "pipeline, message",
+    [
+        ("FluxPipeline", "FluxPipeline makes no video: tritoff run runs prompted video pipelines"),
+        ("StableVideoDiffusionPipeline", "StableVideoDiffusionPipeline takes no prompt: tritoff run runs prompted"),
+    ],
+)
+def test_a_pipeline_that_makes_no_video_or_takes_no_prompt_is_refused_before_loading(tmp_path, pipeline, message):
+    # Flux ran its whole denoising loop before failing on its output's missing .frames; SVD failed on prompt=
+    import argparse
+
+    from tritoff import cli
+
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
+    with pytest.raises(cli.CliError, match=f"^{message}.*call tritoff.enable\\(pipe\\) in Python$"):
+        cli._check_image(argparse.Namespace(image="x.png"), tmp_path)
+    for video in ("WanPipeline", "CogVideoXPipeline", "WanImageToVideoPipeline", "AnimateDiffPipeline"):
+        (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": video}))
+        image = "x.png" if "ImageToVideo" in video else None
+        assert cli._check_image(argparse.Namespace(image=image), tmp_path) == video
