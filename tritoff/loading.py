@@ -172,7 +172,7 @@ def _empty_encoder(directory: Path, class_name: str, store, name: str, dtype, st
     """The transformers component ``name`` saved in ``directory`` built without its weights, or None where that is not
     the model the store was made from."""
     from tritoff.convert import empty_transformers_component
-    from tritoff.store import fingerprint, stored_dtypes
+    from tritoff.store import fingerprint, same_model, stored_dtypes
     from tritoff.warn import warn
 
     try:
@@ -182,7 +182,7 @@ def _empty_encoder(directory: Path, class_name: str, store, name: str, dtype, st
     except Exception as err:  # noqa: BLE001 - the whole load that follows reports what is wrong, naming the file
         why = str(err).splitlines()[0] if str(err) else type(err).__name__
     else:
-        if fingerprint(built) == stored_fingerprint:
+        if same_model(stored_fingerprint, fingerprint(built)):
             return built
         why = "it differs from the model the store was made from (config, parameter names, shapes or dtypes)"
     warn(f"{name} is loaded whole, then its packs replace it: built without its weights by this transformers, {why}")

@@ -66,9 +66,32 @@ class StoreError(ValueError):
     """A store that cannot be used for this model; the message says why."""
 
 
-def fingerprint(module: nn.Module) -> str:
-    """sha256 of the module's class, config and parameter names, shapes and dtypes (its own parameters, under their
-    names before any adapter was injected)."""
+# config keys that say nothing the parameters do not: transformers records the dtype and the class when a model is
+# saved or loaded (and casts), so one model in memory and saved then loaded again would differ by them
+RESTATED_CONFIG_KEYS = ("transformers_version", "dtype", "torch_dtype", "architectures")
+
+
+class Fingerprint(str):
+    """A module's fingerprint; ``legacy`` is the one stores written before it left out the restated config keys
+    recorded (such a store is read as it was written)."""
+
+    legacy: str
+
+
+def fingerprint(module: nn.Module) -> Fingerprint:
+    """sha256 of the module's class, config (less :data:`RESTATED_CONFIG_KEYS`) and parameter names, shapes and
+    dtypes (its own parameters, under their names before any adapter was injected)."""
+    made = Fingerprint(_fingerprint(module, RESTATED_CONFIG_KEYS))
+    made.legacy = _fingerprint(module, ("transformers_version",))
+    return made
+
+
+def same_model(stored: str, made: Fingerprint) -> bool:
+    """Whether the fingerprint a store recorded is ``made``'s (or its legacy one)."""
+    return stored in (made, getattr(made, "legacy", None))
+
+
+def _fingerprint(module: nn.Module, left_out: tuple[str, ...]) -> str:
     from tritoff.adapters import named_parameters
 
     config = getattr(module, "config", None)
@@ -77,7 +100,7 @@ def fingerprint(module: nn.Module) -> str:
     elif config is not None:
         config = dict(config)
     if isinstance(config, dict):
-        config = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("transformers_version",)}
+        config = {k: v for k, v in config.items() if not k.startswith("_") and k not in left_out}
     params = [(n, list(p.shape), str(p.dtype)) for n, p in named_parameters(module)]
     blob = json.dumps({"class": type(module).__name__, "config": config, "params": params}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -925,7 +948,8 @@ def load_store(
     stored = set(index["components"])
     if not set(components) <= stored:  # a pipeline loaded without some of its components uses the rest
         if list(components) == ["model"]:  # a module on its own: say which of the store's components it is
-            same = [n for n in sorted(stored) if index["components"][n]["fingerprint"] == fingerprints["model"]]
+            recorded = {n: index["components"][n]["fingerprint"] for n in sorted(stored)}
+            same = [n for n, made in recorded.items() if same_model(made, fingerprints["model"])]
             if same:
                 raise StoreError(
                     f"{directory} holds this module as the pipeline's {' or '.join(same)}: a store is read per "
@@ -939,7 +963,7 @@ def load_store(
     index = {**index, "components": {n: info for n, info in index["components"].items() if n in components}}
     storages = component_storages(index)
     for name in components:
-        if index["components"][name]["fingerprint"] != fingerprints[name]:
+        if not same_model(index["components"][name]["fingerprint"], fingerprints[name]):
             raise StoreError(f"{directory}: component {name} {_mismatch(directory, name, components[name])}")
     if verify:
         verify_store(directory, index)
