@@ -7,6 +7,7 @@ commands' results come last.
 """
 
 import atexit
+import functools
 import json
 import os
 import shutil
@@ -562,6 +563,7 @@ def test_running_out_of_gpu_memory_says_what_to_change(work, monkeypatch, capsys
 
     root, _ = work
 
+    @functools.wraps(diffusers.WanPipeline.__call__)  # its signature: run checks that it takes a prompt and frames
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
