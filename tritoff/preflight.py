@@ -1,5 +1,6 @@
 """What ``tritoff.enable`` and ``tritoff.disable`` refuse about their target before anything changes: components
-carrying other offload hooks, replaced or shared since, managed by another engine, not loaded, or called right now.
+carrying other offload hooks, replaced or shared since, managed by another engine, not loaded, called right now, or a
+float16 VAE its pipeline would cast to float32.
 
 Every engine ``enable`` makes is registered here (``ENGINES``, and its target's ``ENGINE_ATTR``), so that a module
 another engine holds is named as that engine names it."""
