@@ -247,8 +247,8 @@ def meta_twin(module: nn.Module) -> nn.Module | None:
     for sub_name, sub in twin.named_modules():
         for name, buf in list(sub._buffers.items()):
             full = f"{sub_name}.{name}" if sub_name else name
-            if buf is not None and full in buffers:
-                sub._buffers[name] = buf.to(buffers[full])
+            if buf is not None and full in buffers:  # on meta too: one made on the CPU anyway, as parameters above
+                sub._buffers[name] = buf.to("meta", buffers[full])
     return twin.eval()
 
 

@@ -264,6 +264,13 @@ def _check_image(args, local: Path) -> str | None:
 
     index = _json(local / "model_index.json")
     name = index.get("_class_name")
+    if isinstance(name, list) and len(name) == 2 and name[0] == "diffusers":  # diffusers' own, named as a module's
+        name = name[1]
+    if isinstance(name, list):  # [module, class]: a pipeline defined in the directory itself
+        raise CliError(
+            f"{local} names a custom pipeline ({name}): tritoff run loads diffusers' own pipelines; load it in "
+            "Python (DiffusionPipeline.from_pretrained(..., custom_pipeline=...)) and call tritoff.enable(pipe)"
+        )
     variant = IMAGE_VARIANTS.get(name) if isinstance(name, str) else None
     if args.image is not None and variant is not None and index.get(variant[1]) is True:
         name = variant[0]
@@ -276,14 +283,18 @@ def _check_image(args, local: Path) -> str | None:
     if not isinstance(cls, type):
         return None  # a pipeline diffusers lacks: loading it says so
     takes = inspect.signature(cls.__call__).parameters
-    for needed, what in (("num_frames", "makes no video"), ("prompt", "takes no prompt")):
+    for needed in ("prompt", "num_frames"):
         if needed not in takes:  # found after loading, packing and (an image pipeline) a whole denoising loop
             raise CliError(
-                f"{name} {what}: tritoff run runs prompted video pipelines (Wan, CogVideoX and the like); for "
-                "this one, call tritoff.enable(pipe) in Python"
+                f"{name}'s call takes no {needed}: tritoff run runs prompted video pipelines (Wan, CogVideoX and "
+                "the like); for this one, call tritoff.enable(pipe) in Python"
             )
     image = takes.get("image")
-    if args.image is None and image is not None and image.default is inspect.Parameter.empty:
+    # an image-to-video pipeline may give its image a default (None) that its call then refuses, after the load (a
+    # text-and-image one, TI2V, takes either)
+    named = "ImageToVideo" in name or ("I2V" in name and "TI2V" not in name)
+    needs_image = image is not None and (image.default is inspect.Parameter.empty or named)
+    if args.image is None and needs_image:
         raise CliError(f"{name} makes a video from an image: give --image PATH (its first frame)")
     if args.image is not None and image is None:
         raise CliError(f"{name} takes no image: leave --image out, or give an image-to-video pipeline")

@@ -68,12 +68,17 @@ def load_pipeline(
 
 def whole_dtypes(store: str | Path, built: dict[str, nn.Module], dtype: torch.dtype) -> torch.dtype | dict:
     """The ``torch_dtype`` that loads the components not ``built`` (loaded whole) in the dtype their packs hold:
-    ``dtype``, but float32 for one the store holds in float32 (a VAE beside a bf16 pipeline, as Wan's examples load
-    it), which would not match its store in ``dtype``."""
-    from tritoff.store import float32_components
+    ``dtype``, but another for a component the store holds in it (a VAE kept in float32 beside a bf16 pipeline, as
+    Wan's examples load it; a float16 text encoder beside a bf16 transformer), which would not match its store in
+    ``dtype``."""
+    from tritoff.store import component_dtypes
 
-    kept = [name for name in float32_components(store) if name not in built and dtype != torch.float32]
-    return {"default": dtype, **dict.fromkeys(kept, torch.float32)} if kept else dtype
+    other = {
+        name: getattr(torch, kind)
+        for name, kind in component_dtypes(store).items()
+        if name not in built and getattr(torch, kind) != dtype
+    }
+    return {"default": dtype, **other} if other else dtype
 
 
 def stored_components(directory: Path, store: str | Path, dtype: torch.dtype) -> dict[str, nn.Module]:

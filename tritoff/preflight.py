@@ -1,6 +1,6 @@
 """What ``tritoff.enable`` and ``tritoff.disable`` refuse about their target before anything changes: components
 carrying other offload hooks, replaced or shared since, managed by another engine, not loaded, called right now, or a
-float16 VAE its pipeline would cast to float32.
+VAE its pipeline would cast to float32.
 
 Every engine ``enable`` makes is registered here (``ENGINES``, and its target's ``ENGINE_ATTR``), so that a module
 another engine holds is named as that engine names it."""
@@ -266,35 +266,45 @@ def check_packable(components: dict[str, nn.Module]) -> None:
 
 
 def check_no_vae_upcast(target, components: dict[str, nn.Module]) -> None:
-    """Refuse a float16 component whose config asks for ``force_upcast`` in a pipeline that reads that flag: such a
-    pipeline (Stable Video Diffusion, the SDXL and SD families) casts it to float32 around its VAE calls, a cast
-    tritoff refuses, so the call would fail midway (after the denoising loop, in some)."""
-    if isinstance(target, nn.Module) or not _reads_force_upcast(type(target)):
+    """Refuse a component whose config asks for ``force_upcast`` in a pipeline that then casts it to float32 around
+    its VAE calls (Stable Video Diffusion, the SDXL, SD and AnimateDiff families): tritoff refuses that cast, so the
+    call would fail midway (after the denoising loop, in some)."""
+    if isinstance(target, nn.Module):
         return
+    cast = _upcast_dtypes(type(target))
     for name, module in components.items():
         config = getattr(module, "config", None)
-        if getattr(module, "dtype", None) == torch.float16 and getattr(config, "force_upcast", False) is True:
+        dtype = getattr(module, "dtype", None)
+        if dtype in cast and getattr(config, "force_upcast", False) is True:
+            kind = str(dtype).removeprefix("torch.")
             raise ValueError(
-                f"{name} is float16 with force_upcast=True in its config, so {type(target).__name__} casts it to "
-                f"float32 around its {name} calls, which tritoff cannot do to weights it holds: load {name} in float32 "
-                f"(tritoff keeps a VAE's own dtype), or, with a {name} that decodes well in float16, call "
-                f"pipe.{name}.register_to_config(force_upcast=False) before enable"
+                f"{name} is {kind} with force_upcast=True in its config, so {type(target).__name__} casts it to "
+                f"float32 around its {name} calls, which tritoff cannot do to weights it holds: call "
+                f"pipe.{name}.register_to_config(force_upcast=False) before enable (for a {name} that decodes well "
+                f"in {kind}), or load {name} in float32 where the pipeline runs with a float32 {name}"
             )
 
 
-def _reads_force_upcast(cls: type) -> bool:
-    """Whether a pipeline class (or a base of it below diffusers' ``DiffusionPipeline``) names ``force_upcast``."""
+def _upcast_dtypes(cls: type) -> set[torch.dtype]:
+    """The VAE dtypes a pipeline class (with its bases below diffusers' ``DiffusionPipeline``) casts to float32 when
+    the VAE's config says ``force_upcast``, as its source reads: float16 where each check compares with float16
+    (SDXL's text to image), any 16-bit dtype where one does not (SDXL's image to image, AnimateDiff's video to video),
+    none where it never reads the flag or its source is not shipped."""
     import inspect
 
+    lines = []
     for base in cls.__mro__:
         if base.__name__ == "DiffusionPipeline" or base is object:
             break
         try:
-            if "force_upcast" in inspect.getsource(base):
-                return True
+            lines += [line for line in inspect.getsource(base).splitlines() if "force_upcast" in line]
         except (OSError, TypeError):  # no source shipped: nothing to tell
             continue
-    return False
+    if not lines:
+        return set()
+    if all("float16" in line for line in lines):
+        return {torch.float16}
+    return {torch.float16, torch.bfloat16}
 
 
 def check_loaded(module: nn.Module, component: str) -> None:

@@ -690,10 +690,12 @@ def stored_compute_dtype(directory: str | Path) -> str | None:
     return "float32" if not found else found.pop() if len(found) == 1 else None
 
 
-def float32_components(directory: str | Path) -> list[str]:
-    """The components the store holds with no 16-bit parameter (a VAE kept in float32 beside a bf16 pipeline, as
-    Wan's examples load it)."""
-    return [name for name, found in _sixteen_bit_dtypes(directory).items() if not found]
+def component_dtypes(directory: str | Path) -> dict[str, str]:
+    """Each component's dtype as the store holds it: its one 16-bit dtype, ``"float32"`` where it holds no 16-bit
+    parameter (a VAE kept in float32 beside a bf16 pipeline, as Wan's examples load it); a component holding both
+    16-bit dtypes is left out."""
+    found = _sixteen_bit_dtypes(directory)
+    return {name: next(iter(kinds), "float32") for name, kinds in found.items() if len(kinds) <= 1}
 
 
 def _sixteen_bit_dtypes(directory: str | Path) -> dict[str, set[str]]:
@@ -734,19 +736,18 @@ def _mismatch(directory: Path, component: str, module: nn.Module) -> str:
             "it as the store's pipeline was loaded, or save a store from this pipeline (Engine.save, tritoff convert)"
         )
 
-    def dtypes(side) -> str:
-        return " and ".join(sorted({str(side[n][1]).removeprefix("torch.") for n in differ}))
+    def dtypes(side, names) -> str:
+        return " and ".join(sorted({str(side[n][1]).removeprefix("torch.") for n in names}))
 
-    if len(differ) == len(stored):
+    if len({stored[n][1] for n in stored}) == 1 and len(differ) == len(stored):
         return (
-            f"holds {dtypes(here)} weights where the store holds {dtypes(stored)}: load it in {dtypes(stored)} "
-            "(tritoff.load_pipeline(model, store) loads each component as its store holds it)"
+            f"holds {dtypes(here, differ)} weights where the store holds {dtypes(stored, differ)}: load it in "
+            f"{dtypes(stored, differ)} (tritoff.load_pipeline(model, store) loads each component as its store holds it)"
         )
     return (
-        f"holds {len(differ)} of its {len(stored)} weights in {dtypes(here)} where the store holds {dtypes(stored)} "
-        f"({differ[0]} first): load it as the store's pipeline was loaded (from_pretrained(torch_dtype=...) keeps "
-        "some modules in float32, which a cast with .to() after loading changes), or with "
-        "tritoff.load_pipeline(model, store)"
+        f"holds {len(differ)} of its {len(stored)} weights in {dtypes(here, differ)} where the store holds "
+        f"{dtypes(stored, differ)} ({differ[0]} first): load it as the store's pipeline was loaded "
+        "(from_pretrained(torch_dtype=...) keeps some modules in float32; a cast with .to() after loading does not)"
     )
 
 

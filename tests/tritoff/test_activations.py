@@ -293,25 +293,27 @@ def test_a_diffusers_twin_has_the_class_config_and_every_dtype_of_the_original()
 
 
 class _LegacyParameter(nn.Module):
-    """A parameter made with the legacy ``torch.Tensor([...])`` constructor, which ignores the meta device (as
-    diffusers' AlphaBlender makes its mix_factor, in Stable Video Diffusion's UNet and VAE)."""
+    """A parameter and a buffer made with the legacy ``torch.Tensor([...])`` constructor, which ignores the meta
+    device (as diffusers' AlphaBlender makes its mix_factor, in Stable Video Diffusion's UNet and VAE)."""
 
     def __init__(self, config):
         super().__init__()
         self.config = config
         self.mix = nn.Parameter(torch.Tensor([0.5]))
+        self.register_buffer("alpha", torch.Tensor([0.25]))  # AlphaBlender's merge_strategy="fixed"
         self.proj = nn.Linear(4, 4)
 
     def forward(self, x):
-        return self.proj(x) * self.mix
+        return self.proj(x) * self.mix * self.alpha
 
 
-def test_a_parameter_the_constructor_makes_on_the_cpu_anyway_is_on_meta_in_the_twin():
+def test_a_tensor_the_constructor_makes_on_the_cpu_anyway_is_on_meta_in_the_twin():
     model = _LegacyParameter({"width": 4}).to(torch.bfloat16)
     twin = meta_twin(model)
     assert {n: (p.is_meta, p.dtype) for n, p in twin.named_parameters()} == {
         n: (True, torch.bfloat16) for n in ("mix", "proj.weight", "proj.bias")
     }
+    assert twin.alpha.is_meta and twin.alpha.dtype == torch.bfloat16
     assert peak_bytes(twin, (torch.empty(3, 4, dtype=torch.bfloat16, device="meta"),)) > 0
 
 

@@ -1089,8 +1089,8 @@ def test_a_pipeline_class_that_is_no_class_is_left_to_loading(tmp_path):
 @pytest.mark.parametrize(
     "pipeline, message",
     [
-        ("FluxPipeline", "FluxPipeline makes no video: tritoff run runs prompted video pipelines"),
-        ("StableVideoDiffusionPipeline", "StableVideoDiffusionPipeline takes no prompt: tritoff run runs prompted"),
+        ("FluxPipeline", "FluxPipeline's call takes no num_frames: tritoff run runs prompted video pipelines"),
+        ("StableVideoDiffusionPipeline", "StableVideoDiffusionPipeline's call takes no prompt: tritoff run runs"),
     ],
 )
 def test_a_pipeline_that_makes_no_video_or_takes_no_prompt_is_refused_before_loading(tmp_path, pipeline, message):
@@ -1106,3 +1106,11 @@ def test_a_pipeline_that_makes_no_video_or_takes_no_prompt_is_refused_before_loa
         (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": video}))
         image = "x.png" if "ImageToVideo" in video else None
         assert cli._check_image(argparse.Namespace(image=image), tmp_path) == video
+    # an image-to-video pipeline whose image defaults to None (refused by its call, after the load)
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "LTXImageToVideoPipeline"}))
+    with pytest.raises(cli.CliError, match="^LTXImageToVideoPipeline makes a video from an image: give --image PATH"):
+        cli._check_image(argparse.Namespace(image=None), tmp_path)
+    # a pipeline defined in the directory (diffusers' [module, class] form)
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": ["pipeline", "MyPipeline"]}))
+    with pytest.raises(cli.CliError, match=r"names a custom pipeline \(\['pipeline', 'MyPipeline'\]\): tritoff run"):
+        cli._check_image(argparse.Namespace(image=None), tmp_path)

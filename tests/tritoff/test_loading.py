@@ -110,31 +110,41 @@ def test_a_store_that_records_no_source_loads_the_pipeline_whole_for_its_weights
         tritoff.enable(other, budget="64MB", store=tmp_path / "saved", progress=False, kernels="reference")
 
 
-def test_a_vae_saved_in_float32_beside_a_bf16_pipeline_loads_in_float32_for_its_store(saved, tmp_path):
-    # Wan's examples load the VAE in float32: load_pipeline loaded it in the pipeline's dtype, which the store refused
-    from diffusers import AutoencoderKLWan
+@pytest.mark.parametrize(
+    "component, library, dtype",
+    [
+        ("vae", "diffusers.AutoencoderKLWan", torch.float32),  # as Wan's examples load it
+        ("text_encoder", "transformers.UMT5EncoderModel", torch.float16),  # another 16-bit dtype than the rest
+    ],
+)
+def test_a_component_saved_in_its_own_dtype_loads_in_it_for_its_store(saved, tmp_path, component, library, dtype):
+    # load_pipeline loaded every component in the pipeline's dtype, which the store refused for this one
+    import importlib
 
-    def fp32_vae(model):
-        vae = AutoencoderKLWan.from_pretrained(model / "vae", torch_dtype=torch.float32)
-        return from_pretrained(model, torch.bfloat16, vae=vae)
-
-    source = fp32_vae(saved / "pipe")
+    module, name = library.split(".")
+    cls = getattr(importlib.import_module(module), name)
+    own = cls.from_pretrained(saved / "pipe" / component, torch_dtype=dtype)
+    source = from_pretrained(saved / "pipe", torch.bfloat16, **{component: own})
     tritoff.enable(source, budget="64MB", progress=False, kernels="reference").save(tmp_path / "saved")
     expected = run(source)
     with pytest.warns(UserWarning, match="records no weight files"):
         pipe = tritoff.load_pipeline(saved / "pipe", store=tmp_path / "saved")
-    assert pipe.vae.dtype == torch.float32 and pipe.transformer.dtype == torch.bfloat16
+    assert getattr(pipe, component).dtype == dtype and pipe.transformer.dtype == torch.bfloat16
     tritoff.enable(pipe, budget="64MB", store=tmp_path / "saved", progress=False, kernels="reference")
     assert torch.equal(run(pipe), expected)
     # the pipeline loaded in one dtype: the store says which component, in which dtype
     whole = from_pretrained(saved / "pipe", torch.bfloat16)
-    with pytest.raises(
-        StoreError,
-        match=r"component vae holds bfloat16 weights where the store holds float32: load it in float32 "
-        r"\(tritoff.load_pipeline\(model, store\) loads each component as its store holds it\)$",
-    ):
+    kind = str(dtype).removeprefix("torch.")
+    with pytest.raises(StoreError, match=rf"component {component} holds (\d+ of its \d+ weights in )?bfloat16 "):
         tritoff.enable(whole, budget="64MB", store=tmp_path / "saved", progress=False, kernels="reference")
     assert not hasattr(whole, "_tritoff_engine")
+    if component == "vae":  # every weight in one other dtype: the advice names it
+        with pytest.raises(
+            StoreError,
+            match=rf"where the store holds {kind}: load it in {kind} \(tritoff.load_pipeline\(model, store\) loads "
+            r"each component as its store holds it\)$",
+        ):
+            tritoff.enable(whole, budget="64MB", store=tmp_path / "saved", progress=False, kernels="reference")
 
 
 def test_a_pipeline_loaded_for_one_store_is_refused_with_another(saved):

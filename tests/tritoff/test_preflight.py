@@ -159,9 +159,10 @@ def test_a_scripted_module_without_weights_inside_a_block_is_served():
         assert torch.equal(model(x), expected)
 
 
-def _upcasting_pipeline(dtype: torch.dtype, force_upcast: bool = True):
-    """A pipeline that casts its float16 VAE to float32 to decode when the VAE's config asks for it, as Stable Video
-    Diffusion and the SDXL family do."""
+def _upcasting_pipeline(dtype: torch.dtype, force_upcast: bool = True, any_dtype: bool = False):
+    """A pipeline with a tiny VAE in ``dtype`` that casts it to float32 to decode when its config asks for it: only a
+    float16 one (Stable Video Diffusion, SDXL's text to image), or with ``any_dtype`` whatever its dtype (SDXL's
+    image to image, AnimateDiff's video to video). Each class is defined here: enable reads its source."""
     from diffusers import AutoencoderKL, DiffusionPipeline
 
     class UpcastingPipeline(DiffusionPipeline):
@@ -175,31 +176,46 @@ def _upcasting_pipeline(dtype: torch.dtype, force_upcast: bool = True):
                 self.vae.to(dtype=torch.float32)
             return self.vae.decode(latents.to(self.vae.dtype)).sample
 
+    class AnyDtypeUpcastingPipeline(UpcastingPipeline):
+        def __call__(self, latents):
+            if self.vae.config.force_upcast:
+                self.vae.to(dtype=torch.float32)
+            return self.vae.decode(latents.to(self.vae.dtype)).sample
+
     torch.manual_seed(0)
     vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=4, force_upcast=force_upcast)
-    return UpcastingPipeline(vae.to(dtype).eval())
+    return (AnyDtypeUpcastingPipeline if any_dtype else UpcastingPipeline)(vae.to(dtype).eval())
 
 
-def test_a_float16_vae_the_pipeline_would_upcast_is_refused_before_anything_changes():
+@pytest.mark.parametrize("dtype, any_dtype", [(torch.float16, False), (torch.float16, True), (torch.bfloat16, True)])
+def test_a_vae_the_pipeline_would_upcast_is_refused_before_anything_changes(dtype, any_dtype):
     # the pipeline's own vae.to(float32) was refused in the middle of its call (after the denoising loop in SDXL's)
-    pipe = _upcasting_pipeline(torch.float16)
+    pipe = _upcasting_pipeline(dtype, any_dtype=any_dtype)
     before = {n: p.clone() for n, p in pipe.vae.named_parameters()}
+    kind = str(dtype).removeprefix("torch.")
     _one_line(
         lambda: tritoff.enable(pipe, device="cpu", progress=False),
         ValueError,
-        r"^vae is float16 with force_upcast=True in its config, so UpcastingPipeline casts it to float32 around its "
-        r"vae calls, .*: load vae in float32 .*pipe\.vae\.register_to_config\(force_upcast=False\) before enable$",
+        rf"^vae is {kind} with force_upcast=True in its config, so \w*UpcastingPipeline casts it to float32 around its "
+        r"vae calls, .*: call pipe\.vae\.register_to_config\(force_upcast=False\) before enable .*float32 vae$",
     )
     assert not hasattr(pipe, preflight.ENGINE_ATTR) and not pipe.vae._forward_pre_hooks
-    assert all(torch.equal(p, before[n]) and p.dtype == torch.float16 for n, p in pipe.vae.named_parameters())
+    assert all(torch.equal(p, before[n]) and p.dtype == dtype for n, p in pipe.vae.named_parameters())
 
 
-@pytest.mark.parametrize("dtype, force_upcast", [(torch.float32, True), (torch.float16, False)])
-def test_a_vae_the_pipeline_does_not_upcast_is_served(dtype, force_upcast):
+@pytest.mark.parametrize(
+    "dtype, force_upcast, any_dtype",
+    [
+        (torch.float32, True, True),
+        (torch.float16, False, True),
+        (torch.bfloat16, True, False),  # SDXL's text to image upcasts only a float16 VAE
+    ],
+)
+def test_a_vae_the_pipeline_does_not_upcast_is_served(dtype, force_upcast, any_dtype):
     latents = torch.randn(1, 4, 4, 4)
     with torch.no_grad():
-        expected = _upcasting_pipeline(dtype, force_upcast)(latents)
-        pipe = _upcasting_pipeline(dtype, force_upcast)
+        expected = _upcasting_pipeline(dtype, force_upcast, any_dtype)(latents)
+        pipe = _upcasting_pipeline(dtype, force_upcast, any_dtype)
         tritoff.enable(pipe, device="cpu", progress=False)
         assert torch.equal(pipe(latents), expected)
     # a module, not a pipeline, has no call that casts it
