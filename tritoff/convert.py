@@ -260,13 +260,19 @@ def _damaged_file(err: BaseException) -> str | None:
     """For diffusers' report of a weight file it could not read, which names the file twice and not why: the file
     and safetensors' reason, found down the exception chain (as ``tritoff convert`` says it); else None."""
     match = re.match(r"Unable to load weights from checkpoint file for '([^']+)'", str(err))
-    cause, seen = err, set()
-    while match and cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        if type(cause).__name__ == "SafetensorError":
-            return f"cannot read {match.group(1)}: {_one_line(cause)}; is the checkpoint complete?"
-        cause = cause.__cause__ or cause.__context__
-    return None
+    if match is None:
+        return None
+    cause = next((c for c in _chain(err) if type(c).__name__ == "SafetensorError"), None)
+    return None if cause is None else f"cannot read {match.group(1)}: {_one_line(cause)}; is the checkpoint complete?"
+
+
+def _chain(err: BaseException):
+    """``err`` and the exceptions it was raised from or while handling, in turn (each once: a chain may loop)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
 
 
 def _streamed_components(directory: Path, dtype: torch.dtype) -> tuple[dict[str, nn.Module], dict]:
@@ -470,15 +476,12 @@ def fetch_pipeline(model: str | Path) -> Path:
 def _fetch_cause(error: BaseException) -> str:
     """Why a download failed, in a few words: the network's own error where one lies down the chain (diffusers wraps
     it in a paragraph about the cache), else the first line of ``error``, cut at a word past 200 characters."""
-    cause, seen = error, set()
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
+    for cause in _chain(error):
         if isinstance(cause, (ConnectionError, TimeoutError, socket.gaierror)) or type(cause).__name__ in (
             "ConnectError",
             "ConnectTimeout",
         ):
             return f"the hub could not be reached: {_one_line(cause)}"
-        cause = cause.__cause__ or cause.__context__
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return first if len(first) <= 200 else first[:200].rsplit(" ", 1)[0] + " ..."
 

@@ -702,16 +702,20 @@ def _sixteen_bit_dtypes(directory: str | Path) -> dict[str, set[str]]:
     """Per component, the 16-bit dtypes among its stored parameters' (from the file headers)."""
     found = {}
     for name, info in read_index(directory)["components"].items():
-        meta = _read_meta(Path(directory) / info["file"])
-        found[name] = {e["dtype"] for p in meta["packs"] for e in p["entries"]} & {"bfloat16", "float16"}
+        found[name] = {e["dtype"] for e in _stored_entries(directory, info)} & {"bfloat16", "float16"}
     return found
+
+
+def _stored_entries(directory: str | Path, info: dict) -> list[dict]:
+    """Every pack entry (a parameter's name, shape, dtype, place) of the component whose index record is ``info``,
+    read from its file's header."""
+    return [e for p in _read_meta(Path(directory) / info["file"])["packs"] for e in p["entries"]]
 
 
 def stored_dtypes(directory: str | Path, component: str) -> dict[str, torch.dtype]:
     """Each stored parameter's dtype (as the model computes with it), for building a model without weights."""
     info = read_index(directory)["components"][component]
-    meta = _read_meta(Path(directory) / info["file"])
-    return {e["name"]: torch_dtype(e["dtype"], info["file"]) for p in meta["packs"] for e in p["entries"]}
+    return {e["name"]: torch_dtype(e["dtype"], info["file"]) for e in _stored_entries(directory, info)}
 
 
 def _mismatch(directory: Path, component: str, module: nn.Module) -> str:
@@ -720,8 +724,9 @@ def _mismatch(directory: Path, component: str, module: nn.Module) -> str:
     from tritoff.adapters import named_parameters
 
     info = read_index(directory)["components"][component]
-    entries = [e for p in _read_meta(directory / info["file"])["packs"] for e in p["entries"]]
-    stored = {e["name"]: (tuple(e["shape"]), torch_dtype(e["dtype"], info["file"])) for e in entries}
+    stored = {
+        e["name"]: (tuple(e["shape"]), torch_dtype(e["dtype"], info["file"])) for e in _stored_entries(directory, info)
+    }
     here = {n: (tuple(p.shape), p.dtype) for n, p in named_parameters(module)}
     if set(stored) != set(here) or any(stored[n][0] != here[n][0] for n in stored):
         return (
