@@ -116,7 +116,7 @@ def stored_components(directory: Path, store: str | Path, dtype: torch.dtype) ->
                 directory / name, class_name, dtype, stored=stored_dtypes(store, name)
             )
         elif library == "transformers":
-            encoder = _empty_encoder(directory / name, class_name, store, name, dtype, info["fingerprint"])
+            encoder = _empty_encoder(directory / name, class_name, store, name, dtype, info)
             if encoder is not None:
                 built[name] = encoder
     for name, module in built.items():
@@ -173,11 +173,11 @@ def _check_pipeline_class(pipeline) -> None:
         )
 
 
-def _empty_encoder(directory: Path, class_name: str, store, name: str, dtype, stored_fingerprint: str):
+def _empty_encoder(directory: Path, class_name: str, store, name: str, dtype, stored: dict):
     """The transformers component ``name`` saved in ``directory`` built without its weights, or None where that is not
-    the model the store was made from."""
+    the model the store was made from (``stored``: the component's entry in the store's index)."""
     from tritoff.convert import empty_transformers_component
-    from tritoff.store import fingerprint, same_model, stored_dtypes
+    from tritoff.store import fingerprint, matches_store, stored_dtypes
     from tritoff.warn import warn
 
     try:
@@ -187,7 +187,7 @@ def _empty_encoder(directory: Path, class_name: str, store, name: str, dtype, st
     except Exception as err:  # noqa: BLE001 - the whole load that follows reports what is wrong, naming the file
         why = str(err).splitlines()[0] if str(err) else type(err).__name__
     else:
-        if same_model(stored_fingerprint, fingerprint(built)):
+        if matches_store(stored, fingerprint(built)):
             return built
         why = "it differs from the model the store was made from (config, parameter names, shapes or dtypes)"
     warn(f"{name} is loaded whole, then its packs replace it: built without its weights by this transformers, {why}")

@@ -7,8 +7,8 @@ ring). A file is never mapped and registered whole: registering faults in and lo
 than RAM cannot survive.
 
 The index records the format version, tritoff version, granularity, skip patterns, grouping, per component its
-storage format, a fingerprint of its class, config and parameter names/shapes/dtypes and its file's size and
-XXH3-128 hash, what the store was made from (:func:`describe_source`), and a hash of the index itself. Format 3 added
+storage format, a fingerprint of its class, config and parameter names/shapes/dtypes (with the config itself, and a
+hash of the class and parameters alone, :func:`matches_store`) and its file's size and XXH3-128 hash, what the store was made from (:func:`describe_source`), and a hash of the index itself. Format 3 added
 the per-component storage (a VAE is kept in its own dtype while the rest is fp8); format 2 stores, with one storage
 for every component, are read as they were written. What a store guarantees:
 
@@ -73,27 +73,65 @@ RESTATED_CONFIG_KEYS = ("transformers_version", "dtype", "torch_dtype", "archite
 
 class Fingerprint(str):
     """A module's fingerprint; ``legacy`` is the one stores written before it left out the restated config keys
-    recorded (such a store is read as it was written)."""
+    recorded (such a store is read as it was written). ``config`` (the config it hashes, as JSON data) and ``layout``
+    (a hash of its class and parameter names, shapes and dtypes alone) are what a store records beside it, so that a
+    config only another library version wrote differently is told from another model (:func:`matches_store`)."""
 
     legacy: str
+    config: dict | None
+    layout: str
 
 
 def fingerprint(module: nn.Module) -> Fingerprint:
     """sha256 of the module's class, config (less :data:`RESTATED_CONFIG_KEYS`) and parameter names, shapes and
     dtypes (its own parameters, under their names before any adapter was injected)."""
-    made = Fingerprint(_fingerprint(module, RESTATED_CONFIG_KEYS))
-    made.legacy = _fingerprint(module, ("transformers_version",))
+    config = _config(module, RESTATED_CONFIG_KEYS)
+    params = _parameters(module)
+    made = Fingerprint(_digest({"class": type(module).__name__, "config": config, "params": params}))
+    made.legacy = _digest(
+        {"class": type(module).__name__, "config": _config(module, ("transformers_version",)), "params": params}
+    )
+    made.config = json.loads(json.dumps(config, sort_keys=True, default=str)) if isinstance(config, dict) else None
+    made.layout = _digest({"class": type(module).__name__, "params": params})
     return made
 
 
-def same_model(stored: str, made: Fingerprint) -> bool:
-    """Whether the fingerprint a store recorded is ``made``'s (or its legacy one)."""
-    return stored in (made, getattr(made, "legacy", None))
+def matches_store(info: dict, made: Fingerprint) -> bool:
+    """Whether a store's component ``info`` (its index entry) was made from the model ``made`` fingerprints: the same
+    fingerprint, or, where the store recorded its config, the same class and parameters under a config that differs
+    only by keys one side lacks (a diffusers or transformers release adds a model argument, or drops one; every key
+    both record must hold the same value)."""
+    if info["fingerprint"] in (made, getattr(made, "legacy", None)):
+        return True
+    layout = getattr(made, "layout", None)
+    return (
+        layout is not None
+        and info.get("layout_fingerprint") == layout
+        and isinstance(info.get("config"), dict)
+        and isinstance(getattr(made, "config", None), dict)
+        and not config_differences(info["config"], made.config)
+    )
 
 
-def _fingerprint(module: nn.Module, left_out: tuple[str, ...]) -> str:
-    from tritoff.adapters import named_parameters
+def config_differences(stored: dict, made: dict) -> list[str]:
+    """The keys both configs record with other values, as ``key (VALUE in the store, VALUE here)``."""
+    return [
+        f"{key} ({_short(stored[key])} in the store, {_short(made[key])} here)"
+        for key in sorted(stored.keys() & made.keys())
+        if _canonical(stored[key]) != _canonical(made[key])  # as JSON text: a NaN equals itself
+    ]
 
+
+def _canonical(value) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _short(value, limit: int = 40) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _config(module: nn.Module, left_out: tuple[str, ...]):
     config = getattr(module, "config", None)
     if config is not None and hasattr(config, "to_dict"):
         config = config.to_dict()
@@ -101,9 +139,17 @@ def _fingerprint(module: nn.Module, left_out: tuple[str, ...]) -> str:
         config = dict(config)
     if isinstance(config, dict):
         config = {k: v for k, v in config.items() if not k.startswith("_") and k not in left_out}
-    params = [(n, list(p.shape), str(p.dtype)) for n, p in named_parameters(module)]
-    blob = json.dumps({"class": type(module).__name__, "config": config, "params": params}, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
+    return config
+
+
+def _parameters(module: nn.Module) -> list:
+    from tritoff.adapters import named_parameters
+
+    return [(n, list(p.shape), str(p.dtype)) for n, p in named_parameters(module)]
+
+
+def _digest(record: dict) -> str:
+    return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _entry_dict(e: PackEntry) -> dict:
@@ -518,6 +564,8 @@ def save_store(
                 "file": file,
                 "storage": model.storage.name,
                 "fingerprint": fingerprints[name],
+                # what matches_store compares where the fingerprints differ (another library version's config)
+                **_fingerprint_parts(fingerprints[name]),
                 "nbytes": nbytes,
                 "data_offset": len(head),
                 "size": size,
@@ -540,6 +588,12 @@ def save_store(
                 shutil.rmtree(tmp, ignore_errors=True)
             finished(tmp)
     return target
+
+
+def _fingerprint_parts(made) -> dict:
+    """The config and layout hash a store records beside ``made`` (none for a plain string)."""
+    config, layout = getattr(made, "config", None), getattr(made, "layout", None)
+    return {"config": config, "layout_fingerprint": layout} if isinstance(config, dict) and layout else {}
 
 
 # reading -------------------------------------------------------------------------------------------------------------
@@ -720,7 +774,8 @@ def stored_dtypes(directory: str | Path, component: str) -> dict[str, torch.dtyp
 
 def _mismatch(directory: Path, component: str, module: nn.Module) -> str:
     """Why ``module`` does not match the fingerprint its store records, as far as the pack headers tell (each
-    parameter's name, shape and dtype; not the config), and what to do."""
+    parameter's name, shape and dtype) and, where the store recorded it, its config (the keys both hold with other
+    values), and what to do."""
     from tritoff.adapters import named_parameters
 
     info = read_index(directory)["components"][component]
@@ -734,6 +789,15 @@ def _mismatch(directory: Path, component: str, module: nn.Module) -> str:
             "recreate it with `tritoff convert`"
         )
     differ = [n for n in stored if here[n][1] != stored[n][1]]
+    made = fingerprint(module)
+    recorded = isinstance(info.get("config"), dict) and made.config is not None
+    keys = config_differences(info["config"], made.config) if recorded else []
+    if not differ and keys:
+        return (
+            f"has the store's parameters under another config ({'; '.join(keys[:3])}"
+            + (f"; {len(keys) - 3} more" if len(keys) > 3 else "")
+            + "): load the model the store was made from, or convert this one into a new store"
+        )
     if not differ:
         return (
             "has the store's parameters but not the config it was made from (a transformers model saved and loaded "
@@ -954,8 +1018,7 @@ def load_store(
     stored = set(index["components"])
     if not set(components) <= stored:  # a pipeline loaded without some of its components uses the rest
         if list(components) == ["model"]:  # a module on its own: say which of the store's components it is
-            recorded = {n: index["components"][n]["fingerprint"] for n in sorted(stored)}
-            same = [n for n, made in recorded.items() if same_model(made, fingerprints["model"])]
+            same = [n for n in sorted(stored) if matches_store(index["components"][n], fingerprints["model"])]
             if same:
                 raise StoreError(
                     f"{directory} holds this module as the pipeline's {' or '.join(same)}: a store is read per "
@@ -969,7 +1032,7 @@ def load_store(
     index = {**index, "components": {n: info for n, info in index["components"].items() if n in components}}
     storages = component_storages(index)
     for name in components:
-        if not same_model(index["components"][name]["fingerprint"], fingerprints[name]):
+        if not matches_store(index["components"][name], fingerprints[name]):
             raise StoreError(f"{directory}: component {name} {_mismatch(directory, name, components[name])}")
     if verify:
         verify_store(directory, index)

@@ -104,7 +104,8 @@ def test_other_config_is_refused(saved):
         # the same parameters under another config: what the pack headers cannot tell apart is said as such
         (
             lambda pipe: pipe.text_encoder.config.update({"dropout_rate": 0.5}),
-            r"component text_encoder has the store's parameters but not the config it was made from \(",
+            r"component text_encoder has the store's parameters under another config \(dropout_rate \(0\.0 in the "
+            r"store, 0\.5 here\)\): load the model the store was made from",
         ),
         # a cast after loading also casts the modules diffusers keeps in float32: which, and how to load it
         (
@@ -146,6 +147,52 @@ def test_config_keys_that_restate_the_parameters_are_not_part_of_the_fingerprint
     index["index_hash"] = _index_hash(index)
     (legacy / INDEX).write_text(json.dumps(index))
     _enable(wan(), store=legacy)
+
+
+def _rewrite_index(directory, change):
+    from tritoff.store import _index_hash
+
+    index = json.loads((directory / INDEX).read_text())
+    change(index)
+    index["index_hash"] = _index_hash(index)
+    (directory / INDEX).write_text(json.dumps(index))
+
+
+def test_a_config_key_only_one_library_version_records_is_not_a_mismatch(saved, copy):
+    # a diffusers or transformers release adds a model argument (or drops one): the store's fingerprint then differs
+    # from the same model's, and the config the store records beside it says by what
+    directory, expected = saved
+
+    def older_library(index):
+        for info in index["components"].values():
+            info["fingerprint"] = "0" * 64  # hashed with the other key set
+            info["config"].pop(sorted(info["config"])[0])  # a key this version records, the store's did not
+            info["config"]["argument_of_another_release"] = 1  # and one the store's recorded, this one does not
+
+    _rewrite_index(copy, older_library)
+    pipe = wan()
+    pipe.transformer.register_to_config(argument_of_a_later_release=2)  # a key only the model records
+    _enable(pipe, store=copy)
+    assert torch.equal(run(pipe), expected)
+    # the same layout under a config one of whose shared keys differs: another model
+    pipe = wan()
+    pipe.transformer.register_to_config(num_layers=7)  # (the parameters do not say so; the config does)
+    with pytest.raises(StoreError, match=r"transformer has the store's parameters under another config \(num_layers"):
+        _enable(pipe, store=copy)
+    assert not hasattr(pipe, "_tritoff_engine")
+
+
+def test_a_store_that_recorded_no_config_refuses_any_other_config(copy):
+    # written before stores recorded their config: a fingerprint that differs is all it can tell
+    def unrecorded(index):
+        for info in index["components"].values():
+            del info["config"], info["layout_fingerprint"]
+
+    _rewrite_index(copy, unrecorded)
+    pipe = wan()
+    pipe.transformer.register_to_config(argument_of_a_later_release=2)
+    with pytest.raises(StoreError, match="component transformer has the store's parameters but not the config it"):
+        _enable(pipe, store=copy)
 
 
 def test_a_store_of_other_weights_is_refused_before_anything_changes(saved):
