@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from tritoff.checkpoint import CheckpointReader, ConfigError, checkpoint_fault, index_fault, unused_tensors
+from tritoff.fingerprint import fingerprint
 from tritoff.formats import get_format
 from tritoff.groups import Group
 from tritoff.load_output import held_load_output
@@ -33,13 +34,7 @@ from tritoff.packer import PackedModel, pack_model, plan_layouts
 from tritoff.partial import finished, partial_store
 from tritoff.skip import SkipRules, warn_unmatched
 from tritoff.storage import resolve_storage
-from tritoff.store import (
-    check_target,
-    describe_source,
-    fingerprint,
-    reserve_store_files,
-    save_store,
-)
+from tritoff.store import check_target, describe_source, reserve_store_files, save_store
 
 
 def empty_diffusers_component(

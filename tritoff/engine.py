@@ -482,7 +482,7 @@ def enable(
         preflight.check_not_inference(components)
         preflight.check_packable(components)
         preflight.check_no_vae_upcast(target, components)
-    from tritoff.store import fingerprint
+    from tritoff.fingerprint import fingerprint
 
     # taken before any parameter changes (and reused on re-plans, when parameters hold placeholders)
     fingerprints = previous.fingerprints if previous is not None else {n: fingerprint(m) for n, m in components.items()}

@@ -175,9 +175,12 @@ def _check_pipeline_class(pipeline) -> None:
 
 def _empty_encoder(directory: Path, class_name: str, store, name: str, dtype, stored: dict):
     """The transformers component ``name`` saved in ``directory`` built without its weights, or None where that is not
-    the model the store was made from (``stored``: the component's entry in the store's index)."""
+    the model the store was made from (``stored``: the component's entry in the store's index). A config the store
+    records with another value for a key both hold is refused here, before the encoder is loaded whole: the loaded
+    one has that config too."""
     from tritoff.convert import empty_transformers_component
-    from tritoff.store import fingerprint, matches_store, stored_dtypes
+    from tritoff.fingerprint import config_conflict, config_refusal, fingerprint, matches_store
+    from tritoff.store import StoreError, stored_dtypes
     from tritoff.warn import warn
 
     try:
@@ -187,9 +190,16 @@ def _empty_encoder(directory: Path, class_name: str, store, name: str, dtype, st
     except Exception as err:  # noqa: BLE001 - the whole load that follows reports what is wrong, naming the file
         why = str(err).splitlines()[0] if str(err) else type(err).__name__
     else:
-        if matches_store(stored, fingerprint(built)):
+        made = fingerprint(built)
+        if matches_store(stored, made):
             return built
-        why = "it differs from the model the store was made from (config, parameter names, shapes or dtypes)"
+        keys = config_conflict(stored, made)
+        if keys:
+            raise StoreError(
+                f"{store}: component {name} has another config than the store's ({config_refusal(keys)}): load the "
+                "pipeline the store was made from, or convert this one into a new store"
+            )
+        why = "it differs from the model the store was made from (class, parameter names, shapes or dtypes)"
     warn(f"{name} is loaded whole, then its packs replace it: built without its weights by this transformers, {why}")
     return None
 

@@ -22,12 +22,12 @@ from tritoff.activations import meta_twin, reserve_bytes
 from tritoff.advice import alternatives, clauses
 from tritoff.budget import format_bytes, parse_host_budget, parse_rate, parse_size
 from tritoff.experts import expert_steps
+from tritoff.fingerprint import fingerprint
 from tritoff.groups import is_host
 from tritoff.host_default import host_by_default
 from tritoff.planner import BudgetError, fit_together, mode_label
 from tritoff.planner import plan as phase_plan
 from tritoff.shapes import LIMITS, check_dimensions, latent_channels, positive_int, spatial_scale, temporal_multiple
-from tritoff.store import fingerprint
 
 # the call a pipeline makes per component, by family: prompt tokens, CFG as separate calls (Wan) or one batch of two
 # (CogVideoX), the latent layout, and the VAE's temporal and spatial compression where its config does not say them

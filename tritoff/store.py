@@ -7,10 +7,11 @@ ring). A file is never mapped and registered whole: registering faults in and lo
 than RAM cannot survive.
 
 The index records the format version, tritoff version, granularity, skip patterns, grouping, per component its
-storage format, a fingerprint of its class, config and parameter names/shapes/dtypes (with the config itself, and a
-hash of the class and parameters alone, :func:`matches_store`) and its file's size and XXH3-128 hash, what the store was made from (:func:`describe_source`), and a hash of the index itself. Format 3 added
-the per-component storage (a VAE is kept in its own dtype while the rest is fp8); format 2 stores, with one storage
-for every component, are read as they were written. What a store guarantees:
+storage format, a fingerprint of its class, config and parameter names/shapes/dtypes (``tritoff/fingerprint.py``,
+with the config itself and a hash of the class and parameters alone) and its file's size and XXH3-128 hash, what the
+store was made from (:func:`describe_source`), and a hash of the index itself. Format 3 added the per-component
+storage (a VAE is kept in its own dtype while the rest is fp8); format 2 stores, with one storage for every component,
+are read as they were written. What a store guarantees:
 
 - integrity: every file is hashed as it is written and verified before it is used (:func:`load_store`), so a flipped
   byte or a file of another conversion is refused, naming the file;
@@ -25,7 +26,6 @@ Anything that does not match is refused with a one-line error: a store is never 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -39,6 +39,7 @@ import xxhash
 
 from tritoff import __version__
 from tritoff.atomic import umask
+from tritoff.fingerprint import config_conflict, config_refusal, fingerprint, matches_store, recorded_parts
 
 if TYPE_CHECKING:  # torch and the packer load on use: the command line reads and checks indexes before them
     import torch
@@ -64,92 +65,6 @@ RECREATE = "recreate the store with `tritoff convert`"
 
 class StoreError(ValueError):
     """A store that cannot be used for this model; the message says why."""
-
-
-# config keys that say nothing the parameters do not: transformers records the dtype and the class when a model is
-# saved or loaded (and casts), so one model in memory and saved then loaded again would differ by them
-RESTATED_CONFIG_KEYS = ("transformers_version", "dtype", "torch_dtype", "architectures")
-
-
-class Fingerprint(str):
-    """A module's fingerprint; ``legacy`` is the one stores written before it left out the restated config keys
-    recorded (such a store is read as it was written). ``config`` (the config it hashes, as JSON data) and ``layout``
-    (a hash of its class and parameter names, shapes and dtypes alone) are what a store records beside it, so that a
-    config only another library version wrote differently is told from another model (:func:`matches_store`)."""
-
-    legacy: str
-    config: dict | None
-    layout: str
-
-
-def fingerprint(module: nn.Module) -> Fingerprint:
-    """sha256 of the module's class, config (less :data:`RESTATED_CONFIG_KEYS`) and parameter names, shapes and
-    dtypes (its own parameters, under their names before any adapter was injected)."""
-    config = _config(module, RESTATED_CONFIG_KEYS)
-    params = _parameters(module)
-    made = Fingerprint(_digest({"class": type(module).__name__, "config": config, "params": params}))
-    made.legacy = _digest(
-        {"class": type(module).__name__, "config": _config(module, ("transformers_version",)), "params": params}
-    )
-    made.config = json.loads(json.dumps(config, sort_keys=True, default=str)) if isinstance(config, dict) else None
-    made.layout = _digest({"class": type(module).__name__, "params": params})
-    return made
-
-
-def matches_store(info: dict, made: Fingerprint) -> bool:
-    """Whether a store's component ``info`` (its index entry) was made from the model ``made`` fingerprints: the same
-    fingerprint, or, where the store recorded its config, the same class and parameters under a config that differs
-    only by keys one side lacks (a diffusers or transformers release adds a model argument, or drops one; every key
-    both record must hold the same value)."""
-    if info["fingerprint"] in (made, getattr(made, "legacy", None)):
-        return True
-    layout = getattr(made, "layout", None)
-    return (
-        layout is not None
-        and info.get("layout_fingerprint") == layout
-        and isinstance(info.get("config"), dict)
-        and isinstance(getattr(made, "config", None), dict)
-        and not config_differences(info["config"], made.config)
-    )
-
-
-def config_differences(stored: dict, made: dict) -> list[str]:
-    """The keys both configs record with other values, as ``key (VALUE in the store, VALUE here)``."""
-    return [
-        f"{key} ({_short(stored[key])} in the store, {_short(made[key])} here)"
-        for key in sorted(stored.keys() & made.keys())
-        if _canonical(stored[key]) != _canonical(made[key])  # as JSON text: a NaN equals itself
-    ]
-
-
-def _canonical(value) -> str:
-    return json.dumps(value, sort_keys=True, default=str)
-
-
-def _short(value, limit: int = 40) -> str:
-    text = json.dumps(value, default=str)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _config(module: nn.Module, left_out: tuple[str, ...]):
-    config = getattr(module, "config", None)
-    if config is not None and hasattr(config, "to_dict"):
-        config = config.to_dict()
-    elif config is not None:
-        config = dict(config)
-    if isinstance(config, dict):
-        config = {k: v for k, v in config.items() if not k.startswith("_") and k not in left_out}
-    return config
-
-
-def _parameters(module: nn.Module) -> list:
-    from tritoff.adapters import named_parameters
-
-    return [(n, list(p.shape), str(p.dtype)) for n, p in named_parameters(module)]
-
-
-def _digest(record: dict) -> str:
-    return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _entry_dict(e: PackEntry) -> dict:
@@ -565,7 +480,7 @@ def save_store(
                 "storage": model.storage.name,
                 "fingerprint": fingerprints[name],
                 # what matches_store compares where the fingerprints differ (another library version's config)
-                **_fingerprint_parts(fingerprints[name]),
+                **recorded_parts(fingerprints[name]),
                 "nbytes": nbytes,
                 "data_offset": len(head),
                 "size": size,
@@ -588,12 +503,6 @@ def save_store(
                 shutil.rmtree(tmp, ignore_errors=True)
             finished(tmp)
     return target
-
-
-def _fingerprint_parts(made) -> dict:
-    """The config and layout hash a store records beside ``made`` (none for a plain string)."""
-    config, layout = getattr(made, "config", None), getattr(made, "layout", None)
-    return {"config": config, "layout_fingerprint": layout} if isinstance(config, dict) and layout else {}
 
 
 # reading -------------------------------------------------------------------------------------------------------------
@@ -790,13 +699,16 @@ def _mismatch(directory: Path, component: str, module: nn.Module) -> str:
         )
     differ = [n for n in stored if here[n][1] != stored[n][1]]
     made = fingerprint(module)
-    recorded = isinstance(info.get("config"), dict) and made.config is not None
-    keys = config_differences(info["config"], made.config) if recorded else []
+    if not differ and info.get("class") not in (None, made.class_name):
+        return (
+            f"is a {made.class_name} where the store holds a {info['class']} of the same parameters: enable the "
+            "model the store was made from, or convert this one into a new store"
+        )
+    keys = config_conflict(info, made)
     if not differ and keys:
         return (
-            f"has the store's parameters under another config ({'; '.join(keys[:3])}"
-            + (f"; {len(keys) - 3} more" if len(keys) > 3 else "")
-            + "): load the model the store was made from, or convert this one into a new store"
+            f"has the store's parameters under another config ({config_refusal(keys)}): load the model the store "
+            "was made from, or convert this one into a new store"
         )
     if not differ:
         return (

@@ -457,7 +457,7 @@ def _built_and_loaded_compute_alike(tmp_path, factory, name, dtype):
     import tritoff
     from tritoff import tiny
     from tritoff.convert import empty_transformers_component
-    from tritoff.store import fingerprint
+    from tritoff.fingerprint import fingerprint
 
     dtype = getattr(torch, dtype)
     saved = getattr(getattr(tiny, factory)(), name)

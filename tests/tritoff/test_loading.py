@@ -175,6 +175,23 @@ def test_an_encoder_config_with_a_key_of_a_later_release_is_still_built_without_
     assert torch.equal(run(pipe), run(loaded))
 
 
+def test_an_encoder_config_with_another_value_is_refused_before_the_encoder_loads(saved, tmp_path, monkeypatch):
+    # the loaded encoder would have that config too, which enable refuses: not worth reading its weights first
+    from transformers import PreTrainedModel
+
+    pipe_dir = tmp_path / "pipe"
+    shutil.copytree(saved / "pipe", pipe_dir)
+    config = pipe_dir / "text_encoder" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "layer_norm_epsilon": 0.5}))
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", None)  # a whole load would fail on calling it
+    with pytest.raises(
+        StoreError,
+        match=r"component text_encoder has another config than the store's "
+        r"\(layer_norm_epsilon \(1e-06 in the store, 0\.5 here\)\): load the pipeline the store",
+    ):
+        tritoff.load_pipeline(pipe_dir, store=saved / "store")
+
+
 def test_bad_arguments_are_refused_in_one_line(saved, tmp_path):
     store = saved / "store"
     for pipeline in ("WanPipelin", "DiffusionPipeline", 3):

@@ -6,7 +6,7 @@ import torch
 
 import tritoff
 from tritoff.adapters import merged_adapters, named_parameters, tuner_layers
-from tritoff.store import fingerprint
+from tritoff.fingerprint import fingerprint
 
 from .helpers import WAN_CALL, dequantize_in_place, dequantized_pipeline, lora_state_dict, run, wan
 

@@ -107,6 +107,12 @@ def test_other_config_is_refused(saved):
             r"component text_encoder has the store's parameters under another config \(dropout_rate \(0\.0 in the "
             r"store, 0\.5 here\)\): load the model the store was made from",
         ),
+        # another class of the same parameters and config
+        (
+            lambda pipe: setattr(pipe.transformer, "__class__", type("OtherWan", (type(pipe.transformer),), {})),
+            r"component transformer is a OtherWan where the store holds a WanTransformer3DModel of the same "
+            r"parameters: enable the model the store was made from",
+        ),
         # a cast after loading also casts the modules diffusers keeps in float32: which, and how to load it
         (
             lambda pipe: pipe.transformer.to(torch.bfloat16),
@@ -127,7 +133,8 @@ def test_a_store_says_whether_the_config_or_some_dtypes_differ(saved, change, me
 def test_config_keys_that_restate_the_parameters_are_not_part_of_the_fingerprint(saved, tmp_path):
     # transformers records dtype and architectures when a model is saved and loaded again (or cast): the same model
     # saved to disk and loaded was refused by a store saved from it in memory
-    from tritoff.store import _index_hash, fingerprint
+    from tritoff.fingerprint import fingerprint
+    from tritoff.store import _index_hash
 
     directory, expected = saved
     pipe = wan()
